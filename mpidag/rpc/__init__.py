@@ -1,0 +1,51 @@
+"""``mpidag.rpc``: ``torch.distributed.rpc`` on MPI. Port a program by changing its imports.
+
+Example::
+
+    import mpidag.rpc as rpc              # was: import torch.distributed.rpc as rpc
+    rpc.init_rpc()                        # rank and world size come from mpirun/srun
+    ret = rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 3))
+    rpc.shutdown()
+"""
+
+from mpidag.errors import RemoteTraceback, RPCError, RPCTimeoutError
+from mpidag.rpc import functions
+from mpidag.rpc.api import (
+    get_worker_info,
+    init_rpc,
+    is_available,
+    rpc_async,
+    rpc_sync,
+    shutdown,
+)
+from mpidag.rpc.options import (
+    DEFAULT_NUM_WORKER_THREADS,
+    DEFAULT_RPC_TIMEOUT_SEC,
+    DEFAULT_SHUTDOWN_TIMEOUT,
+    UNSET_RPC_TIMEOUT,
+    BackendType,
+    MPIRpcBackendOptions,
+    TensorPipeRpcBackendOptions,
+    WorkerInfo,
+)
+
+__all__ = [
+    "BackendType",
+    "DEFAULT_NUM_WORKER_THREADS",
+    "DEFAULT_RPC_TIMEOUT_SEC",
+    "DEFAULT_SHUTDOWN_TIMEOUT",
+    "MPIRpcBackendOptions",
+    "RPCError",
+    "RPCTimeoutError",
+    "RemoteTraceback",
+    "TensorPipeRpcBackendOptions",
+    "UNSET_RPC_TIMEOUT",
+    "WorkerInfo",
+    "functions",
+    "get_worker_info",
+    "init_rpc",
+    "is_available",
+    "rpc_async",
+    "rpc_sync",
+    "shutdown",
+]

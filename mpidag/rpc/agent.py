@@ -1,0 +1,404 @@
+"""The RPC agent: outgoing calls and their futures, incoming requests, replies, shutdown.
+
+Data flow of ``rpc_sync(to, f, args)``::
+
+    caller thread: pickle (f, args) with tensors out -> transport.send(CALL, request_id)
+                   -> lead the progress engine until the future is done
+    callee leader: transport.poll -> dispatch -> work item (run inline by a pool leader)
+                   -> f(*args) -> transport.send(RESULT or ERROR, request_id)
+    caller leader: transport.poll -> dispatch -> pending[request_id].future.set_result
+
+One agent exists between ``init_rpc`` and ``shutdown``; all its state lives here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mpidag._ids import IdGenerator
+from mpidag.errors import (
+    RPCError,
+    RPCTimeoutError,
+    SerializationError,
+    WorkerDiedError,
+    pack_exception,
+    unpack_exception,
+)
+from mpidag.rpc.messages import Kind
+from mpidag.rpc.options import MPIRpcBackendOptions, WorkerInfo
+from mpidag.transport.frames import Envelope, dumps, loads
+from mpidag.transport.mpi import MPITransport
+from mpidag.transport.progress import ProgressEngine
+
+__all__ = ["RpcAgent", "RpcFuture"]
+
+log = logging.getLogger(__name__)
+
+#: how often the leader scans pending calls for expired deadlines, seconds
+EXPIRY_SCAN_INTERVAL = 5e-3
+
+
+class RpcFuture(torch.futures.Future):
+    """A ``torch.futures.Future`` whose ``wait()`` drives the MPI progress itself."""
+
+    def wait(self) -> Any:  # noqa: D102 - same contract as torch.futures.Future.wait
+        if not self.done():
+            engine = getattr(self, "_engine", None)
+            if engine is not None:
+                engine.wait_until(self.done, None)
+        return super().wait()
+
+
+@dataclass(slots=True)
+class _PendingCall:
+    future: RpcFuture
+    dst: int
+    deadline: float  # time.monotonic() deadline, 0.0 for none
+    what: str  # description for error messages
+
+
+def describe(func: Any) -> str:
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None)
+    module = getattr(func, "__module__", None)
+    return f"{module}.{name}" if module and name else repr(func)
+
+
+class RpcAgent:
+    """Owns the transport, the progress engine and every in-flight call of this rank."""
+
+    def __init__(self, transport: MPITransport, workers: list[WorkerInfo],
+                 options: MPIRpcBackendOptions,
+                 device_maps: dict[str, dict[str, dict[torch.device, torch.device]]]) -> None:
+        self.transport = transport
+        self.rank = transport.rank
+        self.world_size = transport.size
+        self.workers = workers
+        self.info = workers[self.rank]
+        self.by_name = {w.name: w for w in workers}
+        self.options = options
+        self.default_timeout = options.rpc_timeout
+        #: device_maps[src_name][dst_name] = {src_device: dst_device}, for every rank
+        self.device_maps = device_maps
+        self.ids = IdGenerator(self.rank, self.world_size)
+        self._pending: dict[int, _PendingCall] = {}
+        self._next_expiry_scan = 0.0
+        self.sent = 0  # messages this rank sent
+        self.processed = 0  # messages this rank received and finished handling
+        self._count_lock = threading.Lock()
+        self.running = True
+        self.engine = ProgressEngine(
+            transport.poll, self._dispatch, self._tick, options.num_worker_threads,
+            max_sleep=options.max_sleep, name=f"mpidag-r{self.rank}",
+        )
+
+    def start(self) -> None:
+        self.engine.start()
+
+    # ------------------------------------------------------------- addressing
+    def where(self) -> str:
+        return f"{self.info.name} (rank {self.rank} of {self.world_size})"
+
+    def devices_for(self, dst: int, tensors: list[torch.Tensor], reply: bool) -> list[str]:
+        """Where each tensor lands on ``dst``: CPU stays CPU, CUDA follows the device map.
+
+        Requests use the sender's map to ``dst``; replies use the inverse of ``dst``'s map
+        to this rank (torch's rule).
+        """
+        if not tensors:
+            return []
+        out: list[str] = []
+        mapping: dict[torch.device, torch.device] | None = None
+        for t in tensors:
+            if t.device.type == "cpu":
+                out.append("cpu")
+                continue
+            if mapping is None:
+                mapping = self._map_to(dst, reply)
+            target = mapping.get(t.device)
+            if target is None:
+                dst_name = self.workers[dst].name
+                raise ValueError(
+                    f"cannot send a tensor on {t.device} to {dst_name}: no device map entry "
+                    f"for {t.device} (map: {mapping or 'none'}). Call "
+                    f"options.set_device_map({dst_name!r}, {{{t.device.index}: <device>}}) "
+                    f"before init_rpc, or move the tensor to the CPU first."
+                )
+            out.append(str(target))
+        return out
+
+    def _map_to(self, dst: int, reply: bool) -> dict[torch.device, torch.device]:
+        me, peer = self.info.name, self.workers[dst].name
+        if not reply:
+            return self.device_maps.get(me, {}).get(peer, {})
+        forward = self.device_maps.get(peer, {}).get(me, {})
+        return {v: k for k, v in forward.items()}
+
+    # ---------------------------------------------------------------- sending
+    def _send(self, dst: int, env: Envelope, reply: bool) -> None:
+        devices = self.devices_for(dst, env.tensors, reply)
+        with self._count_lock:
+            self.sent += 1
+        try:
+            self.transport.send(dst, env, devices)
+        except BaseException:
+            with self._count_lock:
+                self.sent -= 1
+            raise
+
+    def resolve_timeout(self, timeout: float) -> float:
+        """torch's rule: negative (unset) means the default, 0 means no timeout."""
+        if timeout is None or timeout < 0:
+            return self.default_timeout
+        return float(timeout)
+
+    def call(self, dst: int, func: Callable, args: tuple, kwargs: dict, timeout: float,
+             *, context_id: int = 0, message_id: int = 0) -> RpcFuture:
+        """Send a CALL and return the future of its answer."""
+        if not self.running:
+            raise RPCError("the RPC agent is shut down; call mpidag.rpc.init_rpc again first")
+        what = describe(func)
+        try:
+            payload, tensors = dumps((func, args, kwargs))
+        except Exception as exc:
+            raise SerializationError(
+                f"could not pickle the call of {what} for {self.workers[dst].name}: {exc}. "
+                f"Arguments and the function must be picklable (define functions at module "
+                f"level; no lambdas, locks, open files or generators)."
+            ) from exc
+        request_id = self.ids.next()
+        future = RpcFuture()
+        future._engine = self.engine
+        seconds = self.resolve_timeout(timeout)
+        deadline = time.monotonic() + seconds if seconds > 0 else 0.0
+        self._pending[request_id] = _PendingCall(future, dst, deadline, what)
+        env = Envelope(kind=Kind.CALL, request_id=request_id, payload=payload, tensors=tensors,
+                       context_id=context_id, message_id=message_id)
+        try:
+            self._send(dst, env, reply=False)
+        except BaseException:
+            self._pending.pop(request_id, None)
+            raise
+        return future
+
+    def notify(self, dst: int, func: Callable, args: tuple = (), kwargs: dict | None = None
+               ) -> None:
+        """Send a NOTIFY: run ``func(*args)`` on ``dst``, no answer."""
+        payload, tensors = dumps((func, args, kwargs or {}))
+        self._send(dst, Envelope(kind=Kind.NOTIFY, payload=payload, tensors=tensors),
+                   reply=False)
+
+    def wait(self, future: RpcFuture, timeout: float) -> Any:
+        """Wait for ``future`` driving progress; raise its error or a timeout."""
+        seconds = self.resolve_timeout(timeout)
+        deadline = time.monotonic() + seconds if seconds > 0 else None
+        if not self.engine.wait_until(future.done, deadline) and not future.done():
+            self._expire_future(future, seconds)
+        return torch.futures.Future.wait(future)
+
+    def _expire_future(self, future: RpcFuture, seconds: float) -> None:
+        for request_id, call in list(self._pending.items()):
+            if call.future is future:
+                self._fail_timeout(request_id, seconds)
+                return
+
+    def _fail_timeout(self, request_id: int, seconds: float | None = None) -> None:
+        call = self._pending.pop(request_id, None)
+        if call is None or call.future.done():
+            return
+        if seconds is None:
+            seconds = self.resolve_timeout(-1)
+        dst_name = self.workers[call.dst].name
+        call.future.set_exception(RPCTimeoutError(
+            f"RPC of {call.what} to {dst_name} ran for more than the set timeout "
+            f"({seconds * 1000:.0f} ms) and was marked with an error; pass a larger timeout= "
+            f"or rpc_timeout in the backend options"
+        ))
+        self.engine.wake_waiters()
+
+    def _tick(self) -> None:
+        """Called by the leader after each poll: expire calls past their deadline."""
+        now = time.monotonic()
+        if now < self._next_expiry_scan or not self._pending:
+            return
+        self._next_expiry_scan = now + EXPIRY_SCAN_INTERVAL
+        for request_id, call in list(self._pending.items()):
+            if call.deadline and call.deadline <= now:
+                self._fail_timeout(request_id)
+
+    # --------------------------------------------------------------- receiving
+    def _dispatch(self, env: Envelope) -> Callable[[], None] | None:
+        kind = env.kind
+        if kind == Kind.RESULT or kind == Kind.ERROR:
+            self._complete(env)
+            return None
+        if kind == Kind.CALL:
+            return lambda: self._serve_call(env)
+        if kind == Kind.NOTIFY:
+            return lambda: self._serve_notify(env)
+        log.error("dropping a message of unknown kind %r from rank %d", kind, env.src)
+        self._mark_processed()
+        return None
+
+    def _mark_processed(self) -> None:
+        with self._count_lock:
+            self.processed += 1
+
+    def _complete(self, env: Envelope) -> None:
+        call = self._pending.pop(env.request_id, None)
+        try:
+            if call is None:
+                log.debug("late answer to request %x from rank %d dropped (timed out)",
+                          env.request_id, env.src)
+                return
+            if env.kind == Kind.RESULT:
+                try:
+                    value = loads(env.payload, env.tensors)
+                except Exception as exc:
+                    call.future.set_exception(SerializationError(
+                        f"could not unpickle the result of {call.what} from "
+                        f"{self.workers[env.src].name}: {exc}"))
+                else:
+                    call.future.set_result(value)
+            else:
+                call.future.set_exception(unpack_exception(bytes(env.payload)))
+            self.engine.wake_waiters()
+        finally:
+            self._mark_processed()
+
+    def _unpack_call(self, env: Envelope) -> tuple[Callable, tuple, dict]:
+        try:
+            func, args, kwargs = loads(env.payload, env.tensors)
+        except Exception as exc:
+            detail = (f"could not unpickle a call from {self.workers[env.src].name} on "
+                      f"{self.where()}: {exc}. The function and the classes of its arguments "
+                      f"must be importable on the callee (defined at module level in a module "
+                      f"every rank imports).")
+            try:
+                raise type(exc)(detail) from exc
+            except TypeError:  # an exception type whose __init__ takes other arguments
+                raise SerializationError(detail) from exc
+        return func, args or (), kwargs or {}
+
+    def _serve_call(self, env: Envelope) -> None:
+        try:
+            func, args, kwargs = self._unpack_call(env)
+            wrapped = getattr(func, "_wrapped_async_rpc_function", None)
+            result = func(*args, **kwargs)
+        except Exception as exc:
+            self._reply_error(env, exc)
+            return
+        if wrapped is not None:
+            if not isinstance(result, torch._C.Future):
+                self._reply_error(env, TypeError(
+                    f"{describe(func)} is decorated with @async_execution and must return a "
+                    f"torch.futures.Future, but returned {type(result).__name__}"))
+                return
+            result.add_done_callback(lambda fut: self._reply_future(env, fut))
+            return
+        self._reply_value(env, result)
+
+    def _reply_future(self, env: Envelope, fut: torch.futures.Future) -> None:
+        try:
+            value = fut.value()
+        except Exception as exc:
+            self._reply_error(env, exc)
+            return
+        self._reply_value(env, value)
+
+    def _reply_value(self, env: Envelope, value: Any) -> None:
+        try:
+            payload, tensors = dumps(value)
+            reply = Envelope(kind=Kind.RESULT, request_id=env.request_id, payload=payload,
+                             tensors=tensors)
+            devices = self.devices_for(env.src, tensors, reply=True)
+        except Exception as exc:
+            self._reply_error(env, SerializationError(
+                f"the return value ({type(value).__name__}) could not be sent back from "
+                f"{self.where()}: {exc}"))
+            return
+        with self._count_lock:
+            self.sent += 1
+        try:
+            self.transport.send(env.src, reply, devices)
+        finally:
+            self._mark_processed()
+
+    def _reply_error(self, env: Envelope, exc: BaseException) -> None:
+        payload = pack_exception(exc, self.where())
+        try:
+            self._send(env.src, Envelope(kind=Kind.ERROR, request_id=env.request_id,
+                                         payload=payload), reply=True)
+        finally:
+            self._mark_processed()
+
+    def _serve_notify(self, env: Envelope) -> None:
+        try:
+            func, args, kwargs = self._unpack_call(env)
+            func(*args, **kwargs)
+        except Exception:
+            log.exception("notification from rank %d failed on %s", env.src, self.where())
+        finally:
+            self._mark_processed()
+
+    # ---------------------------------------------------------------- shutdown
+    def counters(self) -> tuple[int, int, int]:
+        with self._count_lock:
+            busy = int(self.engine.busy or bool(self._pending))
+            return self.sent, self.processed, busy
+
+    def wait_quiescent(self, timeout: float) -> None:
+        """Return when every rank is here and no message is in flight anywhere.
+
+        Repeats a nonblocking all-reduce of (sent, processed, busy) until two rounds in a
+        row show equal totals, nothing busy and no change: the four-counter termination
+        test. Pool threads keep serving requests meanwhile.
+        """
+        start = time.monotonic()
+        deadline = start + timeout if timeout > 0 else None
+        next_report = start + 30.0
+        previous: list[int] | None = None
+
+        def wait_collective(done: Callable[[], bool]) -> None:
+            nonlocal next_report
+            sleep = 20e-6
+            while not done():
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    raise RPCTimeoutError(
+                        f"graceful shutdown of {self.where()} timed out after {timeout} s "
+                        f"waiting for the other ranks; some rank did not call shutdown() or "
+                        f"still has calls in flight"
+                    )
+                if now >= next_report:
+                    log.warning("%s: shutdown() waiting %.0f s for all ranks to finish",
+                                self.where(), now - start)
+                    next_report = now + 30.0
+                time.sleep(sleep)
+                sleep = min(sleep * 2, 1e-3)
+
+        while True:
+            sent, processed, busy = self.counters()
+            totals = self.transport.allreduce_sum([sent, processed, busy], wait_collective)
+            if totals[0] == totals[1] and totals[2] == 0 and totals == previous:
+                return
+            previous = totals
+
+    def fail_pending(self, reason: str) -> None:
+        for request_id in list(self._pending):
+            call = self._pending.pop(request_id, None)
+            if call is not None and not call.future.done():
+                call.future.set_exception(WorkerDiedError(
+                    f"{call.what} to {self.workers[call.dst].name} did not complete: {reason}"))
+
+    def stop(self, graceful: bool) -> None:
+        self.running = False
+        self.engine.stop()
+        self.fail_pending("the RPC agent was shut down")
+        self.transport.close(collective=graceful)

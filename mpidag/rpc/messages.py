@@ -1,0 +1,20 @@
+"""Message kinds of the RPC protocol; every layer above speaks through these four.
+
+Internal protocols (RRef creation, fetch and deletion; gradient propagation; context
+release; optimizer steps) are calls of module-level mpidag functions: a ``CALL`` when an
+answer is needed, a ``NOTIFY`` when not. The header's ``context_id`` and ``message_id``
+fields carry distributed-autograd metadata of a message that records send/recv functions.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["Kind"]
+
+
+class Kind(enum.IntEnum):
+    CALL = 1  #: payload (func, args, kwargs); answered by RESULT or ERROR
+    RESULT = 2  #: payload: the return value
+    ERROR = 3  #: payload: :func:`mpidag.errors.pack_exception` bytes
+    NOTIFY = 4  #: payload (func, args, kwargs); no answer

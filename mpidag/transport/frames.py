@@ -1,0 +1,248 @@
+"""Message framing: a fixed header, a pickled payload with tensors taken out, tensor frames.
+
+No tensor byte ever enters a pickle. The pickler replaces each tensor by its index in a
+tensor table; the table's specs (dtype, shape, device, flags) travel in the header frame;
+the tensors' bytes travel either inline at the end of the header frame (small ones: one MPI
+message in all) or as their own frames, received straight into freshly allocated tensors.
+
+Frame 0 layout (little endian)::
+
+    HEADER | payload pickle | specs pickle | pad to 16 | inline tensor bytes (each 16-aligned)
+
+This module does not import MPI; :mod:`mpidag.transport.mpi` moves the frames.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "HEADER",
+    "INLINE_LIMIT",
+    "Envelope",
+    "TensorSpec",
+    "dumps",
+    "loads",
+    "byte_view",
+]
+
+#: kind, flags, n_tensors, data_tag, request_id, context_id, message_id, payload, specs, inline
+HEADER = struct.Struct("<BBHIqqqIII")
+#: tensors are copied into frame 0 while the inline part stays below this many bytes
+INLINE_LIMIT = 32 * 1024
+ALIGN = 16
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) & ~(ALIGN - 1)
+
+
+@dataclass(slots=True)
+class TensorSpec:
+    """What the receiver needs to allocate a tensor before its bytes arrive."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    device: str  # where it must land on the receiver ("cpu", "cuda:1")
+    requires_grad: bool
+    is_parameter: bool
+    inline_offset: int  # offset in frame 0, or -1 for a frame of its own
+    nbytes: int
+
+    def as_tuple(self) -> tuple:
+        return (
+            str(self.dtype).removeprefix("torch."),
+            self.shape,
+            self.device,
+            self.requires_grad,
+            self.is_parameter,
+            self.inline_offset,
+            self.nbytes,
+        )
+
+    @classmethod
+    def from_tuple(cls, t: tuple) -> TensorSpec:
+        dtype_name, shape, device, requires_grad, is_param, offset, nbytes = t
+        return cls(getattr(torch, dtype_name), tuple(shape), device, requires_grad, is_param,
+                   offset, nbytes)
+
+
+@dataclass(slots=True)
+class Envelope:
+    """One message, as the layers above the transport see it."""
+
+    kind: int
+    request_id: int = 0
+    flags: int = 0
+    context_id: int = 0
+    message_id: int = 0
+    payload: bytes | memoryview = b""
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    src: int = -1  # filled in by the transport on receipt
+
+
+class _TensorPickler(pickle.Pickler):
+    """Pickler that moves every tensor into ``self.tensors`` and pickles its index."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: list[torch.Tensor] = []
+        self._seen: dict[int, int] = {}
+
+    def persistent_id(self, obj: Any) -> int | None:
+        if isinstance(obj, torch.Tensor):
+            key = id(obj)
+            index = self._seen.get(key)
+            if index is None:
+                index = len(self.tensors)
+                self._seen[key] = index
+                self.tensors.append(obj)
+            return index
+        return None
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
+        super().__init__(file)
+        self._tensors = tensors
+
+    def persistent_load(self, pid: Any) -> torch.Tensor:
+        return self._tensors[pid]
+
+
+def dumps(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """Pickle ``obj`` with its tensors taken out; returns ``(payload, tensors)``.
+
+    Example::
+
+        >>> payload, tensors = dumps({"x": torch.ones(2), "n": 3})
+        >>> len(tensors), loads(payload, tensors)["n"]
+        (1, 3)
+    """
+    buf = io.BytesIO()
+    pickler = _TensorPickler(buf)
+    pickler.dump(obj)
+    return buf.getvalue(), pickler.tensors
+
+
+def loads(payload: bytes | memoryview, tensors: list[torch.Tensor]) -> Any:
+    """Inverse of :func:`dumps`: unpickle ``payload``, putting ``tensors`` back in place."""
+    if not tensors:
+        return pickle.loads(payload)
+    return _TensorUnpickler(io.BytesIO(payload), tensors).load()
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat ``uint8`` view of a tensor's values (a contiguous copy only when needed)."""
+    t = tensor.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+def make_spec(tensor: torch.Tensor, device: str, inline_offset: int) -> TensorSpec:
+    return TensorSpec(
+        dtype=tensor.dtype,
+        shape=tuple(tensor.shape),
+        device=device,
+        requires_grad=tensor.requires_grad,
+        is_parameter=isinstance(tensor, torch.nn.Parameter),
+        inline_offset=inline_offset,
+        nbytes=tensor.numel() * tensor.element_size(),
+    )
+
+
+def encode(env: Envelope, devices: list[str], data_tag: int) -> tuple[bytearray | bytes,
+                                                                      list[tuple[TensorSpec,
+                                                                                 torch.Tensor]]]:
+    """Build frame 0 and the list of ``(spec, tensor)`` sent as frames of their own.
+
+    ``devices[i]`` is where tensor ``i`` must land on the receiver.
+    """
+    tensors = env.tensors
+    if not tensors:
+        header = HEADER.pack(env.kind, env.flags, 0, 0, env.request_id, env.context_id,
+                             env.message_id, len(env.payload), 0, 0)
+        return header + env.payload, []
+    specs: list[TensorSpec] = []
+    inline: list[tuple[int, torch.Tensor]] = []
+    separate: list[tuple[TensorSpec, torch.Tensor]] = []
+    inline_total = 0
+    for tensor, device in zip(tensors, devices):
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0:
+            specs.append(make_spec(tensor, device, 0))
+        elif inline_total + nbytes <= INLINE_LIMIT:
+            spec = make_spec(tensor, device, inline_total)
+            specs.append(spec)
+            inline.append((inline_total, tensor))
+            inline_total = _align(inline_total + nbytes)
+        else:
+            spec = make_spec(tensor, device, -1)
+            specs.append(spec)
+            separate.append((spec, tensor))
+    specs_blob = pickle.dumps([s.as_tuple() for s in specs], protocol=pickle.HIGHEST_PROTOCOL)
+    head_len = HEADER.size + len(env.payload) + len(specs_blob)
+    inline_start = _align(head_len)
+    frame = bytearray(inline_start + inline_total)
+    HEADER.pack_into(frame, 0, env.kind, env.flags, len(tensors), data_tag, env.request_id,
+                     env.context_id, env.message_id, len(env.payload), len(specs_blob),
+                     inline_total)
+    pos = HEADER.size
+    frame[pos:pos + len(env.payload)] = env.payload
+    pos += len(env.payload)
+    frame[pos:pos + len(specs_blob)] = specs_blob
+    if inline:
+        target = torch.frombuffer(frame, dtype=torch.uint8)
+        for offset, tensor in inline:
+            src = byte_view(tensor)
+            if src.device.type != "cpu":
+                src = src.cpu()
+            start = inline_start + offset
+            target[start:start + src.numel()].copy_(src)
+    return frame, separate
+
+
+def decode_header(frame: bytearray | bytes) -> tuple[Envelope, int, list[TensorSpec], int]:
+    """Parse frame 0: returns ``(envelope without tensors, data_tag, specs, inline_start)``."""
+    (kind, flags, n_tensors, data_tag, request_id, context_id, message_id, payload_len,
+     specs_len, _inline_len) = HEADER.unpack_from(frame, 0)
+    view = memoryview(frame)
+    pos = HEADER.size
+    payload = view[pos:pos + payload_len]
+    specs: list[TensorSpec] = []
+    inline_start = 0
+    if n_tensors:
+        pos += payload_len
+        specs = [TensorSpec.from_tuple(t) for t in pickle.loads(view[pos:pos + specs_len])]
+        inline_start = _align(pos + specs_len)
+    env = Envelope(kind=kind, request_id=request_id, flags=flags, context_id=context_id,
+                   message_id=message_id, payload=payload)
+    return env, data_tag, specs, inline_start
+
+
+def inline_tensor(frame: bytearray, inline_start: int, spec: TensorSpec) -> torch.Tensor:
+    """The tensor of ``spec`` as a view of frame 0's inline bytes (no copy)."""
+    count = spec.nbytes // spec.dtype.itemsize
+    t = torch.frombuffer(frame, dtype=spec.dtype, count=count,
+                         offset=inline_start + spec.inline_offset)
+    return t.view(spec.shape)
+
+
+def finish_tensor(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """Restore the received tensor's autograd flag and parameter class."""
+    if spec.is_parameter:
+        return torch.nn.Parameter(t, requires_grad=spec.requires_grad)
+    if spec.requires_grad and (t.is_floating_point() or t.is_complex()):
+        t.requires_grad_(True)
+    return t

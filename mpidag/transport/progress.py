@@ -1,0 +1,334 @@
+"""Progress engine: Leader/Followers over one transport, with lazy promotion.
+
+Exactly one thread at a time *leads*: it polls the transport and dispatches what arrives.
+
+* A user thread that waits for a reply (``rpc_sync``, ``Future.wait``) leads itself while
+  it waits, so its reply costs no thread hand-off. Requests it receives go to the pool.
+* Otherwise a pool thread leads. When it receives a request it vacates the leadership and
+  runs the request inline (no hand-off for the common short call). A *sentinel* thread
+  checks every ``sentinel_interval`` seconds; if the leadership stayed vacant for a whole
+  interval while a request runs, it wakes an idle pool thread to lead, so a long or
+  blocking user function never stalls the receipt of messages.
+* A leader that finds nothing spins for ``spin`` seconds, then sleeps with an exponential
+  backoff up to ``max_sleep`` (``MPIDAG_BACKOFF_MAX``), which bounds the idle CPU cost.
+
+Work items are plain callables; the dispatcher decides what is work and what is handled
+inline (completing a future).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from mpidag.transport.frames import Envelope
+
+__all__ = ["Backoff", "ProgressEngine"]
+
+log = logging.getLogger(__name__)
+
+Work = Callable[[], None]
+
+
+class Backoff:
+    """Spin for ``spin`` seconds of idleness, then sleep ``min_sleep`` doubling to ``max_sleep``.
+
+    Example::
+
+        >>> b = Backoff(spin=0.0, min_sleep=1e-5, max_sleep=1e-3)
+        >>> b.idle(); b.idle(); b.reset()
+    """
+
+    __slots__ = ("spin", "min_sleep", "max_sleep", "_since", "_sleep")
+
+    def __init__(self, spin: float, min_sleep: float, max_sleep: float) -> None:
+        self.spin = spin
+        self.min_sleep = min_sleep
+        self.max_sleep = max_sleep
+        self._since = 0.0
+        self._sleep = 0.0
+
+    def reset(self) -> None:
+        self._since = 0.0
+
+    def idle(self) -> None:
+        now = time.perf_counter()
+        if not self._since:
+            self._since = now
+            self._sleep = self.min_sleep
+            return
+        if now - self._since < self.spin:
+            return
+        time.sleep(self._sleep)
+        self._sleep = min(self._sleep * 2, self.max_sleep)
+
+
+class ProgressEngine:
+    """Leader/Followers progress with ``num_threads`` pool threads and a sentinel.
+
+    Args:
+        poll: receive one message or return ``None`` at once (the transport's ``poll``).
+        dispatch: handle a message; return a work item to run on a thread, or ``None``.
+        on_idle: called by the leader after every poll (cheap: timers, deadlines).
+        num_threads: pool threads that run requests and lead when no user thread waits.
+
+    Example::
+
+        >>> engine = ProgressEngine(transport.poll, agent.dispatch, agent.expire, 16)
+        >>> engine.start()
+        >>> engine.wait_until(future.done, deadline=None)
+    """
+
+    def __init__(
+        self,
+        poll: Callable[[], Envelope | None],
+        dispatch: Callable[[Envelope], Work | None],
+        on_idle: Callable[[], None],
+        num_threads: int,
+        *,
+        spin: float = 100e-6,
+        min_sleep: float = 20e-6,
+        max_sleep: float = 1e-3,
+        sentinel_interval: float = 1e-3,
+        name: str = "mpidag",
+    ) -> None:
+        if num_threads < 1:
+            raise ValueError(f"num_worker_threads must be at least 1, got {num_threads!r}")
+        self._poll = poll
+        self._dispatch = dispatch
+        self._on_idle = on_idle
+        self._spin = spin
+        self._min_sleep = min_sleep
+        self._max_sleep = max_sleep
+        self._sentinel_interval = sentinel_interval
+        self._lock = threading.Lock()
+        self._pool_cv = threading.Condition(self._lock)
+        self._user_cv = threading.Condition(self._lock)
+        self._leader_busy = False
+        self._waiters = 0  # user threads that want to lead
+        self._idle = 0  # pool threads parked
+        self._work: collections.deque[Work] = collections.deque()
+        self._running_work = 0
+        self._vacancy_epoch = 0  # counts lazy vacancies, for the sentinel
+        self._stopping = False
+        self._threads = [
+            threading.Thread(target=self._pool_main, name=f"{name}-pool-{i}", daemon=True)
+            for i in range(num_threads)
+        ]
+        self._threads.append(
+            threading.Thread(target=self._sentinel_main, name=f"{name}-sentinel", daemon=True)
+        )
+        self._local = threading.local()
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop all threads; running work items finish first (up to ``timeout``)."""
+        with self._lock:
+            self._stopping = True
+            self._pool_cv.notify_all()
+            self._user_cv.notify_all()
+        deadline = time.monotonic() + timeout
+        me = threading.current_thread()
+        for thread in self._threads:
+            if thread is not me:
+                thread.join(max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in self._threads if t.is_alive() and t is not me]
+        if alive:
+            log.warning("progress threads still running user code at shutdown: %s", alive)
+
+    @property
+    def busy(self) -> bool:
+        """Whether work is queued or running."""
+        return bool(self._work) or self._running_work > 0
+
+    def in_pool_thread(self) -> bool:
+        return getattr(self._local, "pool", False)
+
+    # ------------------------------------------------------------------- pool
+    def _pool_main(self) -> None:
+        self._local.pool = True
+        lock = self._lock
+        while True:
+            with lock:
+                while True:
+                    if self._stopping and not self._work:
+                        return
+                    if not self._leader_busy and self._waiters == 0 and not self._stopping:
+                        self._leader_busy = True
+                        work = None
+                        break
+                    if self._work:
+                        work = self._work.popleft()
+                        break
+                    self._idle += 1
+                    self._pool_cv.wait()
+                    self._idle -= 1
+            if work is None:
+                work = self._lead_as_pool()
+                if work is None:
+                    continue
+            self._run(work)
+
+    def _lead_as_pool(self) -> Work | None:
+        """Lead until a request arrives (returned, leadership vacated) or a user waits."""
+        backoff = Backoff(self._spin, self._min_sleep, self._max_sleep)
+        poll, dispatch = self._poll, self._dispatch
+        while True:
+            if self._waiters or self._stopping:
+                with self._lock:
+                    self._vacate_locked()
+                return None
+            try:
+                env = poll()
+            except Exception:
+                log.exception("transport poll failed")
+                env = None
+            self._on_idle()
+            if env is None:
+                backoff.idle()
+                continue
+            backoff.reset()
+            work = self._dispatch_safely(dispatch, env)
+            if work is not None:
+                with self._lock:
+                    self._vacate_locked(lazy=True)
+                return work
+
+    def _run(self, work: Work) -> None:
+        with self._lock:
+            self._running_work += 1
+        try:
+            work()
+        except Exception:
+            log.exception("work item failed")
+        finally:
+            with self._lock:
+                self._running_work -= 1
+
+    def _vacate_locked(self, lazy: bool = False) -> None:
+        """Give up the leadership: to a waiting user thread, else to a pool thread.
+
+        ``lazy``: wake no pool thread now; the next thread that wants to lead takes it, and
+        the sentinel wakes a pool thread if it stays vacant for a whole interval.
+        """
+        self._leader_busy = False
+        if self._waiters:
+            self._user_cv.notify()
+        elif lazy:
+            self._vacancy_epoch += 1
+        else:
+            self._pool_cv.notify()
+
+    def _sentinel_main(self) -> None:
+        """Wake a pool thread to lead if the leadership stays vacant for a whole interval."""
+        seen_vacant_epoch = -1
+        while True:
+            time.sleep(self._sentinel_interval)
+            with self._lock:
+                if self._stopping:
+                    return
+                if self._leader_busy or self._waiters:
+                    seen_vacant_epoch = -1
+                    continue
+                if seen_vacant_epoch == self._vacancy_epoch:
+                    self._pool_cv.notify()
+                    seen_vacant_epoch = -1
+                else:
+                    seen_vacant_epoch = self._vacancy_epoch
+
+    @staticmethod
+    def _dispatch_safely(dispatch: Callable[[Envelope], Work | None], env: Envelope
+                         ) -> Work | None:
+        try:
+            return dispatch(env)
+        except Exception:
+            log.exception("dispatch of a message of kind %d from rank %d failed",
+                          env.kind, env.src)
+            return None
+
+    def submit(self, work: Work) -> None:
+        """Queue ``work`` for a pool thread."""
+        with self._lock:
+            self._work.append(work)
+            if self._idle:
+                self._pool_cv.notify()
+
+    # ------------------------------------------------------------- user waits
+    def wake_waiters(self) -> None:
+        """Tell user threads parked in :meth:`wait_until` to look at their condition again."""
+        if self._waiters:
+            with self._lock:
+                self._user_cv.notify_all()
+
+    def wait_until(self, done: Callable[[], bool], deadline: float | None) -> bool:
+        """Drive progress in this thread until ``done()`` or ``time.monotonic() >= deadline``.
+
+        Returns ``done()``. Requests that arrive meanwhile go to the pool threads.
+        """
+        if done():
+            return True
+        lock = self._lock
+        yields = 0
+        with lock:
+            self._waiters += 1  # from now on pool leaders hand over to this thread
+        registered = True
+        try:
+            while True:
+                with lock:
+                    if self._stopping:
+                        return done()
+                    lead = not self._leader_busy
+                    if lead:
+                        self._leader_busy = True
+                        self._waiters -= 1
+                        registered = False
+                if lead:
+                    try:
+                        return self._lead_as_user(done, deadline)
+                    finally:
+                        with lock:
+                            # lazy: a thread that calls again soon leads again at no cost
+                            self._vacate_locked(lazy=True)
+                if done():
+                    return True
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                if yields < 50:
+                    # the current leader hands over within microseconds: do not park yet
+                    yields += 1
+                    time.sleep(0)
+                    continue
+                with lock:
+                    if self._leader_busy and not done():
+                        wait = 0.05 if deadline is None else max(0.0, deadline - time.monotonic())
+                        self._user_cv.wait(min(wait, 0.05))
+        finally:
+            if registered:
+                with lock:
+                    self._waiters -= 1
+
+    def _lead_as_user(self, done: Callable[[], bool], deadline: float | None) -> bool:
+        backoff = Backoff(self._spin * 4, self._min_sleep, self._max_sleep)
+        poll, dispatch = self._poll, self._dispatch
+        while not done():
+            env = poll()
+            self._on_idle()
+            if env is None:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                if self._stopping:
+                    return done()
+                backoff.idle()
+                continue
+            backoff.reset()
+            work = self._dispatch_safely(dispatch, env)
+            if work is not None:
+                self.submit(work)
+        return True

@@ -1,0 +1,31 @@
+"""Shared fixtures. Multi-rank tests run under ``mpirun -n N python -m pytest --with-mpi``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_job(tmp_path: Path, source: str, nprocs: int = 2, timeout: float = 120,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``source`` as a script on ``nprocs`` ranks with the launcher; never hangs."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(source))
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "mpidag.run", "-n", str(nprocs), str(script)],
+        capture_output=True, text=True, timeout=timeout, env=full_env, cwd=str(tmp_path),
+    )
+
+
+@pytest.fixture
+def job(tmp_path):
+    """``job(source, nprocs=2, timeout=120)`` runs a script on several ranks."""
+    return lambda source, **kw: run_job(tmp_path, source, **kw)

@@ -1,0 +1,98 @@
+"""Functions the RPC tests call remotely (module level, so they pickle by reference)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+import mpidag.rpc as rpc
+
+
+def add(a, b):
+    return a + b
+
+
+def identity(x):
+    return x
+
+
+def noop():
+    return None
+
+
+def whoami():
+    return rpc.get_worker_info().name
+
+
+def raise_value_error(msg):
+    raise ValueError(msg)
+
+
+class CustomError(Exception):
+    def __init__(self, code, detail):
+        super().__init__(code, detail)
+        self.code = code
+        self.detail = detail
+
+
+def raise_custom(code):
+    raise CustomError(code, "custom detail")
+
+
+def sleep_then(seconds, value):
+    time.sleep(seconds)
+    return value
+
+
+def nested_add(via, a, b):
+    """Called on one rank, forwards the work to ``via`` with a nested rpc_sync."""
+    return rpc.rpc_sync(via, add, args=(a, b), timeout=30) + 1
+
+
+def call_back_to(origin, depth):
+    """A -> B -> A -> ... cycles of nested calls, ``depth`` hops deep."""
+    me = rpc.get_worker_info().name
+    if depth == 0:
+        return [me]
+    return [me] + rpc.rpc_sync(origin, call_back_to, args=(me, depth - 1), timeout=30)
+
+
+@rpc.functions.async_execution
+def async_add_chained(to, x, y, z):
+    return rpc.rpc_async(to, add, args=(x, y), timeout=30).then(lambda fut: fut.wait() + z)
+
+
+@rpc.functions.async_execution
+def async_fail(to):
+    return rpc.rpc_async(to, raise_value_error, args=("inner failure",), timeout=30)
+
+
+@rpc.functions.async_execution
+def async_not_a_future():
+    return 42
+
+
+def return_unpicklable():
+    return threading.Lock()
+
+
+def checksum(t):
+    return float(t.double().sum()), tuple(t.shape), str(t.dtype), t.is_contiguous()
+
+
+def describe_tensors(obj):
+    """Shapes, dtypes and the identity structure of tensors in a nested structure."""
+    a, b, c = obj["a"], obj["b"], obj["nested"][0]
+    return {"same": a is c, "shapes": [tuple(a.shape), tuple(b.shape)],
+            "requires_grad": [a.requires_grad, b.requires_grad]}
+
+
+def big_tensor_check(t):
+    """Return only a digest of a huge tensor (avoid echoing gigabytes)."""
+    return t.numel(), float(t[:: 1 << 20].double().sum()), float(t[-1]), t.dtype
+
+
+def make_big(nbytes):
+    return torch.arange(nbytes // 4, dtype=torch.int32)

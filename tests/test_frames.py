@@ -1,0 +1,94 @@
+"""Framing without MPI: encode/decode of headers, payloads and tensor tables."""
+
+import pickle
+
+import pytest
+import torch
+
+from mpidag.transport import frames
+from mpidag.transport.frames import Envelope
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+          torch.complex128, torch.bool, torch.int8, torch.uint8, torch.int16, torch.int32,
+          torch.int64, torch.float8_e4m3fn]
+
+
+def sample(dtype, shape=(3, 5)):
+    g = torch.Generator().manual_seed(0)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_complex:
+        return torch.randn(shape, dtype=dtype, generator=g)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(-100 if dtype != torch.uint8 else 0, 100, shape, generator=g).to(dtype)
+
+
+def roundtrip(obj):
+    """Encode and decode as the transport does, with separate frames copied by hand."""
+    payload, tensors = frames.dumps(obj)
+    env = Envelope(kind=1, request_id=7, payload=payload, tensors=tensors, context_id=11,
+                   message_id=13)
+    frame0, separate = frames.encode(env, ["cpu"] * len(tensors), data_tag=5)
+    frame0 = bytearray(frame0)
+    out, tag, specs, inline_start = frames.decode_header(frame0)
+    assert (out.kind, out.request_id, out.context_id, out.message_id) == (1, 7, 11, 13)
+    received = []
+    sep = iter(separate)
+    for spec in specs:
+        if spec.nbytes == 0:
+            t = torch.empty(spec.shape, dtype=spec.dtype)
+        elif spec.inline_offset >= 0:
+            t = frames.inline_tensor(frame0, inline_start, spec)
+        else:
+            _, src = next(sep)
+            t = torch.empty(spec.shape, dtype=spec.dtype)
+            t.view(-1).view(torch.uint8).copy_(frames.byte_view(src))
+        received.append(frames.finish_tensor(t, spec))
+    return frames.loads(out.payload, received), tag, specs
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_dtype_roundtrips_inline_and_separate(dtype):
+    small, big = sample(dtype), sample(dtype, (300, 120))
+    (a, b), tag, specs = roundtrip((small, big))
+    assert tag == 5
+    assert specs[0].inline_offset >= 0 and specs[1].inline_offset == -1
+    for sent, got in ((small, a), (big, b)):
+        assert got.dtype == sent.dtype and got.shape == sent.shape
+        assert torch.equal(got.view(torch.uint8), sent.view(torch.uint8))
+
+
+def test_non_contiguous_views_and_zero_size():
+    base = torch.arange(60.0).reshape(6, 10)
+    obj = {"t": base.t(), "slice": base[1:4, ::3], "empty": torch.empty(0, 4),
+           "neg": base.neg().conj(), "conj": torch.randn(3, dtype=torch.complex64).conj()}
+    got, _, _ = roundtrip(obj)
+    for key, sent in obj.items():
+        torch.testing.assert_close(got[key], sent.resolve_conj().resolve_neg())
+
+
+def test_same_tensor_twice_arrives_once_and_no_tensor_bytes_in_pickle():
+    t = torch.full((1000,), 3.25)
+    payload, tensors = frames.dumps([t, t, {"again": t}])
+    assert len(tensors) == 1
+    assert t.numpy().tobytes()[:64] not in payload
+    assert len(payload) < 200
+    (a, b, c), _, _ = roundtrip([t, t, {"again": t}])
+    assert a is b is c["again"]
+
+
+def test_requires_grad_and_parameters_survive():
+    p = torch.nn.Parameter(torch.randn(2, 2))
+    x = torch.randn(3, requires_grad=True)
+    (gp, gx, gy), _, _ = roundtrip((p, x, torch.ones(2)))
+    assert isinstance(gp, torch.nn.Parameter) and gp.requires_grad
+    assert gx.requires_grad and gx.is_leaf and not gy.requires_grad
+
+
+def test_no_tensor_message_is_header_plus_pickle():
+    payload, tensors = frames.dumps(("hello", 3))
+    frame0, separate = frames.encode(Envelope(kind=2, payload=payload), [], 0)
+    assert not separate and len(frame0) == frames.HEADER.size + len(payload)
+    env, _, specs, _ = frames.decode_header(bytearray(frame0))
+    assert specs == [] and pickle.loads(env.payload) == ("hello", 3)

@@ -1,0 +1,52 @@
+import threading
+
+import pytest
+
+from mpidag._ids import IdGenerator, rank_bits_for
+
+
+def test_rank_bits_grow_with_the_world():
+    assert rank_bits_for(1) == 16
+    assert rank_bits_for(65_536) == 16
+    assert rank_bits_for(65_537) == 17
+    assert rank_bits_for(1_000_000) == 20
+
+
+def test_ids_decode_to_their_creator_and_are_unique_across_ranks():
+    world = 70_000  # wider than torch's 16-bit worker field
+    gens = [IdGenerator(r, world) for r in (0, 1, 65_535, 69_999)]
+    ids = [g.next() for g in gens for _ in range(3)]
+    assert len(set(ids)) == len(ids)
+    for g in gens:
+        i = g.next()
+        assert g.creator(i) == g.rank
+        assert 0 < i < 2**63
+
+
+def test_ids_unique_under_threads():
+    gen = IdGenerator(5, 8)
+    out: list[int] = []
+
+    def take():
+        out.extend(gen.next() for _ in range(10_000))
+
+    threads = [threading.Thread(target=take) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(out)) == 40_000
+
+
+def test_counter_overflow_raises():
+    gen = IdGenerator(0, 2)
+    gen._max_counter = 2
+    gen.next()
+    gen.next()
+    with pytest.raises(OverflowError, match="exhausted"):
+        gen.next()
+
+
+def test_bad_rank_rejected():
+    with pytest.raises(ValueError, match="outside the world"):
+        IdGenerator(4, 4)
