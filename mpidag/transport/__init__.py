@@ -1,4 +1,4 @@
-"""Transport: framing (:mod:`.frames`), MPI point-to-point (:mod:`.mpi`), progress (:mod:`.progress`).
+"""Transport: framing (`frames`), MPI point-to-point (`mpi`), progress (`progress`).
 
 :mod:`mpidag.transport.mpi` is the only module of mpidag that imports ``mpi4py.MPI``.
 """

@@ -14,6 +14,7 @@ tensors made by ``torch.from_numpy``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import mmap
 import os
 import threading
@@ -69,10 +70,8 @@ class ReceiveBufferCache:
             self.misses += 1
             block = mmap.mmap(-1, size)
             if hasattr(mmap, "MADV_HUGEPAGE"):
-                try:
+                with contextlib.suppress(OSError):
                     block.madvise(mmap.MADV_HUGEPAGE)
-                except OSError:
-                    pass
         array = np.frombuffer(block, dtype=np.uint8, count=nbytes)
         weakref.finalize(array, self._release, size, block)
         return torch.from_numpy(array)

@@ -178,7 +178,7 @@ def encode(env: Envelope, devices: list[str], data_tag: int) -> tuple[bytearray 
     inline: list[tuple[int, torch.Tensor]] = []
     separate: list[tuple[TensorSpec, torch.Tensor]] = []
     inline_total = 0
-    for tensor, device in zip(tensors, devices):
+    for tensor, device in zip(tensors, devices, strict=True):
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes == 0:
             specs.append(make_spec(tensor, device, 0))

@@ -155,7 +155,7 @@ class MPITransport:
 
     def _loopback_copy(self, env: Envelope, devices: list[str]) -> Envelope:
         tensors = []
-        for tensor, device in zip(env.tensors, devices):
+        for tensor, device in zip(env.tensors, devices, strict=True):
             spec = frames.make_spec(tensor, device, -1)
             copy = tensor.detach().to(device, copy=True)
             tensors.append(frames.finish_tensor(copy, spec))
