@@ -381,7 +381,7 @@ class RpcAgent:
                                 self.where(), now - start)
                     next_report = now + 30.0
                 time.sleep(sleep)
-                sleep = min(sleep * 2, 1e-3)
+                sleep = min(sleep * 2, 10e-3)
 
         while True:
             sent, processed, busy = self.counters()
