@@ -106,6 +106,31 @@ def build_command(
     return argv, env
 
 
+_WITH_VALUE = {"-n", "--nprocs", "--launcher-arg"}
+_FLAGS = {"--dry-run", "--srun", "--mpirun", "-h", "--help"}
+
+
+def _split_program(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split ``argv`` into the launcher's own options and the program with its arguments.
+
+    The program starts at the first argument that is not a launcher option (or after
+    ``--``), so ``-m pytest -x`` and ``script.py --flag`` pass through untouched.
+    """
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return argv[:i], argv[i + 1:]
+        if arg in _WITH_VALUE:
+            i += 2
+        elif arg in _FLAGS or any(arg.startswith(f + "=") for f in _WITH_VALUE) or (
+                arg.startswith("-n") and arg[2:].isdigit()):
+            i += 1
+        else:
+            return argv[:i], argv[i:]
+    return argv, []
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the job's exit status."""
     parser = argparse.ArgumentParser(
@@ -120,12 +145,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="force mpirun even inside a Slurm allocation")
     parser.add_argument("--launcher-arg", action="append", default=[], metavar="ARG",
                         help="extra argument for mpirun/srun (repeatable)")
-    parser.add_argument("program", nargs=argparse.REMAINDER, help="script.py [args] or -m module")
-    args = parser.parse_args(argv)
-    if not args.program:
+    parser.add_argument("program", nargs="*", help="script.py [args], or -m module [args]")
+    own, program = _split_program(list(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(own)
+    if not program:
         parser.error("give the program to run, e.g. `python -m mpidag.run -n 2 demo.py`")
     cmd, env_add = build_command(
-        args.nprocs, args.program, use_srun=args.use_srun, extra=args.launcher_arg
+        args.nprocs, program, use_srun=args.use_srun, extra=args.launcher_arg
     )
     if args.dry_run:
         prefix = " ".join(f"{k}={v}" for k, v in env_add.items())

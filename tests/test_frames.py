@@ -41,7 +41,7 @@ def roundtrip(obj):
         elif spec.inline_offset >= 0:
             t = frames.inline_tensor(frame0, inline_start, spec)
         else:
-            _, src = next(sep)
+            src = next(sep)
             t = torch.empty(spec.shape, dtype=spec.dtype)
             t.view(-1).view(torch.uint8).copy_(frames.byte_view(src))
         received.append(frames.finish_tensor(t, spec))

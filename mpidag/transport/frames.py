@@ -7,7 +7,7 @@ message in all) or as their own frames, received straight into freshly allocated
 
 Frame 0 layout (little endian)::
 
-    HEADER | payload pickle | specs pickle | pad to 16 | inline tensor bytes (each 16-aligned)
+    HEADER | payload pickle | tensor specs (struct) | pad to 16 | inline tensors (16-aligned)
 
 This module does not import MPI; :mod:`mpidag.transport.mpi` moves the frames.
 """
@@ -44,6 +44,24 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) & ~(ALIGN - 1)
 
 
+#: wire codes of dtypes; every rank runs the same mpidag, so the order is shared
+_DTYPE_NAMES = [
+    "float32", "float64", "float16", "bfloat16", "complex64", "complex128", "bool",
+    "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "complex32",
+]
+DTYPES = [getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)]
+DTYPE_CODE = {dt: i for i, dt in enumerate(DTYPES)}
+#: dtypes whose bytes numpy can view directly (the fast copy path for inline tensors)
+_NUMPY_DTYPES = frozenset(
+    dt for dt in DTYPES if dt not in (torch.bfloat16, torch.complex32) and "float8" not in str(dt)
+)
+_DEVICE_TYPES = ["cpu", "cuda"]
+#: dtype code, ndim, flags, device type, device index, inline offset (-1: own frame), nbytes
+_SPEC = struct.Struct("<BBBBhqq")
+_REQUIRES_GRAD, _PARAMETER = 1, 2
+
+
 @dataclass(slots=True)
 class TensorSpec:
     """What the receiver needs to allocate a tensor before its bytes arrive."""
@@ -56,22 +74,17 @@ class TensorSpec:
     inline_offset: int  # offset in frame 0, or -1 for a frame of its own
     nbytes: int
 
-    def as_tuple(self) -> tuple:
-        return (
-            str(self.dtype).removeprefix("torch."),
-            self.shape,
-            self.device,
-            self.requires_grad,
-            self.is_parameter,
-            self.inline_offset,
-            self.nbytes,
-        )
-
     @classmethod
-    def from_tuple(cls, t: tuple) -> TensorSpec:
-        dtype_name, shape, device, requires_grad, is_param, offset, nbytes = t
-        return cls(getattr(torch, dtype_name), tuple(shape), device, requires_grad, is_param,
-                   offset, nbytes)
+    def unpack_from(cls, buf: memoryview, pos: int) -> tuple[TensorSpec, int]:
+        code, ndim, flags, dev_type, dev_index, offset, nbytes = _SPEC.unpack_from(buf, pos)
+        pos += _SPEC.size
+        shape = struct.unpack_from(f"<{ndim}q", buf, pos)
+        device = _DEVICE_TYPES[dev_type]
+        if dev_index >= 0:
+            device = f"{device}:{dev_index}"
+        spec = cls(DTYPES[code], shape, device, bool(flags & _REQUIRES_GRAD),
+                   bool(flags & _PARAMETER), offset, nbytes)
+        return spec, pos + 8 * ndim
 
 
 @dataclass(slots=True)
@@ -169,22 +182,58 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+_device_codes: dict[str, tuple[int, int]] = {"cpu": (0, -1)}
+
+
+def _device_code(device: str) -> tuple[int, int]:
+    code = _device_codes.get(device)
+    if code is None:
+        dev = torch.device(device)
+        code = (_DEVICE_TYPES.index(dev.type), -1 if dev.index is None else dev.index)
+        _device_codes[device] = code
+    return code
+
+
+def pack_spec(tensor: torch.Tensor, device: str, inline_offset: int) -> bytes:
+    """The wire spec of ``tensor`` landing on ``device`` (struct-packed, no pickle)."""
+    code = DTYPE_CODE.get(tensor.dtype)
+    if code is None:
+        raise TypeError(f"tensors of dtype {tensor.dtype} cannot be sent over RPC "
+                        f"(supported: {[str(d) for d in DTYPES]})")
+    if tensor.device.type not in _DEVICE_TYPES:
+        raise TypeError(f"only CPU and CUDA tensors can be sent over RPC, not "
+                        f"{tensor.device.type} tensors; move it with .cpu() first")
+    shape = tensor.shape
+    flags = (_REQUIRES_GRAD if tensor.requires_grad else 0) | (
+        _PARAMETER if type(tensor) is torch.nn.Parameter else 0)
+    dev_type, dev_index = _device_code(device)
+    return _SPEC.pack(code, len(shape), flags, dev_type, dev_index, inline_offset,
+                      tensor.nbytes) + struct.pack(f"<{len(shape)}q", *shape)
+
+
 def make_spec(tensor: torch.Tensor, device: str, inline_offset: int) -> TensorSpec:
-    return TensorSpec(
-        dtype=tensor.dtype,
-        shape=tuple(tensor.shape),
-        device=device,
-        requires_grad=tensor.requires_grad,
-        is_parameter=isinstance(tensor, torch.nn.Parameter),
-        inline_offset=inline_offset,
-        nbytes=tensor.numel() * tensor.element_size(),
-    )
+    """The :class:`TensorSpec` of ``tensor`` landing on ``device``."""
+    return TensorSpec.unpack_from(memoryview(pack_spec(tensor, device, inline_offset)), 0)[0]
 
 
-def encode(env: Envelope, devices: list[str], data_tag: int) -> tuple[bytearray | bytes,
-                                                                      list[tuple[TensorSpec,
-                                                                                 torch.Tensor]]]:
-    """Build frame 0 and the list of ``(spec, tensor)`` sent as frames of their own.
+def _copy_into(frame: bytearray, start: int, tensor: torch.Tensor) -> None:
+    """Copy a tensor's values into ``frame[start:]`` (the fast path goes through numpy)."""
+    t = tensor.detach()
+    if (t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg()):
+        if t.dim() == 0:
+            t = t.reshape(1)
+        frame[start:start + t.nbytes] = memoryview(t.numpy()).cast("B")
+        return
+    src = byte_view(t)
+    if src.device.type != "cpu":
+        src = src.cpu()
+    frame[start:start + src.numel()] = memoryview(src.numpy()).cast("B")
+
+
+def encode(env: Envelope, devices: list[str], data_tag: int
+           ) -> tuple[bytearray | bytes, list[torch.Tensor]]:
+    """Build frame 0 and the list of tensors sent as frames of their own.
 
     ``devices[i]`` is where tensor ``i`` must land on the receiver.
     """
@@ -193,24 +242,22 @@ def encode(env: Envelope, devices: list[str], data_tag: int) -> tuple[bytearray 
         header = HEADER.pack(env.kind, env.flags, 0, 0, env.request_id, env.context_id,
                              env.message_id, len(env.payload), 0, 0)
         return header + env.payload, []
-    specs: list[TensorSpec] = []
+    packed: list[bytes] = []
     inline: list[tuple[int, torch.Tensor]] = []
-    separate: list[tuple[TensorSpec, torch.Tensor]] = []
+    separate: list[torch.Tensor] = []
     inline_total = 0
     for tensor, device in zip(tensors, devices, strict=True):
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.nbytes
         if nbytes == 0:
-            specs.append(make_spec(tensor, device, 0))
+            packed.append(pack_spec(tensor, device, 0))
         elif inline_total + nbytes <= INLINE_LIMIT:
-            spec = make_spec(tensor, device, inline_total)
-            specs.append(spec)
+            packed.append(pack_spec(tensor, device, inline_total))
             inline.append((inline_total, tensor))
             inline_total = _align(inline_total + nbytes)
         else:
-            spec = make_spec(tensor, device, -1)
-            specs.append(spec)
-            separate.append((spec, tensor))
-    specs_blob = pickle.dumps([s.as_tuple() for s in specs], protocol=pickle.HIGHEST_PROTOCOL)
+            packed.append(pack_spec(tensor, device, -1))
+            separate.append(tensor)
+    specs_blob = b"".join(packed)
     head_len = HEADER.size + len(env.payload) + len(specs_blob)
     inline_start = _align(head_len)
     frame = bytearray(inline_start + inline_total)
@@ -221,14 +268,8 @@ def encode(env: Envelope, devices: list[str], data_tag: int) -> tuple[bytearray 
     frame[pos:pos + len(env.payload)] = env.payload
     pos += len(env.payload)
     frame[pos:pos + len(specs_blob)] = specs_blob
-    if inline:
-        target = torch.frombuffer(frame, dtype=torch.uint8)
-        for offset, tensor in inline:
-            src = byte_view(tensor)
-            if src.device.type != "cpu":
-                src = src.cpu()
-            start = inline_start + offset
-            target[start:start + src.numel()].copy_(src)
+    for offset, tensor in inline:
+        _copy_into(frame, inline_start + offset, tensor)
     return frame, separate
 
 
@@ -243,8 +284,11 @@ def decode_header(frame: bytearray | bytes) -> tuple[Envelope, int, list[TensorS
     inline_start = 0
     if n_tensors:
         pos += payload_len
-        specs = [TensorSpec.from_tuple(t) for t in pickle.loads(view[pos:pos + specs_len])]
-        inline_start = _align(pos + specs_len)
+        end = pos + specs_len
+        while pos < end:
+            spec, pos = TensorSpec.unpack_from(view, pos)
+            specs.append(spec)
+        inline_start = _align(end)
     env = Envelope(kind=kind, request_id=request_id, flags=flags, context_id=context_id,
                    message_id=message_id, payload=payload)
     return env, data_tag, specs, inline_start
@@ -252,10 +296,9 @@ def decode_header(frame: bytearray | bytes) -> tuple[Envelope, int, list[TensorS
 
 def inline_tensor(frame: bytearray, inline_start: int, spec: TensorSpec) -> torch.Tensor:
     """The tensor of ``spec`` as a view of frame 0's inline bytes (no copy)."""
-    count = spec.nbytes // spec.dtype.itemsize
-    t = torch.frombuffer(frame, dtype=spec.dtype, count=count,
+    t = torch.frombuffer(frame, dtype=spec.dtype, count=spec.nbytes // spec.dtype.itemsize,
                          offset=inline_start + spec.inline_offset)
-    return t.view(spec.shape)
+    return t if len(spec.shape) == 1 else t.view(spec.shape)
 
 
 def finish_tensor(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:

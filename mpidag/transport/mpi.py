@@ -128,7 +128,7 @@ class MPITransport:
         MPI = self._MPI
         with self._mpi_lock:
             self.comm.Send([frame0, MPI.BYTE], dst, HEADER_TAG)
-        for _spec, tensor in separate:
+        for tensor in separate:
             self._send_tensor(tensor, dst, data_tag)
 
     def _send_tensor(self, tensor: torch.Tensor, dst: int, tag: int) -> None:

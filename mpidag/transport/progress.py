@@ -195,6 +195,9 @@ class ProgressEngine:
                 if work is None:
                     continue
             self._run(work)
+            # drop the request (and its tensors) now, not when the next one is received:
+            # large received tensors return their buffers to the receive cache on release
+            del work
 
     def _lead_as_pool(self) -> Work | None:
         """Lead until a request arrives (returned, leadership vacated) or a user waits."""
@@ -216,6 +219,7 @@ class ProgressEngine:
                 continue
             backoff.reset()
             work = self._dispatch_safely(dispatch, env)
+            env = None
             if work is not None:
                 with self._lock:
                     self._vacate_locked(lazy=True)
@@ -351,6 +355,8 @@ class ProgressEngine:
                 continue
             backoff.reset()
             work = self._dispatch_safely(dispatch, env)
+            env = None
             if work is not None:
                 self.submit(work)
+                work = None
         return True

@@ -1,0 +1,223 @@
+"""init_rpc / shutdown lifecycle, misuse and failures, each in a real multi-rank job.
+
+These tests start their own ``mpirun`` jobs (like pytest-mpi's own tests), so a hang or a
+crash shows up as a failed assertion with the job's output, never as a stuck test run.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+PRELUDE = """
+import sys, time, torch
+import mpidag.rpc as rpc
+from mpidag.errors import RPCError, RPCNotInitializedError
+def add(a, b): return a + b
+def slow(s, v): time.sleep(s); return v
+"""
+
+
+def ok(result: subprocess.CompletedProcess) -> str:
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    return out
+
+
+def test_calls_before_init_and_after_shutdown_raise(job):
+    out = ok(job(PRELUDE + """
+for api in (lambda: rpc.rpc_sync("worker1", add, args=(1, 2)),
+            lambda: rpc.rpc_async(1, add, args=(1, 2)),
+            lambda: rpc.get_worker_info(), lambda: rpc.shutdown()):
+    try:
+        api()
+    except RPCNotInitializedError as e:
+        assert "Call mpidag.rpc.init_rpc first" in str(e) and isinstance(e, RuntimeError)
+    else:
+        raise SystemExit("no error before init_rpc")
+rpc.init_rpc()
+try:
+    rpc.init_rpc()
+except RPCError as e:
+    assert "already initialized" in str(e)
+else:
+    raise SystemExit("init_rpc twice did not raise")
+me = rpc.get_worker_info().id
+assert rpc.rpc_sync(1 - me, add, args=(me, 1), timeout=10) == me + 1
+rpc.shutdown()
+try:
+    rpc.rpc_sync("worker1", add, args=(1, 2))
+except RPCNotInitializedError:
+    pass
+else:
+    raise SystemExit("no error after shutdown")
+# a second life: init again after shutdown works
+rpc.init_rpc(f"again{me}")
+assert rpc.rpc_sync(f"again{1 - me}", add, args=(2, 2), timeout=10) == 4
+rpc.shutdown()
+print("LIFECYCLE-OK", me)
+"""))
+    assert out.count("LIFECYCLE-OK") == 2
+
+
+def test_torch_style_init_arguments_and_options(job):
+    out = ok(job(PRELUDE + """
+from mpi4py import MPI
+r = MPI.COMM_WORLD.Get_rank()
+opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=4, rpc_timeout=0.5,
+                                       init_method="tcp://ignored:1234")
+rpc.init_rpc(f"trainer{r}", backend=rpc.BackendType.TENSORPIPE, rank=r, world_size=2,
+             rpc_backend_options=opts)
+assert rpc.get_worker_info().name == f"trainer{r}"
+assert rpc.get_worker_info(f"trainer{1 - r}").id == 1 - r
+if r == 0:
+    t0 = time.monotonic()
+    try:
+        rpc.rpc_sync("trainer1", slow, args=(2, 1))   # default timeout from the options
+    except TimeoutError as e:
+        took = time.monotonic() - t0
+        assert 0.5 <= took < 1.5, took
+        print("DEFAULT-TIMEOUT-OK", round(took, 2))
+rpc.shutdown()
+"""))
+    assert "DEFAULT-TIMEOUT-OK" in out
+
+
+@pytest.mark.parametrize("bad", ["rank=5", "world_size=7", "name=''"])
+def test_bad_init_argument_fails_on_every_rank_without_hanging(job, bad):
+    result = job(PRELUDE + f"""
+from mpi4py import MPI
+r = MPI.COMM_WORLD.Get_rank()
+kwargs = dict({bad}) if r == 1 else {{}}
+try:
+    rpc.init_rpc(**kwargs)
+except ValueError as e:
+    print("RANK", r, "VALUE-ERROR", e)
+except RPCError as e:
+    print("RANK", r, "RPC-ERROR", e)
+else:
+    print("RANK", r, "NO-ERROR")
+""", timeout=60)
+    out = ok(result)
+    assert "RANK 1 VALUE-ERROR" in out  # the rank that made the mistake
+    assert "RANK 0 RPC-ERROR init_rpc failed on rank 1" in out  # the others are told
+    assert "NO-ERROR" not in out
+
+
+def test_duplicate_worker_names_rejected(job):
+    out = ok(job(PRELUDE + """
+try:
+    rpc.init_rpc("same")
+except ValueError as e:
+    print("DUP", "unique" in str(e))
+""", timeout=60))
+    assert out.count("DUP True") == 2
+
+
+def test_graceful_shutdown_waits_for_calls_in_flight(job):
+    out = ok(job(PRELUDE + """
+rpc.init_rpc()
+me = rpc.get_worker_info().id
+n = rpc.get_worker_info  # noqa
+futs = [rpc.rpc_async((me + 1) % 3, slow, args=(0.3, i), timeout=30) for i in range(20)]
+t0 = time.monotonic()
+rpc.shutdown()          # must wait for every reply, on every rank
+assert all(f.done() for f in futs)
+assert [f.value() for f in futs] == list(range(20))
+print("SHUTDOWN-WAITED", me, round(time.monotonic() - t0, 2))
+""", nprocs=3))
+    assert out.count("SHUTDOWN-WAITED") == 3
+
+
+def test_shutdown_with_one_rank_late(job):
+    # rank 1 keeps working (and serving calls) long after rank 0 entered shutdown()
+    out = ok(job(PRELUDE + """
+rpc.init_rpc()
+me = rpc.get_worker_info().id
+if me == 1:
+    for i in range(20):
+        assert rpc.rpc_sync("worker0", add, args=(i, 1), timeout=10) == i + 1
+        time.sleep(0.05)
+rpc.shutdown()
+print("LATE-OK", me)
+"""))
+    assert out.count("LATE-OK") == 2
+
+
+def test_nongraceful_shutdown_fails_pending_futures(job):
+    out = ok(job(PRELUDE + """
+rpc.init_rpc()
+me = rpc.get_worker_info().id
+if me == 0:
+    fut = rpc.rpc_async("worker1", slow, args=(1.0, 1), timeout=30)
+    rpc.shutdown(graceful=False)
+    try:
+        fut.wait()
+    except RPCError as e:
+        print("PENDING-FAILED", "shut down" in str(e))
+else:
+    time.sleep(2.0)
+    rpc.shutdown(graceful=False)
+"""))
+    assert "PENDING-FAILED True" in out
+
+
+def test_forgotten_shutdown_is_done_at_exit(job):
+    out = ok(job(PRELUDE + """
+rpc.init_rpc()
+me = rpc.get_worker_info().id
+assert rpc.rpc_sync(1 - me, add, args=(1, 1), timeout=10) == 2
+print("EXITING", me)
+"""))
+    assert out.count("EXITING") == 2
+    assert "exits without mpidag.rpc.shutdown()" in out
+
+
+def test_shutdown_timeout_when_a_rank_never_arrives(job):
+    out = ok(job(PRELUDE + """
+from mpidag.errors import RPCTimeoutError
+rpc.init_rpc()
+me = rpc.get_worker_info().id
+if me == 0:
+    t0 = time.monotonic()
+    try:
+        rpc.shutdown(timeout=1.0)
+    except RPCTimeoutError as e:
+        took = round(time.monotonic() - t0, 1)
+        print("SHUTDOWN-TIMEOUT", took, "did not call shutdown" in str(e))
+else:
+    time.sleep(3.0)
+    rpc.shutdown(graceful=False)
+""", timeout=60))
+    assert "SHUTDOWN-TIMEOUT 1.0 True" in out
+
+
+def test_uncaught_error_on_one_rank_ends_the_job_instead_of_hanging(job):
+    start = time.monotonic()
+    result = job(PRELUDE + """
+rpc.init_rpc()
+me = rpc.get_worker_info().id
+if me == 1:
+    raise RuntimeError("rank 1 crashed")
+rpc.rpc_sync("worker1", slow, args=(60, 1), timeout=0)   # would wait forever
+""", timeout=60)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert "rank 1 crashed" in out and "aborting the MPI job" in out
+    assert time.monotonic() - start < 30
+
+
+def test_killed_rank_ends_the_job_instead_of_hanging(job):
+    start = time.monotonic()
+    result = job(PRELUDE + """
+import os, signal
+rpc.init_rpc()
+me = rpc.get_worker_info().id
+if me == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+rpc.rpc_sync("worker1", slow, args=(60, 1), timeout=0)
+""", timeout=60)
+    assert result.returncode != 0
+    assert time.monotonic() - start < 30
