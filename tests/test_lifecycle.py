@@ -221,3 +221,20 @@ rpc.rpc_sync("worker1", slow, args=(60, 1), timeout=0)
 """, timeout=60)
     assert result.returncode != 0
     assert time.monotonic() - start < 30
+
+
+def test_device_map_naming_an_unknown_worker_fails_everywhere(job):
+    out = ok(job(PRELUDE + """
+from mpi4py import MPI
+r = MPI.COMM_WORLD.Get_rank()
+opts = rpc.MPIRpcBackendOptions()
+if r == 1:
+    opts.set_device_map("nobody", {0: 0})
+try:
+    rpc.init_rpc(rpc_backend_options=opts)
+except ValueError as e:
+    print("RANK", r, "VALUE-ERROR", "unknown workers ['nobody']" in str(e))
+except RPCError as e:
+    print("RANK", r, "RPC-ERROR", "rank 1" in str(e))
+""", timeout=60))
+    assert "RANK 1 VALUE-ERROR True" in out and "RANK 0 RPC-ERROR True" in out

@@ -130,11 +130,6 @@ def init_rpc(
                 for peer, m in mp.items()}
             for (n, _, mp) in gathered
         }
-        for peer in options.device_maps:
-            if peer not in {w.name for w in workers}:
-                transport.close(collective=True)
-                raise UnknownWorkerError(f"device map names unknown worker {peer!r}; workers: "
-                                         f"{[w.name for w in workers]}")
         agent = RpcAgent(transport, workers, options, device_maps)
         _agent = agent  # before the threads start: a request may already be waiting
         _freeze_heap()
@@ -182,6 +177,12 @@ def _check_gathered(gathered: list, my_rank: int) -> Exception | None:
         dup = sorted({n for n in names if names.count(n) > 1})
         return ValueError(f"worker names must be unique, but {dup} are used by several ranks: "
                           f"{names}")
+    for rank, (_, _, maps) in enumerate(gathered):
+        unknown = sorted(set(maps) - set(names))
+        if unknown:
+            cls = UnknownWorkerError if rank == my_rank else RPCError
+            return cls(f"the device maps of rank {rank} name unknown workers {unknown}; "
+                       f"workers: {names}")
     return None
 
 

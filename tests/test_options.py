@@ -1,0 +1,72 @@
+"""Backend options, WorkerInfo and the launcher's command line (no MPI job needed)."""
+
+import types
+
+import pytest
+import torch
+
+from mpidag.rpc.options import MPIRpcBackendOptions, TensorPipeRpcBackendOptions, WorkerInfo
+from mpidag.run import _split_program, build_command
+
+
+def test_options_defaults_match_torch():
+    opts = MPIRpcBackendOptions()
+    assert opts.num_worker_threads == 16 and opts.rpc_timeout == 60.0
+    assert TensorPipeRpcBackendOptions is MPIRpcBackendOptions
+
+
+def test_device_maps_normalized_and_checked():
+    opts = MPIRpcBackendOptions(device_maps={"worker1": {0: "cuda:1", "cuda:1": 0}})
+    assert opts.device_maps["worker1"] == {torch.device("cuda", 0): torch.device("cuda", 1),
+                                           torch.device("cuda", 1): torch.device("cuda", 0)}
+    with pytest.raises(ValueError, match="same remote device"):
+        opts.set_device_map("worker2", {0: 1, 1: 1})
+
+
+def test_options_validation():
+    with pytest.raises(ValueError, match="num_worker_threads"):
+        MPIRpcBackendOptions(num_worker_threads=0)
+    with pytest.raises(ValueError, match="rpc_timeout"):
+        MPIRpcBackendOptions(rpc_timeout=-5)
+    with pytest.raises(TypeError, match="rpc_backend_options must be"):
+        MPIRpcBackendOptions.from_any(object())
+
+
+def test_torch_options_object_is_accepted():
+    theirs = types.SimpleNamespace(num_worker_threads=4, rpc_timeout=7.5,
+                                   device_maps={"w1": {0: 1}}, devices=[0])
+    ours = MPIRpcBackendOptions.from_any(theirs)
+    assert ours.num_worker_threads == 4 and ours.rpc_timeout == 7.5
+    assert ours.device_maps["w1"] == {torch.device("cuda", 0): torch.device("cuda", 1)}
+
+
+def test_worker_info_is_hashable_and_reprs_like_torch():
+    info = WorkerInfo("worker3", 3)
+    assert {info: 1}[WorkerInfo("worker3", 3)] == 1
+    assert repr(info) == "WorkerInfo(id=3, name=worker3)"
+
+
+def test_launcher_splits_its_options_from_the_program():
+    own, program = _split_program(["-n", "2", "-m", "pytest", "-x"])
+    assert own == ["-n", "2"] and program == ["-m", "pytest", "-x"]
+    assert _split_program(["-n2", "--dry-run", "s.py", "-n", "5"]) == (["-n2", "--dry-run"],
+                                                                       ["s.py", "-n", "5"])
+    assert _split_program(["-n", "2", "--", "--weird.py"]) == (["-n", "2"], ["--weird.py"])
+
+
+def test_launcher_command(monkeypatch):
+    monkeypatch.delenv("MPIDAG_OVERSUBSCRIBE", raising=False)
+    argv, _ = build_command(2, ["s.py"], use_srun=True)
+    assert argv[:4] == ["srun", "--mpi=pmix", "-n", "2"] and argv[-1] == "s.py"
+    with pytest.raises(ValueError, match="at least 1"):
+        build_command(0, ["s.py"], use_srun=True)
+
+
+def test_cuda_awareness_detection_without_a_gpu(monkeypatch):
+    from mpidag.transport.mpi import detect_cuda_aware
+
+    monkeypatch.delenv("MPIDAG_CUDA_AWARE", raising=False)
+    if not torch.cuda.is_available():
+        assert detect_cuda_aware() is False  # host staging is the only safe choice
+    monkeypatch.setenv("MPIDAG_CUDA_AWARE", "off")
+    assert detect_cuda_aware() is False
