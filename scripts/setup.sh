@@ -10,16 +10,20 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-"$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
+log=$(mktemp)
+pip_install() {  # quiet unless it fails
+  if ! "$VENV/bin/python" -m pip install -q "$@" >"$log" 2>&1; then
+    cat "$log"; echo "setup.sh: pip install $* failed" >&2; exit 1
+  fi
+}
 # MPIDAG_SYSTEM_MPI=1: use mpi4py built against the MPI already on PATH (cluster modules)
 if [ "${MPIDAG_SYSTEM_MPI:-0}" = "1" ]; then
   extras="test,bench"
-  "$VENV/bin/python" -m pip install -q --no-binary=mpi4py -c constraints.txt mpi4py 2>&1 \
-    | grep -v "is ignored" || true
+  pip_install --no-binary=mpi4py -c constraints.txt mpi4py
 else
   extras="mpi,test,bench"
 fi
-"$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[$extras]" 2>&1 \
-  | grep -v "is ignored" || true
+pip_install -c constraints.txt -e ".[$extras]"
+rm -f "$log"
 "$VENV/bin/python" -c "import torch, mpi4py, mpidag; print('mpidag', mpidag.__version__, \
 'torch', torch.__version__, 'mpi4py', mpi4py.__version__)"

@@ -7,7 +7,7 @@ bash scripts/setup.sh
 PY=.venv/bin/python
 export PYTHONUNBUFFERED=1 MPIDAG_ABORT_ON_ERROR=1
 echo "== ruff"
-.venv/bin/ruff check mpidag tests benchmarks examples
+.venv/bin/ruff check .
 echo "== single-process tests"
 timeout --kill-after=30 1800 $PY -m pytest -q -p no:cacheprovider -m "not mpi" tests
 for n in 2 3; do
