@@ -6,6 +6,7 @@ mistake (mostly ``RuntimeError``), so code ported from torch keeps catching what
 
 from __future__ import annotations
 
+import copy
 import pickle
 import traceback
 
@@ -19,6 +20,9 @@ __all__ = [
     "SerializationError",
     "pack_exception",
     "unpack_exception",
+    "detached_copy",
+    "frameless",
+    "future_error",
 ]
 
 
@@ -96,3 +100,49 @@ def unpack_exception(data: bytes) -> BaseException:
         exc = RPCError(f"{module}.{qualname}: {message}")
     exc.__cause__ = RemoteTraceback(text)
     return exc
+
+
+def detached_copy(exc: BaseException) -> BaseException:
+    """A copy of ``exc`` to raise, so that ``exc`` itself never gets a traceback.
+
+    An exception stored in a ``torch.futures.Future`` (or kept in a table) that is raised
+    gets a traceback whose frames often reference that future; the future holds the
+    exception in C++, where Python's garbage collector cannot see the cycle, and
+    everything those frames reference leaks. Raising a copy keeps the stored one clean.
+    """
+    try:
+        fresh = copy.copy(exc)
+    except Exception:
+        return exc
+    fresh.__cause__ = exc.__cause__
+    fresh.__traceback__ = None
+    return fresh
+
+
+def frameless(exc: BaseException, where: str) -> BaseException:
+    """A copy of ``exc`` to store for later: no frames, its traceback kept as text.
+
+    Stored exceptions (a failed ``remote()``) must not hold frames: those reference the
+    locals of every function on the stack at the time, RRefs included, for as long as the
+    exception is kept.
+    """
+    fresh = detached_copy(exc)
+    if not isinstance(exc.__cause__, RemoteTraceback):
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        fresh.__cause__ = RemoteTraceback(f"\n### Traceback from {where}\n{text}")
+    return fresh
+
+
+def future_error(fut) -> BaseException | None:
+    """The exception a completed future holds (``None`` if it holds a value).
+
+    ``fut.value()`` re-raises the stored exception, which then records the raising frames
+    in its traceback, while the future (in C++) holds it: a cycle Python's garbage
+    collector cannot see. The traceback is cleared before returning.
+    """
+    try:
+        fut.value()
+    except BaseException as exc:
+        exc.__traceback__ = None
+        return exc
+    return None

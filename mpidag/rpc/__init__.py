@@ -28,6 +28,7 @@ from mpidag.rpc.options import (
     TensorPipeRpcBackendOptions,
     WorkerInfo,
 )
+from mpidag.rref.rref import RRef, remote  # noqa: E402  (rref builds on rpc.api)
 
 __all__ = [
     "BackendType",
@@ -36,6 +37,7 @@ __all__ = [
     "DEFAULT_SHUTDOWN_TIMEOUT",
     "MPIRpcBackendOptions",
     "RPCError",
+    "RRef",
     "RPCTimeoutError",
     "RemoteTraceback",
     "TensorPipeRpcBackendOptions",
@@ -45,6 +47,7 @@ __all__ = [
     "get_worker_info",
     "init_rpc",
     "is_available",
+    "remote",
     "rpc_async",
     "rpc_sync",
     "shutdown",

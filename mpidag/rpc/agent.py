@@ -28,6 +28,8 @@ from mpidag.errors import (
     RPCTimeoutError,
     SerializationError,
     WorkerDiedError,
+    detached_copy,
+    future_error,
     pack_exception,
     unpack_exception,
 )
@@ -46,14 +48,24 @@ EXPIRY_SCAN_INTERVAL = 5e-3
 
 
 class RpcFuture(torch.futures.Future):
-    """A ``torch.futures.Future`` whose ``wait()`` drives the MPI progress itself."""
+    """A ``torch.futures.Future`` whose ``wait()`` drives the MPI progress itself.
+
+    Its errors are raised as copies (:func:`mpidag.errors.detached_copy`), so the stored
+    exception never references the frames that wait for it.
+    """
 
     def wait(self) -> Any:  # noqa: D102 - same contract as torch.futures.Future.wait
         if not self.done():
             engine = getattr(self, "_engine", None)
             if engine is not None:
                 engine.wait_until(self.done, None)
-        return super().wait()
+        try:
+            return super().wait()
+        except BaseException as stored:
+            fresh = detached_copy(stored)
+            stored.__traceback__ = None
+            del stored
+        raise fresh
 
 
 @dataclass(slots=True)
@@ -61,7 +73,12 @@ class _PendingCall:
     future: RpcFuture
     dst: int
     deadline: float  # time.monotonic() deadline, 0.0 for none
-    what: str  # description for error messages
+    func: Any  # for error messages
+    seconds: float  # the timeout, for error messages
+
+    @property
+    def what(self) -> str:
+        return describe(self.func)
 
 
 def describe(func: Any) -> str:
@@ -93,6 +110,13 @@ class RpcAgent:
         self.processed = 0  # messages this rank received and finished handling
         self._count_lock = threading.Lock()
         self.running = True
+        self._pickling = threading.local()
+        #: called as hook(agent) before a graceful shutdown's final quiescence (RRefs)
+        self.shutdown_hooks: list[Callable[[RpcAgent], None]] = []
+        #: called by the leader after each poll, while it has something queued
+        self.tick_hooks: list[Callable[[], None]] = []
+        #: extra "this rank is not idle" conditions for the quiescence test
+        self.busy_checks: list[Callable[[], bool]] = []
         self.engine = ProgressEngine(
             transport.poll, self._dispatch, self._tick, options.num_worker_threads,
             max_sleep=options.max_sleep, name=f"mpidag-r{self.rank}",
@@ -141,6 +165,34 @@ class RpcAgent:
         return {v: k for k, v in forward.items()}
 
     # ---------------------------------------------------------------- sending
+    def pickling_for(self) -> int | None:
+        """The rank the message being pickled in this thread goes to (``None``: none)."""
+        return getattr(self._pickling, "dst", None)
+
+    def dumps_for(self, dst: int, obj: Any) -> tuple[bytes, list[torch.Tensor]]:
+        """Pickle ``obj`` for rank ``dst``; objects whose pickling depends on the
+        destination (RRefs) read it with :meth:`pickling_for` and may register undo actions
+        in :meth:`on_pickling_failure`, run if pickling fails."""
+        previous = getattr(self._pickling, "dst", None)
+        undo_before = getattr(self._pickling, "undo", None)
+        self._pickling.dst = dst
+        self._pickling.undo = []
+        try:
+            return dumps(obj)
+        except BaseException:
+            for action in reversed(self._pickling.undo):
+                action()
+            raise
+        finally:
+            self._pickling.dst = previous
+            self._pickling.undo = undo_before
+
+    def on_pickling_failure(self, action: Callable[[], None]) -> None:
+        """Run ``action`` if the message being pickled in this thread is not sent."""
+        undo = getattr(self._pickling, "undo", None)
+        if undo is not None:
+            undo.append(action)
+
     def _send(self, dst: int, env: Envelope, reply: bool) -> None:
         devices = self.devices_for(dst, env.tensors, reply)
         with self._count_lock:
@@ -163,21 +215,20 @@ class RpcAgent:
         """Send a CALL and return the future of its answer."""
         if not self.running:
             raise RPCError("the RPC agent is shut down; call mpidag.rpc.init_rpc again first")
-        what = describe(func)
         try:
-            payload, tensors = dumps((func, args, kwargs))
+            payload, tensors = self.dumps_for(dst, (func, args, kwargs))
         except Exception as exc:
             raise SerializationError(
-                f"could not pickle the call of {what} for {self.workers[dst].name}: {exc}. "
-                f"Arguments and the function must be picklable (define functions at module "
-                f"level; no lambdas, locks, open files or generators)."
+                f"could not pickle the call of {describe(func)} for {self.workers[dst].name}: "
+                f"{exc}. Arguments and the function must be picklable (define functions at "
+                f"module level; no lambdas, locks, open files or generators)."
             ) from exc
         request_id = self.ids.next()
         future = RpcFuture()
         future._engine = self.engine
         seconds = self.resolve_timeout(timeout)
         deadline = time.monotonic() + seconds if seconds > 0 else 0.0
-        self._pending[request_id] = _PendingCall(future, dst, deadline, what)
+        self._pending[request_id] = _PendingCall(future, dst, deadline, func, seconds)
         env = Envelope(kind=Kind.CALL, request_id=request_id, payload=payload, tensors=tensors,
                        context_id=context_id, message_id=message_id)
         try:
@@ -187,33 +238,36 @@ class RpcAgent:
             raise
         return future
 
-    def notify(self, dst: int, func: Callable, args: tuple = (), kwargs: dict | None = None
-               ) -> None:
-        """Send a NOTIFY: run ``func(*args)`` on ``dst``, no answer."""
-        payload, tensors = dumps((func, args, kwargs or {}))
-        self._send(dst, Envelope(kind=Kind.NOTIFY, payload=payload, tensors=tensors),
-                   reply=False)
+    def notify(self, dst: int, func: Callable, args: tuple = (), kwargs: dict | None = None,
+               *, control: bool = False) -> None:
+        """Run ``func(*args, **kwargs)`` on ``dst`` with no answer.
+
+        ``control``: run it on the receiving leader at once, in arrival order; only for
+        short, non-blocking internal protocol steps.
+        """
+        payload, tensors = self.dumps_for(dst, (func, args, kwargs or {}))
+        kind = Kind.CONTROL if control else Kind.NOTIFY
+        self._send(dst, Envelope(kind=kind, payload=payload, tensors=tensors), reply=False)
 
     def wait(self, future: RpcFuture, timeout: float) -> Any:
         """Wait for ``future`` driving progress; raise its error or a timeout."""
         seconds = self.resolve_timeout(timeout)
         deadline = time.monotonic() + seconds if seconds > 0 else None
         if not self.engine.wait_until(future.done, deadline) and not future.done():
-            self._expire_future(future, seconds)
-        return torch.futures.Future.wait(future)
+            self._expire_future(future)
+        return future.wait()
 
-    def _expire_future(self, future: RpcFuture, seconds: float) -> None:
+    def _expire_future(self, future: RpcFuture) -> None:
         for request_id, call in list(self._pending.items()):
             if call.future is future:
-                self._fail_timeout(request_id, seconds)
+                self._fail_timeout(request_id)
                 return
 
-    def _fail_timeout(self, request_id: int, seconds: float | None = None) -> None:
+    def _fail_timeout(self, request_id: int) -> None:
         call = self._pending.pop(request_id, None)
         if call is None or call.future.done():
             return
-        if seconds is None:
-            seconds = self.resolve_timeout(-1)
+        seconds = call.seconds
         dst_name = self.workers[call.dst].name
         call.future.set_exception(RPCTimeoutError(
             f"RPC of {call.what} to {dst_name} ran for more than the set timeout "
@@ -223,7 +277,9 @@ class RpcAgent:
         self.engine.wake_waiters()
 
     def _tick(self) -> None:
-        """Called by the leader after each poll: expire calls past their deadline."""
+        """Called by the leader after each poll: hooks, then expire calls past deadline."""
+        for hook in self.tick_hooks:
+            hook()
         now = time.monotonic()
         if now < self._next_expiry_scan or not self._pending:
             return
@@ -242,6 +298,9 @@ class RpcAgent:
             return lambda: self._serve_call(env)
         if kind == Kind.NOTIFY:
             return lambda: self._serve_notify(env)
+        if kind == Kind.CONTROL:
+            self._serve_notify(env)
+            return None
         log.error("dropping a message of unknown kind %r from rank %d", kind, env.src)
         self._mark_processed()
         return None
@@ -305,16 +364,15 @@ class RpcAgent:
         self._reply_value(env, result)
 
     def _reply_future(self, env: Envelope, fut: torch.futures.Future) -> None:
-        try:
-            value = fut.value()
-        except Exception as exc:
-            self._reply_error(env, exc)
+        error = future_error(fut)
+        if error is not None:
+            self._reply_error(env, error)
             return
-        self._reply_value(env, value)
+        self._reply_value(env, fut.value())
 
     def _reply_value(self, env: Envelope, value: Any) -> None:
         try:
-            payload, tensors = dumps(value)
+            payload, tensors = self.dumps_for(env.src, value)
             reply = Envelope(kind=Kind.RESULT, request_id=env.request_id, payload=payload,
                              tensors=tensors)
             devices = self.devices_for(env.src, tensors, reply=True)
@@ -349,9 +407,12 @@ class RpcAgent:
 
     # ---------------------------------------------------------------- shutdown
     def counters(self) -> tuple[int, int, int]:
-        with self._count_lock:
-            busy = int(self.engine.busy or bool(self._pending))
-            return self.sent, self.processed, busy
+        busy = int(self.engine.busy or bool(self._pending)
+                   or any(check() for check in self.busy_checks))
+        with self._count_lock:  # no allocation under this lock: a GC could run here
+            sent = self.sent
+            processed = self.processed
+        return sent, processed, busy
 
     def wait_quiescent(self, timeout: float) -> None:
         """Return when every rank is here and no message is in flight anywhere.

@@ -6,6 +6,7 @@ import atexit
 import logging
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -193,6 +194,11 @@ def _install_process_hooks() -> None:
         return
     _hooks_installed = True
     atexit.register(_shutdown_at_exit)
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
     previous = sys.excepthook
 
     def abort_on_uncaught(exc_type, exc, tb):
@@ -238,13 +244,56 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
         agent = current_agent()
         try:
             if graceful:
+                deadline = time.monotonic() + timeout if timeout > 0 else None
                 agent.wait_quiescent(timeout)
+                if agent.shutdown_hooks:
+                    for hook in agent.shutdown_hooks:  # e.g. release leftover user RRefs
+                        hook(agent)
+                    left = 0.0 if deadline is None else max(1e-3, deadline - time.monotonic())
+                    agent.wait_quiescent(left)
+                    _report_leaks(agent)
         except BaseException:
             agent.stop(graceful=False)
             _agent = None
             raise
         agent.stop(graceful=graceful)
         _agent = None
+
+
+def _report_leaks(agent: RpcAgent) -> None:
+    ctx = getattr(agent, "rref_context", None)
+    if ctx is None:
+        return
+    stuck = [rec for rec in ctx.owners.values() if rec.forks or rec.tombstones]
+    if stuck:
+        log.warning("%s: %d owner RRef(s) still have user forks after shutdown (a protocol "
+                    "message was lost?): %s", agent.where(), len(stuck),
+                    [f"0x{rec.rref_id:x}" for rec in stuck[:5]])
+
+
+def _get_debug_info() -> dict[str, int]:
+    """Counters of this worker's agent and RRefs, for tests and debugging (as torch's).
+
+    Example::
+
+        >>> rpc.api._get_debug_info()["num_owner_rrefs"]
+        0
+    """
+    agent = current_agent()
+    info = {
+        "rank": agent.rank,
+        "num_pending_requests": len(agent._pending),
+        "thread_pool_size": agent.options.num_worker_threads,
+        "messages_sent": agent.sent,
+        "messages_processed": agent.processed,
+    }
+    ctx = getattr(agent, "rref_context", None)
+    if ctx is None:
+        from mpidag.rref.context import RRefContext
+
+        ctx = RRefContext.of(agent)
+    info.update(ctx.debug_info())
+    return info
 
 
 def _to_rank(agent: RpcAgent, to: str | WorkerInfo | int) -> int:
@@ -325,5 +374,4 @@ def rpc_sync(to: str | WorkerInfo | int, func: Callable, args: tuple | None = No
     """
     agent = current_agent()
     args, kwargs = _check_call(func, args, kwargs)
-    future = agent.call(_to_rank(agent, to), func, args, kwargs, timeout)
-    return agent.wait(future, timeout)
+    return agent.wait(agent.call(_to_rank(agent, to), func, args, kwargs, timeout), timeout)

@@ -109,16 +109,22 @@ class MPITransport:
         self.cuda_aware = detect_cuda_aware()
         self.recv_cache = ReceiveBufferCache()
         self.closed = False
-        #: test hook: called with (dst, envelope) before a send; may sleep to delay it
-        self.send_hook: Callable[[int, Envelope], None] | None = None
+        #: test hook: ``hook(dst, envelope, devices)``; returning True means the hook took
+        #: the message and will call :meth:`send_now` itself (later: delays, reordering)
+        self.send_hook: Callable[[int, Envelope, list[str]], bool] | None = None
         self.messages_sent = 0
         self.messages_received = 0
 
     # ------------------------------------------------------------------ sending
     def send(self, dst: int, env: Envelope, devices: list[str]) -> None:
         """Send ``env`` to rank ``dst``; ``devices[i]`` is where tensor ``i`` lands there."""
-        if self.send_hook is not None:
-            self.send_hook(dst, env)
+        hook = self.send_hook
+        if hook is not None and hook(dst, env, devices):
+            return
+        self.send_now(dst, env, devices)
+
+    def send_now(self, dst: int, env: Envelope, devices: list[str]) -> None:
+        """:meth:`send` without the test hook."""
         self.messages_sent += 1
         if dst == self.rank:
             self._loopback.append(self._loopback_copy(env, devices))

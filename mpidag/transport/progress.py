@@ -180,12 +180,12 @@ class ProgressEngine:
                 while True:
                     if self._stopping and not self._work:
                         return
+                    if self._work:  # queued requests first: nobody else may run them
+                        work = self._work.popleft()
+                        break
                     if not self._leader_busy and self._waiters == 0 and not self._stopping:
                         self._leader_busy = True
                         work = None
-                        break
-                    if self._work:
-                        work = self._work.popleft()
                         break
                     self._idle += 1
                     self._pool_cv.wait()
@@ -208,6 +208,13 @@ class ProgressEngine:
                 with self._lock:
                     self._vacate_locked()
                 return None
+            if self._work:  # queued by a user thread's leadership: run it here
+                with self._lock:
+                    work = self._work.popleft() if self._work else None
+                    if work is not None:
+                        self._vacate_locked(lazy=True)
+                if work is not None:
+                    return work
             try:
                 env = poll()
             except Exception:

@@ -1,0 +1,126 @@
+"""Plot ``benchmarks/results/rpc.json`` as ``benchmarks/results/rpc.png``.
+
+One panel per benchmark row, three bars per panel (raw mpi4py, torch.distributed.rpc,
+mpidag) on a log scale, each bar labelled with its value::
+
+    python benchmarks/plot.py [--json PATH] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402 - after selecting the backend
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+#: (JSON key, legend label, colour), in plotting order.
+IMPLS: list[tuple[str, str, str]] = [
+    ("raw_mpi", "raw mpi4py", "#7f7f7f"),
+    ("torch_rpc", "torch.distributed.rpc (TensorPipe)", "#ee7733"),
+    ("mpidag", "mpidag.rpc", "#0077bb"),
+]
+
+
+def format_value(value: float, unit: str) -> str:
+    """Format a value compactly; microseconds are shown in us, ms or s as fits."""
+    if unit == "us":
+        if value >= 1e6:
+            return f"{value / 1e6:.2f} s"
+        if value >= 1e3:
+            return f"{value / 1e3:.3g} ms"
+        return f"{value:.3g} µs"
+    if unit == "calls/s":
+        return f"{value / 1e3:.3g}k/s" if value >= 1e3 else f"{value:.3g}/s"
+    if unit == "%":
+        return f"{value:.3g} %"
+    return f"{value:.3g} {unit}"
+
+
+def plot_row(ax: Any, name: str, entry: dict[str, Any]) -> None:
+    """Draw one row's three bars (log scale) with value labels into ``ax``."""
+    unit = entry.get("unit", "")
+    gbps = entry.get("GBps") or {}
+    values = [entry.get(key) for key, _, _ in IMPLS]
+    present = [v for v in values if isinstance(v, (int, float)) and v > 0]
+    lo = min(present) if present else 1.0
+    hi = max(present) if present else 10.0
+    floor = 10 ** math.floor(math.log10(lo) - 0.5)
+    top = 10 ** math.ceil(math.log10(hi) + 0.8)
+    ax.set_yscale("log")
+    ax.set_ylim(floor, top)
+    for i, ((key, _, colour), v) in enumerate(zip(IMPLS, values, strict=True)):
+        if v is None:
+            if key in (entry.get("errors") or {}):
+                note = "failed"
+            else:
+                note = "pending" if key == "mpidag" else "n/a"
+            ax.text(i, floor * 1.3, note, ha="center", va="bottom", fontsize=9,
+                    color="#555555", style="italic")
+            continue
+        height = max(float(v), floor * 1.01)
+        ax.bar(i, height, width=0.7, color=colour, edgecolor="black", linewidth=0.5)
+        label = format_value(float(v), unit)
+        if gbps.get(key) is not None:
+            label += f"\n{gbps[key]:.2f} GB/s"
+        ax.text(i, height * 1.15, label, ha="center", va="bottom", fontsize=8.5)
+    better = entry.get("better", "lower")
+    ax.set_title(f"{name}\n({unit}, {better} is better)", fontsize=10)
+    ax.set_xlim(-0.6, len(IMPLS) - 0.4)
+    ax.set_xticks(range(len(IMPLS)))
+    ax.set_xticklabels([key for key, _, _ in IMPLS], fontsize=8.5)
+    ax.tick_params(axis="y", labelsize=8)
+    ax.grid(axis="y", which="major", alpha=0.3)
+    ratio = entry.get("mpidag_vs_torch")
+    if ratio is not None:
+        ax.text(0.98, 0.98, f"mpidag/torch = {ratio:.2f}x", transform=ax.transAxes,
+                ha="right", va="top", fontsize=8, color="#0077bb")
+
+
+def plot(report: dict[str, Any], out: Path) -> None:
+    """Write the figure for ``report`` (the parsed JSON) to ``out``."""
+    rows = list(report["rows"].items())
+    ncols = 4
+    nrows = math.ceil(len(rows) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 4.4 * nrows), squeeze=False)
+    flat = [ax for line in axes for ax in line]
+    for ax, (name, entry) in zip(flat, rows, strict=False):
+        plot_row(ax, name, entry)
+    for ax in flat[len(rows):]:
+        ax.axis("off")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c, ec="black", lw=0.5) for _, _, c in IMPLS]
+    fig.legend(handles, [label for _, label, _ in IMPLS], loc="lower right",
+               bbox_to_anchor=(0.98, 0.08), fontsize=10, frameon=False)
+    m = report.get("machine", {})
+    mpi = str(m.get("mpi", "")).replace(chr(0), "").split(",")[0]
+    machine = (f"{m.get('cores', '?')} cores {m.get('cpu', '')}, torch {m.get('torch', '?')}, "
+               f"mpi4py {m.get('mpi4py', '?')}, {mpi}")
+    quick = "  [--quick]" if report.get("quick") else ""
+    fig.suptitle(f"RPC between 2 MPI ranks on one host — {report.get('date', '')}{quick}\n"
+                 f"{machine}", fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", type=Path, default=RESULTS_DIR / "rpc.json", help="input JSON")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "rpc.png", help="output PNG")
+    args = p.parse_args(argv)
+    plot(json.loads(args.json.read_text()), args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
