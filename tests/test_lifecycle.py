@@ -238,3 +238,21 @@ except RPCError as e:
     print("RANK", r, "RPC-ERROR", "rank 1" in str(e))
 """, timeout=60))
     assert "RANK 1 VALUE-ERROR True" in out and "RANK 0 RPC-ERROR True" in out
+
+
+def test_rref_after_shutdown_and_leak_report(job):
+    out = ok(job(PRELUDE + """
+from mpidag.rpc import api
+rpc.init_rpc()
+me = rpc.get_worker_info().id
+kept = rpc.remote(1 - me, add, args=(torch.ones(2), 1))     # still referenced at shutdown
+assert torch.equal(kept.to_here(timeout=30), torch.full((2,), 2.0))
+rpc.shutdown()
+try:
+    kept.to_here()
+except RuntimeError as e:
+    print("AFTER-SHUTDOWN", type(e).__name__, "init_rpc" in str(e))
+"""))
+    assert out.count("AFTER-SHUTDOWN RPCNotInitializedError True") == 2
+    assert "worker0 (rank 0 of 2): 1 user RRef(s) still referenced at shutdown" in out
+    assert "worker1 (rank 1 of 2): 1 user RRef(s) still referenced at shutdown" in out

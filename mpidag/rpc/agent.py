@@ -65,7 +65,10 @@ class RpcFuture(torch.futures.Future):
             fresh = detached_copy(stored)
             stored.__traceback__ = None
             del stored
-        raise fresh
+        try:
+            raise fresh
+        finally:
+            del fresh  # else this frame -> fresh -> its traceback -> this frame: a cycle
 
 
 @dataclass(slots=True)

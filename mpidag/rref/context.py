@@ -85,6 +85,7 @@ class RRefContext:
         self.lock = threading.RLock()
         #: (rref_id, fork_id or None) of handles Python freed, for the leader to process
         self.releases: collections.deque[tuple[int, int | None]] = collections.deque()
+        self.releasing = 0  # releases taken off the queue whose messages are not sent yet
         self.leaked_at_shutdown = 0
         #: ids of freed owner records, so a repeated message is not taken for an early one
         self._freed: collections.deque[int] = collections.deque(maxlen=FREED_MEMORY)
@@ -102,7 +103,7 @@ class RRefContext:
                     agent.rref_context = ctx
                     agent.shutdown_hooks.append(ctx.release_all_users)
                     agent.tick_hooks.append(ctx.process_releases)
-                    agent.busy_checks.append(lambda: bool(ctx.releases))
+                    agent.busy_checks.append(lambda: bool(ctx.releases) or ctx.releasing > 0)
         return ctx
 
     # ------------------------------------------------------------- owner side
@@ -112,6 +113,17 @@ class RRefContext:
         if rec is None:
             rec = self.owners[rref_id] = OwnerRecord(rref_id)
         return rec
+
+    def existing_or_pending(self, rref_id: int) -> OwnerRecord | None:
+        """The record, made if its creation has not run yet; ``None`` if already freed.
+
+        A fetch can overtake the ``remote()`` call that creates the value: both are
+        dispatched in order but run on different pool threads.
+        """
+        with self.lock:
+            if rref_id in self._freed_set:
+                return None
+            return self.owner_record(rref_id)
 
     def create_local(self, value: Any) -> int:
         """An owner record holding ``value`` at once (``RRef(value)``); returns its id."""
@@ -206,14 +218,20 @@ class RRefContext:
         """Carry out the releases queued by ``RRef.__del__`` (called by the leader)."""
         releases = self.releases
         while releases:
+            with self.lock:  # counted busy from before the pop until its message is sent
+                self.releasing += 1
             try:
-                rref_id, fork_id = releases.popleft()
-            except IndexError:
-                return
-            if fork_id is None:
-                self.drop_local_handle(rref_id)
-            else:
-                self.release_user(fork_id)
+                try:
+                    rref_id, fork_id = releases.popleft()
+                except IndexError:
+                    return
+                if fork_id is None:
+                    self.drop_local_handle(rref_id)
+                else:
+                    self.release_user(fork_id)
+            finally:
+                with self.lock:
+                    self.releasing -= 1
 
     # -------------------------------------------------------------- user side
     def add_user(self, rref_id: int, fork_id: int, owner: int, confirmed: bool) -> UserRecord:

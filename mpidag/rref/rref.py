@@ -174,7 +174,7 @@ def _live_agent(rref: RRef):
 
 
 def _owner_value(ctx: RRefContext, rref_id: int) -> Any:
-    rec = ctx.owners.get(rref_id)
+    rec = ctx.existing_or_pending(rref_id)
     if rec is None:
         raise RPCError(f"the value of RRef 0x{rref_id:x} no longer exists on its owner "
                        f"{ctx.agent.info.name}")
@@ -187,7 +187,7 @@ def _owner_value(ctx: RRefContext, rref_id: int) -> Any:
 def _fetch(rref_id: int) -> torch.futures.Future:
     """On the owner: a future of the value, answered when the value exists."""
     ctx = RRefContext.of(current_agent())
-    rec = ctx.owners.get(rref_id)
+    rec = ctx.existing_or_pending(rref_id)
     if rec is None:
         fut = torch.futures.Future()
         fut.set_exception(RPCError(
