@@ -283,6 +283,10 @@ class Impl:
         """Time ``n`` sequential echoes of ``x``; with ``check``, verify the data came back."""
         return None
 
+    def rref_batch(self, x: torch.Tensor, n: int, check: bool = False) -> float | None:
+        """Time ``n`` sequential ``remote(identity, x).to_here()``; ``None`` if unsupported."""
+        return None
+
 
 class RawMPI(Impl):
     """mpi4py point to point on the private communicator; rank 1 runs an echo server."""
@@ -421,6 +425,19 @@ class _RpcImpl(Impl):
         return elapsed
 
 
+    def rref_batch(self, x: torch.Tensor, n: int, check: bool = False) -> float | None:
+        remote, to = self.rpc.remote, self.peer()
+        y = None
+        t0 = time.perf_counter()
+        for _ in range(n):
+            y = remote(to, identity, args=(x,), timeout=RPC_TIMEOUT_S).to_here(
+                timeout=RPC_TIMEOUT_S)
+        elapsed = time.perf_counter() - t0
+        if check and not (isinstance(y, torch.Tensor) and torch.equal(y, x)):
+            raise AssertionError(f"{self.key} remote().to_here() returned a different tensor")
+        return elapsed
+
+
 class TorchRPC(_RpcImpl):
     """``torch.distributed.rpc`` with TensorPipe; rendezvous on a port agreed through MPI."""
 
@@ -529,17 +546,20 @@ def measure_async_rate(impl: Impl, cfg: Config) -> Measurement:
     )
 
 
-def make_echo_measure(nbytes: int) -> Callable[[Impl, Config], Measurement]:
-    """Build the measure function of the ``nbytes`` echo row (float32 tensor, identity)."""
+def make_echo_measure(nbytes: int, method: str = "echo_batch"
+                      ) -> Callable[[Impl, Config], Measurement]:
+    """Build the measure function of the ``nbytes`` echo row (float32 tensor, identity);
+    ``method`` names the Impl batch method (``echo_batch`` or ``rref_batch``)."""
 
     def measure(impl: Impl, cfg: Config) -> Measurement:
         r = cfg.echo[nbytes]
+        batch = getattr(impl, method)
         x = torch.arange(nbytes // 4, dtype=torch.float32)
-        first = impl.echo_batch(x, 1, check=True)  # correctness check, also a warm-up call
+        first = batch(x, 1, check=True)  # correctness check, also a warm-up call
         if first is None:
             return Measurement(None)
         rest = Reps(max(r.warmup - 1, 0), r.reps, r.calls)
-        times = _repeat(lambda n: impl.echo_batch(x, n), rest)
+        times = _repeat(lambda n: batch(x, n), rest)
         assert times is not None
         per_call = [t / r.calls for t in times]
         med = statistics.median(per_call)
@@ -570,6 +590,13 @@ for _nbytes in (KiB, MiB, 64 * MiB, GiB):
         f"echo_{_size_label(_nbytes)}_us", "us", "lower", make_echo_measure(_nbytes),
         f"rpc_sync(identity, float32 tensor of {_size_label(_nbytes)}): median microseconds "
         "per round trip; GB/s = 2*bytes/time",
+    ))
+for _nbytes in (KiB, 64 * MiB):
+    ROWS.append(Row(
+        f"rref_{_size_label(_nbytes)}_us", "us", "lower",
+        make_echo_measure(_nbytes, "rref_batch"),
+        f"remote(identity, float32 tensor of {_size_label(_nbytes)}).to_here(): median "
+        "microseconds per remote + fetch; GB/s = 2*bytes/time",
     ))
 IDLE_ROW = Row("idle_cpu_percent", "%", "lower", lambda impl, cfg: Measurement(None),
                "CPU time of rank 1 (all threads) over ~2 s idle after init, % of one core")
