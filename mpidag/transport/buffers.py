@@ -47,8 +47,9 @@ class ReceiveBufferCache:
         if limit is None:
             limit = int(float(os.environ.get("MPIDAG_RECV_CACHE_MB", "1024")) * (1 << 20))
         self.limit = limit
-        self._free: dict[int, list[mmap.mmap]] = collections.defaultdict(list)
-        self._order: collections.deque[tuple[int, mmap.mmap]] = collections.deque()
+        # free blocks by size class, each an LRU (oldest first) keyed by id(block)
+        self._free: dict[int, collections.OrderedDict[int, mmap.mmap]] = {}
+        self._lru: collections.OrderedDict[int, int] = collections.OrderedDict()  # id -> size
         self._free_bytes = 0
         self._lock = threading.Lock()
         self.hits = 0
@@ -63,7 +64,8 @@ class ReceiveBufferCache:
         with self._lock:
             free = self._free.get(size)
             if free:
-                block = free.pop()
+                key, block = free.popitem()  # the most recently freed: warmest in cache
+                del self._lru[key]
                 self._free_bytes -= size
                 self.hits += 1
         if block is None:
@@ -80,20 +82,16 @@ class ReceiveBufferCache:
 
     def _release(self, size: int, block: mmap.mmap) -> None:
         with self._lock:
-            self._free[size].append(block)
-            self._order.append((size, block))
+            if self.limit <= 0:
+                return
+            key = id(block)
+            self._free.setdefault(size, collections.OrderedDict())[key] = block
+            self._lru[key] = size
             self._free_bytes += size
-            while self._free_bytes > self.limit and self._order:
-                old_size, old = self._order.popleft()
-                bucket = self._free.get(old_size)
-                if bucket and old in bucket:
-                    bucket.remove(old)
-                    self._free_bytes -= old_size
-            # forget order entries of blocks that were handed out again
-            if len(self._order) > 4 * (sum(len(v) for v in self._free.values()) + 1):
-                live = {id(b) for v in self._free.values() for b in v}
-                self._order = collections.deque((s, b) for s, b in self._order
-                                                if id(b) in live)
+            while self._free_bytes > self.limit and self._lru:
+                old_key, old_size = self._lru.popitem(last=False)  # least recently freed
+                del self._free[old_size][old_key]
+                self._free_bytes -= old_size
 
     @property
     def free_bytes(self) -> int:
@@ -102,5 +100,5 @@ class ReceiveBufferCache:
     def clear(self) -> None:
         with self._lock:
             self._free.clear()
-            self._order.clear()
+            self._lru.clear()
             self._free_bytes = 0
