@@ -197,23 +197,8 @@ def _fetch(rref_id: int) -> torch.futures.Future:
     return rec.value
 
 
-def _run_on_owner(rref_id: int, creator_fork: int, func: Callable, args: tuple,
-                  kwargs: dict) -> None:
-    """On the owner: count the creator's fork, run the function, store the value."""
-    ctx = RRefContext.of(current_agent())
-    ctx.register_fork(rref_id, creator_fork)
-    try:
-        value = func(*args, **kwargs)
-    except Exception as exc:
-        ctx.finish_creation(rref_id, error=exc)
-        raise
-    if getattr(func, "_wrapped_async_rpc_function", None) is not None and isinstance(
-            value, torch._C.Future):
-        value = value.wait()
-    ctx.finish_creation(rref_id, value=value)
-
-
-def _run_on_self(rref_id: int, func: Callable, args: tuple, kwargs: dict) -> None:
+def _make_value(rref_id: int, func: Callable, args: tuple, kwargs: dict) -> None:
+    """On the owner: run the function behind ``remote()`` and store its value or error."""
     ctx = RRefContext.of(current_agent())
     try:
         value = func(*args, **kwargs)
@@ -222,8 +207,15 @@ def _run_on_self(rref_id: int, func: Callable, args: tuple, kwargs: dict) -> Non
             value = value.wait()
     except Exception as exc:
         ctx.finish_creation(rref_id, error=exc)
-        raise
+        raise  # the caller of remote() learns of it too
     ctx.finish_creation(rref_id, value=value)
+
+
+def _run_on_owner(rref_id: int, creator_fork: int, func: Callable, args: tuple,
+                  kwargs: dict) -> None:
+    """On the owner: count the creator's fork, then make the value."""
+    RRefContext.of(current_agent()).register_fork(rref_id, creator_fork)
+    _make_value(rref_id, func, args, kwargs)
 
 
 def remote(to: str | WorkerInfo | int, func: Callable, args: tuple | None = None,
@@ -248,7 +240,7 @@ def remote(to: str | WorkerInfo | int, func: Callable, args: tuple | None = None
         with ctx.lock:
             ctx.owner_record(rref_id).local_handles += 1
         handle = RRef._handle(ctx, rref_id, dst, None)
-        fut = agent.call(dst, _run_on_self, (rref_id, func, args, kwargs), {}, timeout)
+        fut = agent.call(dst, _make_value, (rref_id, func, args, kwargs), {}, timeout)
         fut.add_done_callback(lambda f: _creation_timeout(ctx, rref_id, f))
         return handle
     fork_id = agent.ids.next()
