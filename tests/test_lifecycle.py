@@ -256,3 +256,38 @@ except RuntimeError as e:
     assert out.count("AFTER-SHUTDOWN RPCNotInitializedError True") == 2
     assert "worker0 (rank 0 of 2): 1 user RRef(s) still referenced at shutdown" in out
     assert "worker1 (rank 1 of 2): 1 user RRef(s) still referenced at shutdown" in out
+
+
+def test_sigusr1_dumps_stacks_and_calls_in_flight(job):
+    out = ok(job(PRELUDE + """
+import os, signal
+rpc.init_rpc()
+me = rpc.get_worker_info().id
+if me == 0:
+    fut = rpc.rpc_async("worker1", slow, args=(1.0, 1), timeout=30)
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(0.1)   # the Python part of the report runs between bytecodes
+    assert fut.wait() == 1
+rpc.shutdown()
+""", env={"MPIDAG_LOG": "info"}))
+    assert "Current thread" in out or "Thread 0x" in out  # faulthandler's stacks
+    assert "=== mpidag state of worker0 (rank 0 of 2) ===" in out
+    assert "calls in flight: 1" in out and "slow -> worker1" in out
+
+
+def test_mpidag_log_prefixes_the_rank_and_rejects_bad_levels(job):
+    out = ok(job(PRELUDE + """
+rpc.init_rpc()
+me = rpc.get_worker_info().id
+assert rpc.rpc_sync(1 - me, add, args=(1, 1), timeout=10) == 2
+print("DONE", me)
+""", env={"MPIDAG_LOG": "info"}))
+    assert "[mpidag r0] WARNING mpidag.rpc.api:" in out and "[mpidag r1] WARNING" in out
+    bad = ok(job(PRELUDE + """
+try:
+    rpc.init_rpc()
+except ValueError as e:
+    print("BAD-LEVEL", "not a log level" in str(e))
+""", env={"MPIDAG_LOG": "loud"}))
+    assert bad.count("BAD-LEVEL True") == 2

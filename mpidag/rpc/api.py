@@ -104,6 +104,13 @@ def init_rpc(
                 problem = exc
         transport = MPITransport()
         my_rank, size = transport.rank, transport.size
+        from mpidag._debug import configure_logging
+
+        if problem is None:
+            try:
+                configure_logging(my_rank)
+            except ValueError as exc:
+                problem = exc
         if problem is None and rank not in (-1, None) and rank != my_rank:
             problem = ValueError(
                 f"init_rpc(rank={rank!r}) but this process is MPI rank {my_rank} of {size}: "
@@ -194,11 +201,9 @@ def _install_process_hooks() -> None:
         return
     _hooks_installed = True
     atexit.register(_shutdown_at_exit)
-    import faulthandler
-    import signal
+    from mpidag._debug import install_signal_dump
 
-    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack
-        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
+    install_signal_dump()  # `kill -USR1 <pid>`: thread stacks, calls in flight, RRefs
     previous = sys.excepthook
 
     def abort_on_uncaught(exc_type, exc, tb):

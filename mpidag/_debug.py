@@ -1,0 +1,113 @@
+"""Observability: ``MPIDAG_LOG`` rank-prefixed logging and the SIGUSR1 state dump.
+
+``MPIDAG_LOG=debug|info|warning|error`` attaches a handler to the ``mpidag`` logger (only
+to it: the library never configures the root logger) whose lines name the rank::
+
+    [mpidag r1] WARNING mpidag.rpc.api: worker1 (rank 1 of 2) exits without ...
+
+``kill -USR1 <pid>`` on a rank prints every thread's stack (``faulthandler``, which works
+even when Python is stuck in a C call) and then, as soon as the main thread runs Python
+again, the agent's state: calls in flight with their age, the progress engine, RRefs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mpidag.rpc.agent import RpcAgent
+
+__all__ = ["configure_logging", "state_report", "install_signal_dump"]
+
+LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+          "error": logging.ERROR}
+
+
+def configure_logging(rank: int) -> None:
+    """Attach a rank-prefixed stderr handler to ``mpidag`` if ``MPIDAG_LOG`` asks for one.
+
+    Example::
+
+        $ MPIDAG_LOG=info python -m mpidag.run -n 2 prog.py
+    """
+    wanted = os.environ.get("MPIDAG_LOG", "").strip().lower()
+    if not wanted:
+        return
+    level = LEVELS.get(wanted)
+    if level is None:
+        raise ValueError(f"MPIDAG_LOG={wanted!r} is not a log level; use one of "
+                         f"{sorted(LEVELS)}")
+    logger = logging.getLogger("mpidag")
+    for handler in list(logger.handlers):
+        if getattr(handler, "_mpidag", False):
+            logger.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    handler._mpidag = True  # type: ignore[attr-defined]
+    handler.setFormatter(logging.Formatter(f"[mpidag r{rank}] %(levelname)s %(name)s: "
+                                           f"%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level)
+
+
+def state_report(agent: RpcAgent) -> str:
+    """A readable snapshot of the agent: calls in flight, engine, RRefs.
+
+    Example::
+
+        >>> print(state_report(mpidag.rpc.api.current_agent()))  # doctest: +SKIP
+        === mpidag state of worker0 (rank 0 of 2) ===
+        calls in flight: 1
+          0x17 tests.f.slow -> worker1, 3.2 s, timeout 60 s
+    """
+    now = time.monotonic()
+    engine = agent.engine
+    lines = [f"=== mpidag state of {agent.where()} ==="]
+    pending = list(agent._pending.items())
+    lines.append(f"calls in flight: {len(pending)}")
+    for request_id, call in pending[:50]:
+        started = call.deadline - call.seconds if call.deadline else None
+        age = f"{now - started:.1f} s" if started is not None else "no timeout"
+        lines.append(f"  0x{request_id:x} {call.what} -> {agent.workers[call.dst].name}, "
+                     f"{age}, timeout {call.seconds:g} s")
+    lines.append(f"progress: leader busy={engine._leader_busy} waiting user threads="
+                 f"{engine._waiters} idle pool threads={engine._idle} queued requests="
+                 f"{len(engine._work)} running requests={engine._running_work}")
+    lines.append(f"messages: sent={agent.sent} handled={agent.processed}")
+    ctx = getattr(agent, "rref_context", None)
+    if ctx is not None:
+        lines.append("rrefs: " + ", ".join(f"{k}={v}" for k, v in ctx.debug_info().items()))
+    return "\n".join(lines)
+
+
+_installed = False
+
+
+def install_signal_dump() -> None:
+    """``kill -USR1 <pid>``: thread stacks (faulthandler) and then :func:`state_report`."""
+    global _installed
+    import signal
+
+    if _installed or not hasattr(signal, "SIGUSR1"):
+        return
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set from the main thread
+    _installed = True
+    import faulthandler
+
+    def report(signum, frame) -> None:
+        from mpidag.rpc import api
+
+        agent = api._agent
+        text = state_report(agent) if agent is not None else "=== mpidag: RPC not running ==="
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+    signal.signal(signal.SIGUSR1, report)
+    # the C-level dump first (works while Python is blocked), then the handler above
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
