@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import random
+import time
 
 import pytest
 import torch
@@ -66,6 +67,10 @@ def test_remote_and_to_here(world):
     assert rref.owner() == rpc.get_worker_info(world.next)
     assert rref.owner_name() == world.next
     torch.testing.assert_close(rref.to_here(timeout=30), torch.full((2,), 4.0))
+    # the owner's answer to remote() may arrive after the fetched value: wait for it
+    deadline = time.monotonic() + 10
+    while not rref.confirmed_by_owner() and time.monotonic() < deadline:
+        time.sleep(0.001)
     assert rref.confirmed_by_owner()
     del rref
     assert_no_rrefs_anywhere(world)
