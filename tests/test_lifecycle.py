@@ -185,13 +185,13 @@ if me == 0:
     try:
         rpc.shutdown(timeout=1.0)
     except RPCTimeoutError as e:
-        took = round(time.monotonic() - t0, 1)
-        print("SHUTDOWN-TIMEOUT", took, "did not call shutdown" in str(e))
+        took = time.monotonic() - t0
+        print("SHUTDOWN-TIMEOUT", 1.0 <= took < 3.0, "did not call shutdown" in str(e))
 else:
     time.sleep(3.0)
     rpc.shutdown(graceful=False)
 """, timeout=60))
-    assert "SHUTDOWN-TIMEOUT 1.0 True" in out
+    assert "SHUTDOWN-TIMEOUT True True" in out  # within the timeout plus a margin
 
 
 def test_uncaught_error_on_one_rank_ends_the_job_instead_of_hanging(job):
