@@ -1,16 +1,22 @@
 """Helpers for tests of mpidag programs (and of mpidag itself).
 
+The pytest fixtures built on these are in :mod:`mpidag.pytest_plugin` (loaded by pytest
+automatically where mpidag is installed). All functions here except
+:func:`delayed_control_messages` are collective: every rank calls them.
+
 Example::
 
     from mpidag import testing
     with testing.delayed_control_messages(max_delay=0.01, seed=rank):
         ...  # RRef protocol messages now arrive late and out of order
-    testing.quiesce()   # collective: every rank here, nothing in flight
+    testing.quiesce()          # every rank here, nothing in flight
+    testing.assert_no_leaks()  # no RRef, pending user or call left on any rank
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import heapq
 import itertools
 import random
@@ -21,12 +27,72 @@ from collections.abc import Iterator
 from mpidag.rpc.api import current_agent
 from mpidag.rpc.messages import Kind
 
-__all__ = ["quiesce", "delayed_control_messages"]
+__all__ = ["quiesce", "settle", "leak_report", "assert_no_leaks", "delayed_control_messages"]
+
+#: counters of :func:`mpidag.rpc.api._get_debug_info` that must be 0 when nothing leaks
+LEAK_COUNTERS = ("num_owner_rrefs", "num_user_rrefs", "num_pending_users",
+                 "num_pending_children", "num_pending_requests")
 
 
 def quiesce(timeout: float = 60.0) -> None:
     """Collective: return when every rank called this and no message is in flight."""
     current_agent().wait_quiescent(timeout)
+
+
+def _sum_over_ranks(values: list[int], timeout: float) -> list[int]:
+    agent = current_agent()
+    wait = agent.collective_waiter(timeout, "a rank did not reach the same mpidag.testing call")
+    return agent.transport.allreduce_sum(values, wait)
+
+
+def settle(timeout: float = 60.0, rounds: int = 10) -> None:
+    """Collective: collect garbage and drain messages until no rank frees anything more.
+
+    Garbage cycles that hold RRefs (tracebacks, frames) are only freed when the collector
+    runs, and freeing them sends protocol messages; this repeats collect-and-quiesce until
+    a round in which no rank's collector found anything.
+    """
+    for _ in range(rounds):
+        found = gc.collect()
+        quiesce(timeout)
+        if _sum_over_ranks([found], timeout)[0] == 0:
+            return
+
+
+def leak_report(timeout: float = 60.0) -> dict[int, dict[str, int]]:
+    """Collective: after :func:`settle`, the non-zero leak counters of every rank.
+
+    Example::
+
+        >>> testing.leak_report()
+        {}
+        >>> keep = rpc.remote("worker1", torch.ones, args=(2,)); testing.leak_report()
+        {0: {'num_user_rrefs': 1}, 1: {'num_owner_rrefs': 1}}
+    """
+    from mpidag.rpc.api import _get_debug_info
+
+    settle(timeout)
+    agent = current_agent()
+    k = len(LEAK_COUNTERS)
+    mine = _get_debug_info()
+    values = [0] * (agent.world_size * k)
+    values[agent.rank * k:(agent.rank + 1) * k] = [int(mine[c]) for c in LEAK_COUNTERS]
+    totals = _sum_over_ranks(values, timeout)
+    report: dict[int, dict[str, int]] = {}
+    for rank in range(agent.world_size):
+        row = {c: v for c, v in zip(LEAK_COUNTERS, totals[rank * k:(rank + 1) * k],
+                                    strict=True) if v}
+        if row:
+            report[rank] = row
+    quiesce(timeout)  # no rank goes on while another still counts
+    return report
+
+
+def assert_no_leaks(timeout: float = 60.0) -> None:
+    """Collective: raise ``AssertionError`` on every rank if any rank leaks (see above)."""
+    report = leak_report(timeout)
+    if report:
+        raise AssertionError(f"mpidag left RRefs or calls alive: {report} (by rank)")
 
 
 class _DelayedSender:

@@ -7,7 +7,6 @@ import gc
 import torch
 
 import mpidag.rpc as rpc
-from mpidag.rpc import api
 
 FREED: list[str] = []
 
@@ -36,10 +35,6 @@ def make_tracked(tag, payload=None):
 def freed_tags():
     gc.collect()
     return list(FREED)
-
-
-def debug_info():
-    return api._get_debug_info()
 
 
 def fetch(rref):
@@ -83,55 +78,3 @@ def make_rref_here(tag):
     """Runs on one rank, returns an RRef owned by that rank to the caller."""
     return rpc.RRef(Tracked(tag, torch.arange(3.0)))
 
-
-def owner_records():
-    from mpidag.rref.context import RRefContext
-
-    gc.collect()
-    ctx = RRefContext.of(api.current_agent())
-    ctx.process_releases()
-    return [(hex(r.rref_id), sorted(map(hex, r.forks)), sorted(map(hex, r.pending)),
-             sorted(map(hex, r.tombstones)), r.local_handles, r.created)
-            for r in ctx.owners.values()]
-
-
-def user_records():
-    from mpidag.rref.context import RRefContext
-
-    gc.collect()
-    ctx = RRefContext.of(api.current_agent())
-    ctx.process_releases()
-    return [(hex(r.rref_id), hex(r.fork_id), r.confirmed, sorted(map(hex, r.pending_children)),
-             r.released, r.delete_sent) for r in ctx.users.values()]
-
-
-def handle_holders():
-    """Debug aid: for each live RRef handle, the types of the objects referring to it."""
-    from mpidag.rref.rref import RRef
-
-    gc.collect()
-    out = []
-    for obj in gc.get_objects():
-        if isinstance(obj, RRef):
-            refs = []
-            for r in gc.get_referrers(obj):
-                if type(r).__name__ == "list" and len(r) > 1000:
-                    continue
-                name = type(r).__name__
-                if name == "frame":
-                    name += ":" + r.f_code.co_name + ":" + str(r.f_lineno)
-                elif name == "cell":
-                    name += ":" + str([type(x).__name__ for x in gc.get_referrers(r)][:3])
-                refs.append(name)
-            in_futures = []
-            for f in gc.get_objects():
-                if isinstance(f, torch._C.Future) and f.done():
-                    try:
-                        v = f.value()
-                    except Exception:
-                        continue
-                    items = v if isinstance(v, (tuple, list)) else [v]
-                    if any(x is obj for x in items):
-                        in_futures.append((type(f).__name__, len(gc.get_referrers(f))))
-            out.append((hex(obj._rref_id), refs[:6], in_futures))
-    return out

@@ -18,170 +18,155 @@ from tests.test_frames import DTYPES, sample
 pytestmark = pytest.mark.mpi(min_size=2)
 
 
-@pytest.fixture(scope="module")
-def world():
-    rpc.init_rpc()
-    me = rpc.get_worker_info()
-    from mpi4py import MPI
-
-    class World:
-        rank = me.id
-        size = MPI.COMM_WORLD.Get_size()
-        name = me.name
-        next = f"worker{(me.id + 1) % MPI.COMM_WORLD.Get_size()}"
-        prev = f"worker{(me.id - 1) % MPI.COMM_WORLD.Get_size()}"
-
-    yield World
-    rpc.shutdown()
-
-
-def test_sync_to_every_rank_by_name_rank_and_workerinfo(world):
-    for dst in range(world.size):
+def test_sync_to_every_rank_by_name_rank_and_workerinfo(rpc_world):
+    for dst in range(rpc_world.size):
         info = rpc.get_worker_info(f"worker{dst}")
         assert info.id == dst and info.name == f"worker{dst}"
         for to in (f"worker{dst}", dst, info):
             assert rpc.rpc_sync(to, f.whoami, timeout=10) == f"worker{dst}"
-            assert rpc.rpc_sync(to, f.add, args=(world.rank, 10), timeout=10) == world.rank + 10
+            got = rpc.rpc_sync(to, f.add, args=(rpc_world.rank, 10), timeout=10)
+            assert got == rpc_world.rank + 10
 
 
-def test_kwargs_and_builtin_functions(world):
-    out = rpc.rpc_sync(world.next, torch.add, args=(torch.ones(3),), kwargs={"other": 2},
+def test_kwargs_and_builtin_functions(rpc_world):
+    out = rpc.rpc_sync(rpc_world.next, torch.add, args=(torch.ones(3),), kwargs={"other": 2},
                        timeout=10)
     torch.testing.assert_close(out, torch.full((3,), 3.0))
 
 
-def test_async_many_in_flight_to_all_ranks(world):
-    futs = [rpc.rpc_async(i % world.size, f.add, args=(i, 1), timeout=30) for i in range(500)]
+def test_async_many_in_flight_to_all_ranks(rpc_world):
+    futs = [rpc.rpc_async(i % rpc_world.size, f.add, args=(i, 1), timeout=30) for i in range(500)]
     assert isinstance(futs[0], torch.futures.Future)
     assert [fut.wait() for fut in futs] == [i + 1 for i in range(500)]
-    futs = [rpc.rpc_async(world.next, f.add, args=(i, 2), timeout=30) for i in range(200)]
+    futs = [rpc.rpc_async(rpc_world.next, f.add, args=(i, 2), timeout=30) for i in range(200)]
     assert torch.futures.wait_all(futs) == [i + 2 for i in range(200)]
 
 
-def test_future_then_and_callbacks(world):
-    fut = rpc.rpc_async(world.next, f.add, args=(1, 2), timeout=10)
+def test_future_then_and_callbacks(rpc_world):
+    fut = rpc.rpc_async(rpc_world.next, f.add, args=(1, 2), timeout=10)
     chained = fut.then(lambda x: x.value() * 10)
     assert chained.wait() == 30
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_tensor_dtypes_round_trip(world, dtype):
+def test_tensor_dtypes_round_trip(rpc_world, dtype):
     small, big = sample(dtype), sample(dtype, (300, 120))
-    a, b = rpc.rpc_sync(world.next, f.identity, args=((small, big),), timeout=30)
+    a, b = rpc.rpc_sync(rpc_world.next, f.identity, args=((small, big),), timeout=30)
     for sent, got in ((small, a), (big, b)):
         assert got.dtype == sent.dtype and got.shape == sent.shape
         assert torch.equal(got.view(torch.uint8), sent.view(torch.uint8))
 
 
-def test_views_noncontiguous_zero_size_and_structure(world):
+def test_views_noncontiguous_zero_size_and_structure(rpc_world):
     base = torch.arange(120.0).reshape(10, 12)
     views = {"t": base.t(), "strided": base[::3, 1::4], "row": base[7], "empty": base[:0],
              "scalar": torch.tensor(5.5), "expanded": torch.ones(1, 4).expand(1000, 4)}
-    got = rpc.rpc_sync(world.next, f.identity, args=(views,), timeout=30)
+    got = rpc.rpc_sync(rpc_world.next, f.identity, args=(views,), timeout=30)
     for key, sent in views.items():
         torch.testing.assert_close(got[key], sent)
     t = torch.randn(4, requires_grad=True)
-    desc = rpc.rpc_sync(world.next, f.describe_tensors,
+    desc = rpc.rpc_sync(rpc_world.next, f.describe_tensors,
                         args=({"a": t, "b": torch.zeros(2), "nested": [t]},), timeout=10)
     assert desc == {"same": True, "shapes": [(4,), (2,)], "requires_grad": [True, False]}
 
 
 @pytest.mark.parametrize("nbytes", [1024, 1 << 20, 64 << 20])
-def test_tensor_echo_sizes(world, nbytes):
+def test_tensor_echo_sizes(rpc_world, nbytes):
     x = torch.randn(nbytes // 4)
-    y = rpc.rpc_sync(world.next, f.identity, args=(x,), timeout=60)
+    y = rpc.rpc_sync(rpc_world.next, f.identity, args=(x,), timeout=60)
     assert torch.equal(x, y)
-    y2 = rpc.rpc_sync(world.next, f.identity, args=(x * 2,), timeout=60)  # recycled buffers
+    y2 = rpc.rpc_sync(rpc_world.next, f.identity, args=(x * 2,), timeout=60)  # recycled buffers
     assert torch.equal(x * 2, y2) and torch.equal(x, y)
 
 
-def test_tensor_larger_than_2gib(world):
-    if world.rank != 0:
+def test_tensor_larger_than_2gib(rpc_world):
+    if rpc_world.rank != 0:
         return
     nbytes = (1 << 31) + (1 << 20)  # past the int32 count limit of MPI 3 calls
-    n, strided_sum, last, dtype = rpc.rpc_sync(world.next, f.big_tensor_check,
+    n, strided_sum, last, dtype = rpc.rpc_sync(rpc_world.next, f.big_tensor_check,
                                                args=(f.make_big(nbytes),), timeout=120)
     expected = f.make_big(nbytes)
     assert n == expected.numel() and dtype == torch.int32
     assert last == float(expected[-1])
     assert strided_sum == float(expected[:: 1 << 20].double().sum())
     del expected
-    back = rpc.rpc_sync(world.next, f.make_big, args=(nbytes,), timeout=120)
+    back = rpc.rpc_sync(rpc_world.next, f.make_big, args=(nbytes,), timeout=120)
     assert back.numel() == nbytes // 4 and int(back[-1]) == nbytes // 4 - 1
 
 
-def test_calls_to_self(world):
+def test_calls_to_self(rpc_world):
     t = torch.randn(3)
-    out = rpc.rpc_sync(world.name, f.identity, args=(t,), timeout=10)
+    out = rpc.rpc_sync(rpc_world.name, f.identity, args=(t,), timeout=10)
     assert torch.equal(out, t) and out is not t  # copy semantics, as for remote calls
-    assert rpc.rpc_async(world.rank, f.add, args=(1, 1), timeout=10).wait() == 2
+    assert rpc.rpc_async(rpc_world.rank, f.add, args=(1, 1), timeout=10).wait() == 2
 
 
-def test_nested_calls_and_cycles(world):
-    assert rpc.rpc_sync(world.next, f.nested_add, args=(world.prev, 2, 3), timeout=30) == 6
+def test_nested_calls_and_cycles(rpc_world):
+    assert rpc.rpc_sync(rpc_world.next, f.nested_add, args=(rpc_world.prev, 2, 3), timeout=30) == 6
     # A -> B -> A -> B -> A: each hop is a nested rpc_sync back to the caller
-    path = rpc.rpc_sync(world.next, f.call_back_to, args=(world.name, 4), timeout=60)
-    assert path == [world.next, world.name] * 2 + [world.next]
+    path = rpc.rpc_sync(rpc_world.next, f.call_back_to, args=(rpc_world.name, 4), timeout=60)
+    assert path == [rpc_world.next, rpc_world.name] * 2 + [rpc_world.next]
 
 
-def test_concurrent_cycles_from_every_rank(world):
-    futs = [rpc.rpc_async(world.next, f.call_back_to, args=(world.name, 3), timeout=60)
+def test_concurrent_cycles_from_every_rank(rpc_world):
+    futs = [rpc.rpc_async(rpc_world.next, f.call_back_to, args=(rpc_world.name, 3), timeout=60)
             for _ in range(8)]
     for fut in futs:
-        assert fut.wait() == [world.next, world.name, world.next, world.name]
+        assert fut.wait() == [rpc_world.next, rpc_world.name, rpc_world.next, rpc_world.name]
 
 
-def test_async_execution(world):
+def test_async_execution(rpc_world):
     x = torch.ones(2)
-    out = rpc.rpc_sync(world.next, f.async_add_chained, args=(world.prev, x, 1, 1), timeout=30)
+    out = rpc.rpc_sync(rpc_world.next, f.async_add_chained, args=(rpc_world.prev, x, 1, 1),
+                       timeout=30)
     torch.testing.assert_close(out, torch.full((2,), 3.0))
     with pytest.raises(ValueError, match="inner failure"):
-        rpc.rpc_sync(world.next, f.async_fail, args=(world.prev,), timeout=30)
+        rpc.rpc_sync(rpc_world.next, f.async_fail, args=(rpc_world.prev,), timeout=30)
     with pytest.raises(TypeError, match="must return a torch.futures.Future"):
-        rpc.rpc_sync(world.next, f.async_not_a_future, timeout=30)
+        rpc.rpc_sync(rpc_world.next, f.async_not_a_future, timeout=30)
 
 
-def test_remote_exception_keeps_type_message_and_traceback(world):
+def test_remote_exception_keeps_type_message_and_traceback(rpc_world):
     with pytest.raises(ValueError, match="bad input 7") as info:
-        rpc.rpc_sync(world.next, f.raise_value_error, args=("bad input 7",), timeout=10)
+        rpc.rpc_sync(rpc_world.next, f.raise_value_error, args=("bad input 7",), timeout=10)
     cause = info.value.__cause__
     assert isinstance(cause, RemoteTraceback)
-    assert f"Remote traceback from {world.next}" in str(cause)
+    assert f"Remote traceback from {rpc_world.next}" in str(cause)
     assert "raise_value_error" in str(cause)
-    fut = rpc.rpc_async(world.next, f.raise_custom, args=(17,), timeout=10)
+    fut = rpc.rpc_async(rpc_world.next, f.raise_custom, args=(17,), timeout=10)
     with pytest.raises(f.CustomError) as info:
         fut.wait()
     assert info.value.code == 17 and info.value.detail == "custom detail"
 
 
-def test_timeout_raises_in_time_and_agent_stays_usable(world):
+def test_timeout_raises_in_time_and_agent_stays_usable(rpc_world):
     start = time.monotonic()
     with pytest.raises(RPCTimeoutError, match="timeout") as info:
-        rpc.rpc_sync(world.next, f.sleep_then, args=(1.5, "late"), timeout=0.3)
+        rpc.rpc_sync(rpc_world.next, f.sleep_then, args=(1.5, "late"), timeout=0.3)
     elapsed = time.monotonic() - start
     assert isinstance(info.value, TimeoutError) and isinstance(info.value, RuntimeError)
     assert 0.3 <= elapsed < 1.2, elapsed
-    fut = rpc.rpc_async(world.next, f.sleep_then, args=(1.5, "late"), timeout=0.3)
+    fut = rpc.rpc_async(rpc_world.next, f.sleep_then, args=(1.5, "late"), timeout=0.3)
     start = time.monotonic()
     with pytest.raises(TimeoutError):
         fut.wait()
     assert time.monotonic() - start < 1.2
     # an un-waited future also fails on its own, through the progress engine
-    fut = rpc.rpc_async(world.next, f.sleep_then, args=(1.0, "late"), timeout=0.2)
+    fut = rpc.rpc_async(rpc_world.next, f.sleep_then, args=(1.0, "late"), timeout=0.2)
     time.sleep(0.5)
     assert fut.done()
     with pytest.raises(TimeoutError):
         fut.wait()
-    assert rpc.rpc_sync(world.next, f.add, args=(1, 1), timeout=10) == 2
+    assert rpc.rpc_sync(rpc_world.next, f.add, args=(1, 1), timeout=10) == 2
     time.sleep(1.2)  # the late replies arrive and are dropped
-    assert rpc.rpc_sync(world.next, f.add, args=(2, 2), timeout=10) == 4
+    assert rpc.rpc_sync(rpc_world.next, f.add, args=(2, 2), timeout=10) == 4
 
 
-def test_zero_timeout_means_no_timeout(world):
-    assert rpc.rpc_sync(world.next, f.sleep_then, args=(0.2, "ok"), timeout=0) == "ok"
+def test_zero_timeout_means_no_timeout(rpc_world):
+    assert rpc.rpc_sync(rpc_world.next, f.sleep_then, args=(0.2, "ok"), timeout=0) == "ok"
 
 
-def test_unknown_workers(world):
+def test_unknown_workers(rpc_world):
     with pytest.raises(ValueError, match="unknown destination worker 'nobody'") as info:
         rpc.rpc_sync("nobody", f.noop)
     assert isinstance(info.value, RuntimeError)  # what torch raises, too
@@ -194,31 +179,31 @@ def test_unknown_workers(world):
     with pytest.raises(TypeError, match="worker name, a WorkerInfo or a rank"):
         rpc.rpc_sync(1.5, f.noop)
     with pytest.raises(TypeError, match="callable"):
-        rpc.rpc_sync(world.next, "not callable")
+        rpc.rpc_sync(rpc_world.next, "not callable")
 
 
-def test_unpicklable_argument_fails_on_caller(world):
+def test_unpicklable_argument_fails_on_caller(rpc_world):
     import threading
 
     with pytest.raises(SerializationError, match="could not pickle the call of") as info:
-        rpc.rpc_sync(world.next, f.identity, args=(threading.Lock(),), timeout=10)
+        rpc.rpc_sync(rpc_world.next, f.identity, args=(threading.Lock(),), timeout=10)
     assert isinstance(info.value, TypeError)
     with pytest.raises(SerializationError):
-        rpc.rpc_async(world.next, lambda: 1)
-    assert rpc.rpc_sync(world.next, f.add, args=(1, 2), timeout=10) == 3
+        rpc.rpc_async(rpc_world.next, lambda: 1)
+    assert rpc.rpc_sync(rpc_world.next, f.add, args=(1, 2), timeout=10) == 3
 
 
-def test_unpicklable_return_value_and_callee_keeps_serving(world):
+def test_unpicklable_return_value_and_callee_keeps_serving(rpc_world):
     with pytest.raises(SerializationError, match="could not be sent back from"):
-        rpc.rpc_sync(world.next, f.return_unpicklable, timeout=10)
-    assert rpc.rpc_sync(world.next, f.add, args=(1, 2), timeout=10) == 3
+        rpc.rpc_sync(rpc_world.next, f.return_unpicklable, timeout=10)
+    assert rpc.rpc_sync(rpc_world.next, f.add, args=(1, 2), timeout=10) == 3
 
 
 def _defined_only_on_rank_zero():
     return "found"
 
 
-def test_function_missing_on_callee(world):
+def test_function_missing_on_callee(rpc_world):
     # rank 0 publishes a function under a module name that only it has
     import sys
     import types
@@ -228,7 +213,7 @@ def test_function_missing_on_callee(world):
     _defined_only_on_rank_zero.__module__ = "only_on_rank_zero"
     _defined_only_on_rank_zero.__qualname__ = "func"
     try:
-        if world.rank == 0:
+        if rpc_world.rank == 0:
             sys.modules["only_on_rank_zero"] = mod
             with pytest.raises(ModuleNotFoundError, match="must be importable on the callee"):
                 rpc.rpc_sync("worker1", _defined_only_on_rank_zero, timeout=10)
@@ -238,12 +223,12 @@ def test_function_missing_on_callee(world):
         sys.modules.pop("only_on_rank_zero", None)
 
 
-def test_many_threads_calling_at_once(world):
+def test_many_threads_calling_at_once(rpc_world):
     import concurrent.futures as cf
 
     def work(i):
         t = torch.full((100,), float(i))
-        return float(rpc.rpc_sync(i % world.size, f.add, args=(t, 1), timeout=30).sum())
+        return float(rpc.rpc_sync(i % rpc_world.size, f.add, args=(t, 1), timeout=30).sum())
 
     with cf.ThreadPoolExecutor(8) as pool:
         assert list(pool.map(work, range(200))) == [100.0 * (i + 1) for i in range(200)]

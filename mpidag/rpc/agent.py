@@ -424,35 +424,44 @@ class RpcAgent:
         row show equal totals, nothing busy and no change: the four-counter termination
         test. Pool threads keep serving requests meanwhile.
         """
-        start = time.monotonic()
-        deadline = start + timeout if timeout > 0 else None
-        next_report = start + 30.0
+        wait_collective = self.collective_waiter(
+            timeout, "some rank did not call shutdown() or still has calls in flight")
         previous: list[int] | None = None
-
-        def wait_collective(done: Callable[[], bool]) -> None:
-            nonlocal next_report
-            sleep = 20e-6
-            while not done():
-                now = time.monotonic()
-                if deadline is not None and now >= deadline:
-                    raise RPCTimeoutError(
-                        f"graceful shutdown of {self.where()} timed out after {timeout} s "
-                        f"waiting for the other ranks; some rank did not call shutdown() or "
-                        f"still has calls in flight"
-                    )
-                if now >= next_report:
-                    log.warning("%s: shutdown() waiting %.0f s for all ranks to finish",
-                                self.where(), now - start)
-                    next_report = now + 30.0
-                time.sleep(sleep)
-                sleep = min(sleep * 2, 10e-3)
-
         while True:
             sent, processed, busy = self.counters()
             totals = self.transport.allreduce_sum([sent, processed, busy], wait_collective)
             if totals[0] == totals[1] and totals[2] == 0 and totals == previous:
                 return
             previous = totals
+
+    def collective_waiter(self, timeout: float, hint: str
+                          ) -> Callable[[Callable[[], bool]], None]:
+        """A ``wait(done)`` for nonblocking collectives of this rank's main thread.
+
+        It sleeps with a short backoff (the pool threads keep serving meanwhile), logs a
+        progress line every 30 s, and raises ``RPCTimeoutError`` (naming ``hint``) after
+        ``timeout`` seconds (0: no limit).
+        """
+        start = time.monotonic()
+        deadline = start + timeout if timeout > 0 else None
+        state = {"next_report": start + 30.0}
+
+        def wait(done: Callable[[], bool]) -> None:
+            sleep = 20e-6
+            while not done():
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    raise RPCTimeoutError(
+                        f"{self.where()} timed out after {timeout} s waiting for the other "
+                        f"ranks; {hint}")
+                if now >= state["next_report"]:
+                    log.warning("%s: waiting %.0f s for all ranks to finish (%s)",
+                                self.where(), now - start, hint)
+                    state["next_report"] = now + 30.0
+                time.sleep(sleep)
+                sleep = min(sleep * 2, 10e-3)
+
+        return wait
 
     def fail_pending(self, reason: str) -> None:
         for request_id in list(self._pending):

@@ -1,0 +1,68 @@
+"""pytest fixtures for multi-rank tests of mpidag programs (a ``pytest11`` plugin).
+
+Installed with mpidag, so any pytest run where mpidag is importable has them::
+
+    # test_mine.py — run with: python -m mpidag.run -n 2 -m pytest --with-mpi test_mine.py
+    import pytest, torch, mpidag.rpc as rpc
+
+    pytestmark = pytest.mark.mpi(min_size=2)
+
+    def test_add(rpc_world):
+        out = rpc.rpc_sync(rpc_world.next, torch.add, args=(torch.ones(2), 1), timeout=10)
+        assert torch.equal(out, torch.full((2,), 2.0))
+
+``rpc_world`` calls ``init_rpc()`` once per test module and, at the end of the module,
+checks that no RRef, pending fork or call is left on any rank
+(:func:`mpidag.testing.assert_no_leaks`), then shuts RPC down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+__all__ = ["RpcWorld", "rpc_world"]
+
+
+@dataclass(frozen=True)
+class RpcWorld:
+    """This rank's place in the job: ``rank``, ``size``, its ``name`` and neighbours."""
+
+    rank: int
+    size: int
+
+    @property
+    def name(self) -> str:
+        return self.worker(self.rank)
+
+    @property
+    def next(self) -> str:
+        """The next worker around the ring (``worker{rank+1 mod size}``)."""
+        return self.worker(self.rank + 1)
+
+    @property
+    def prev(self) -> str:
+        """The previous worker around the ring."""
+        return self.worker(self.rank - 1)
+
+    def worker(self, rank: int) -> str:
+        from mpidag.rpc import get_worker_info
+
+        return get_worker_info(rank % self.size).name
+
+
+@pytest.fixture(scope="module")
+def rpc_world() -> Iterator[RpcWorld]:
+    """RPC started for the module's tests; a leak check on every rank at the end."""
+    import mpidag.rpc as rpc
+    from mpidag import testing
+
+    rpc.init_rpc()
+    agent = rpc.api.current_agent()
+    try:
+        yield RpcWorld(agent.rank, agent.world_size)
+        testing.assert_no_leaks()
+    finally:
+        rpc.shutdown()

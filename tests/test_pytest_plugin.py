@@ -1,0 +1,58 @@
+"""The ``rpc_world`` fixture and leak check, as a user's own pytest-mpi tests see them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+
+def run_user_tests(tmp_path, source: str) -> subprocess.CompletedProcess:
+    (tmp_path / "test_user.py").write_text(textwrap.dedent(source))
+    return subprocess.run(
+        [sys.executable, "-m", "mpidag.run", "-n", "2", "-m", "pytest", "-q",
+         "-p", "no:cacheprovider", "--with-mpi", "test_user.py"],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+USER_PRELUDE = """
+import pytest, torch
+import mpidag.rpc as rpc
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+def add(a, b):
+    return a + b
+"""
+
+
+def test_user_tests_get_a_world_and_pass(tmp_path):
+    result = run_user_tests(tmp_path, USER_PRELUDE + """
+def test_ring(rpc_world):
+    assert rpc_world.size == 2 and rpc_world.name == f"worker{rpc_world.rank}"
+    out = rpc.rpc_sync(rpc_world.next, add, args=(torch.ones(2), 1), timeout=10)
+    assert torch.equal(out, torch.full((2,), 2.0))
+
+def test_rref_cleaned_up(rpc_world):
+    rref = rpc.remote(rpc_world.prev, add, args=(1, 2))
+    assert rref.to_here(timeout=10) == 3
+""")
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert out.count("2 passed") == 2
+
+
+def test_leaked_rref_fails_the_module_teardown_on_every_rank(tmp_path):
+    result = run_user_tests(tmp_path, USER_PRELUDE + """
+KEEP = []
+
+def test_leaks(rpc_world):
+    KEEP.append(rpc.remote(rpc_world.next, add, args=(1, 2)))
+""")
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert out.count("mpidag left RRefs or calls alive") >= 2, out
+    assert "num_user_rrefs" in out and "num_owner_rrefs" in out
