@@ -37,10 +37,6 @@ def freed_tags():
     return list(FREED)
 
 
-def fetch(rref):
-    return rref.to_here(timeout=30)
-
-
 def forward_then_fetch(rref, via_ranks):
     """Pass ``rref`` along ``via_ranks`` (each hop a nested rpc), fetch it at the end."""
     if not via_ranks:

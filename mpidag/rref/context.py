@@ -86,7 +86,6 @@ class RRefContext:
         #: (rref_id, fork_id or None) of handles Python freed, for the leader to process
         self.releases: collections.deque[tuple[int, int | None]] = collections.deque()
         self.releasing = 0  # releases taken off the queue whose messages are not sent yet
-        self.leaked_at_shutdown = 0
         #: ids of freed owner records, so a repeated message is not taken for an early one
         self._freed: collections.deque[int] = collections.deque(maxlen=FREED_MEMORY)
         self._freed_set: set[int] = set()
@@ -158,8 +157,7 @@ class RRefContext:
                 return
             if fork_id in rec.tombstones:  # its delete arrived first
                 rec.tombstones.discard(fork_id)
-                rec.deleted.add(fork_id)
-                self._maybe_free(rec)
+                self._retire(rec, fork_id)
                 return
             rec.forks.add(fork_id)
             if pending:
@@ -176,12 +174,10 @@ class RRefContext:
             if fork_id in rec.deleted:
                 return
             if fork_id in rec.forks:
-                rec.forks.discard(fork_id)
-                rec.pending.discard(fork_id)
-                rec.deleted.add(fork_id)
+                self._retire(rec, fork_id)
             else:
                 rec.tombstones.add(fork_id)
-            self._maybe_free(rec)
+                self._maybe_free(rec)
 
     def accept_pending(self, rref_id: int, fork_id: int) -> None:
         with self.lock:
@@ -194,9 +190,7 @@ class RRefContext:
             rec = self.owner_record(rref_id)
             rec.local_handles += 1
             if from_pending_fork is not None and from_pending_fork in rec.forks:
-                rec.forks.discard(from_pending_fork)
-                rec.pending.discard(from_pending_fork)
-                rec.deleted.add(from_pending_fork)
+                self._retire(rec, from_pending_fork)
 
     def drop_local_handle(self, rref_id: int) -> None:
         with self.lock:
@@ -204,6 +198,13 @@ class RRefContext:
             if rec is not None:
                 rec.local_handles -= 1
                 self._maybe_free(rec)
+
+    def _retire(self, rec: OwnerRecord, fork_id: int) -> None:
+        """The fork no longer counts; remember it so repeated messages are ignored."""
+        rec.forks.discard(fork_id)
+        rec.pending.discard(fork_id)
+        rec.deleted.add(fork_id)
+        self._maybe_free(rec)
 
     def _maybe_free(self, rec: OwnerRecord) -> None:
         if not rec.created or rec.forks or rec.tombstones or rec.local_handles > 0:
@@ -298,7 +299,6 @@ class RRefContext:
             for rec in list(self.users.values()):
                 rec.pending_children.clear()
                 self._maybe_delete_user(rec)
-        self.leaked_at_shutdown = len(live)
         if live:
             log.warning("%s: %d user RRef(s) still referenced at shutdown were released "
                         "(their owners free the values)", agent.where(), len(live))

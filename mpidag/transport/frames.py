@@ -194,8 +194,8 @@ def _device_code(device: str) -> tuple[int, int]:
     return code
 
 
-def pack_spec(tensor: torch.Tensor, device: str, inline_offset: int) -> bytes:
-    """The wire spec of ``tensor`` landing on ``device`` (struct-packed, no pickle)."""
+def _dtype_code(tensor: torch.Tensor) -> int:
+    """The dtype's wire code; raises for tensors RPC cannot send."""
     code = DTYPE_CODE.get(tensor.dtype)
     if code is None:
         raise TypeError(f"tensors of dtype {tensor.dtype} cannot be sent over RPC "
@@ -203,6 +203,12 @@ def pack_spec(tensor: torch.Tensor, device: str, inline_offset: int) -> bytes:
     if tensor.device.type not in _DEVICE_TYPES:
         raise TypeError(f"only CPU and CUDA tensors can be sent over RPC, not "
                         f"{tensor.device.type} tensors; move it with .cpu() first")
+    return code
+
+
+def pack_spec(tensor: torch.Tensor, device: str, inline_offset: int) -> bytes:
+    """The wire spec of ``tensor`` landing on ``device`` (struct-packed, no pickle)."""
+    code = _dtype_code(tensor)
     shape = tensor.shape
     flags = (_REQUIRES_GRAD if tensor.requires_grad else 0) | (
         _PARAMETER if type(tensor) is torch.nn.Parameter else 0)
@@ -213,7 +219,9 @@ def pack_spec(tensor: torch.Tensor, device: str, inline_offset: int) -> bytes:
 
 def make_spec(tensor: torch.Tensor, device: str, inline_offset: int) -> TensorSpec:
     """The :class:`TensorSpec` of ``tensor`` landing on ``device``."""
-    return TensorSpec.unpack_from(memoryview(pack_spec(tensor, device, inline_offset)), 0)[0]
+    _dtype_code(tensor)
+    return TensorSpec(tensor.dtype, tuple(tensor.shape), device, tensor.requires_grad,
+                      type(tensor) is torch.nn.Parameter, inline_offset, tensor.nbytes)
 
 
 def _copy_into(frame: bytearray, start: int, tensor: torch.Tensor) -> None:

@@ -112,8 +112,6 @@ class MPITransport:
         #: test hook: ``hook(dst, envelope, devices)``; returning True means the hook took
         #: the message and will call :meth:`send_now` itself (later: delays, reordering)
         self.send_hook: Callable[[int, Envelope, list[str]], bool] | None = None
-        self.messages_sent = 0
-        self.messages_received = 0
 
     # ------------------------------------------------------------------ sending
     def send(self, dst: int, env: Envelope, devices: list[str]) -> None:
@@ -125,7 +123,6 @@ class MPITransport:
 
     def send_now(self, dst: int, env: Envelope, devices: list[str]) -> None:
         """:meth:`send` without the test hook."""
-        self.messages_sent += 1
         if dst == self.rank:
             self._loopback.append(self._loopback_copy(env, devices))
             return
@@ -173,7 +170,6 @@ class MPITransport:
     def poll(self) -> Envelope | None:
         """Receive one message if one is waiting, else return ``None`` at once."""
         if self._loopback:
-            self.messages_received += 1
             return self._loopback.popleft()
         MPI = self._MPI
         status = self._status
@@ -189,7 +185,6 @@ class MPITransport:
         if specs:
             env.tensors = [self._receive_tensor(frame0, inline_start, spec, src, data_tag)
                            for spec in specs]
-        self.messages_received += 1
         return env
 
     def _receive_tensor(self, frame0: bytearray, inline_start: int, spec: TensorSpec,

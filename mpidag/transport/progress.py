@@ -141,7 +141,6 @@ class ProgressEngine:
         self._threads.append(
             threading.Thread(target=self._sentinel_main, name=f"{name}-sentinel", daemon=True)
         )
-        self._local = threading.local()
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -168,12 +167,8 @@ class ProgressEngine:
         """Whether work is queued or running."""
         return bool(self._work) or self._running_work > 0
 
-    def in_pool_thread(self) -> bool:
-        return getattr(self._local, "pool", False)
-
     # ------------------------------------------------------------------- pool
     def _pool_main(self) -> None:
-        self._local.pool = True
         lock = self._lock
         while True:
             with lock:
