@@ -78,13 +78,22 @@ class _PendingCall:
     deadline: float  # time.monotonic() deadline, 0.0 for none
     func: Any  # for error messages
     seconds: float  # the timeout, for error messages
+    args: tuple = ()
 
     @property
     def what(self) -> str:
-        return describe(self.func)
+        return describe(self.func, self.args)
 
 
-def describe(func: Any) -> str:
+def describe(func: Any, args: tuple | None = None) -> str:
+    """A readable name of a called function; mpidag's internal functions (``remote``,
+    ``to_here``, RRef proxies) describe the user's call they carry (``_mpidag_describe``)."""
+    custom = getattr(func, "_mpidag_describe", None)
+    if custom is not None and args is not None:
+        try:
+            return custom(*args)
+        except Exception:
+            pass
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None)
     module = getattr(func, "__module__", None)
     return f"{module}.{name}" if module and name else repr(func)
@@ -116,6 +125,8 @@ class RpcAgent:
         self._pickling = threading.local()
         #: called as hook(agent) before a graceful shutdown's final quiescence (RRefs)
         self.shutdown_hooks: list[Callable[[RpcAgent], None]] = []
+        #: distributed autograd contexts (a ``ContextContainer``), made on first use
+        self.autograd: Any = None
         #: called by the leader after each poll, while it has something queued
         self.tick_hooks: list[Callable[[], None]] = []
         #: extra "this rank is not idle" conditions for the quiescence test
@@ -214,8 +225,13 @@ class RpcAgent:
         return float(timeout)
 
     def call(self, dst: int, func: Callable, args: tuple, kwargs: dict, timeout: float,
-             *, context_id: int = 0, message_id: int = 0) -> RpcFuture:
-        """Send a CALL and return the future of its answer."""
+             *, record: bool = True) -> RpcFuture:
+        """Send a CALL and return the future of its answer.
+
+        Inside a distributed autograd context (``record``: unless an internal message) the
+        call carries the context id, and a send function is recorded for its tensors that
+        require grad.
+        """
         if not self.running:
             raise RPCError("the RPC agent is shut down; call mpidag.rpc.init_rpc again first")
         try:
@@ -226,12 +242,21 @@ class RpcAgent:
                 f"{exc}. Arguments and the function must be picklable (define functions at "
                 f"module level; no lambdas, locks, open files or generators)."
             ) from exc
+        context_id = message_id = 0
+        autograd = self.autograd
+        if record and autograd is not None:
+            ctx = autograd.current()
+            if ctx is not None:
+                context_id, message_id = autograd.record_send(
+                    ctx, dst, tensors,
+                    lambda: f"the arguments of {describe(func, args)} sent to "
+                            f"{self.workers[dst].name}")
         request_id = self.ids.next()
         future = RpcFuture()
         future._engine = self.engine
         seconds = self.resolve_timeout(timeout)
         deadline = time.monotonic() + seconds if seconds > 0 else 0.0
-        self._pending[request_id] = _PendingCall(future, dst, deadline, func, seconds)
+        self._pending[request_id] = _PendingCall(future, dst, deadline, func, seconds, args)
         env = Envelope(kind=Kind.CALL, request_id=request_id, payload=payload, tensors=tensors,
                        context_id=context_id, message_id=message_id)
         try:
@@ -321,6 +346,9 @@ class RpcAgent:
                 return
             if env.kind == Kind.RESULT:
                 try:
+                    if env.message_id:
+                        self._record_recv(env, lambda: f"the result of {call.what} from "
+                                                       f"{self.workers[env.src].name}")
                     value = loads(env.payload, env.tensors)
                 except Exception as exc:
                     call.future.set_exception(SerializationError(
@@ -348,11 +376,42 @@ class RpcAgent:
                 raise SerializationError(detail) from exc
         return func, args or (), kwargs or {}
 
+    def _autograd(self) -> Any:
+        if self.autograd is None:
+            from mpidag.autograd.context import ContextContainer
+
+            ContextContainer.of(self)
+        return self.autograd
+
+    def _record_recv(self, env: Envelope, what: Callable[[], str]) -> Any:
+        """The local context of an incoming message (made if new), its received tensors
+        that require grad passed through a recv function (``env.tensors`` replaced)."""
+        autograd = self._autograd()
+        ctx = autograd.incoming(env.context_id, env.src)
+        if ctx is not None and env.message_id:
+            env.tensors = autograd.record_recv(ctx, env.message_id, env.src, env.tensors, what)
+        return ctx
+
     def _serve_call(self, env: Envelope) -> None:
+        ctx = None
         try:
+            if env.context_id:
+                ctx = self._record_recv(env, lambda: f"the arguments of a call from "
+                                                     f"{self.workers[env.src].name}")
             func, args, kwargs = self._unpack_call(env)
             wrapped = getattr(func, "_wrapped_async_rpc_function", None)
-            result = func(*args, **kwargs)
+            if ctx is None:
+                result = func(*args, **kwargs)
+            else:
+                if env.message_id:
+                    self.autograd.describe_recv(ctx, env.message_id, lambda: (
+                        f"the arguments of {describe(func, args)} from "
+                        f"{self.workers[env.src].name}"))
+                previous = self.autograd.enter(ctx)
+                try:
+                    result = func(*args, **kwargs)
+                finally:
+                    self.autograd.leave(previous)
         except Exception as exc:
             self._reply_error(env, exc)
             return
@@ -362,22 +421,31 @@ class RpcAgent:
                     f"{describe(func)} is decorated with @async_execution and must return a "
                     f"torch.futures.Future, but returned {type(result).__name__}"))
                 return
-            result.add_done_callback(lambda fut: self._reply_future(env, fut))
+            result.add_done_callback(lambda fut: self._reply_future(env, fut, (func, args)))
             return
-        self._reply_value(env, result)
+        self._reply_value(env, result, (func, args))
 
-    def _reply_future(self, env: Envelope, fut: torch.futures.Future) -> None:
+    def _reply_future(self, env: Envelope, fut: torch.futures.Future,
+                      call: tuple | None = None) -> None:
         error = future_error(fut)
         if error is not None:
             self._reply_error(env, error)
             return
-        self._reply_value(env, fut.value())
+        self._reply_value(env, fut.value(), call)
 
-    def _reply_value(self, env: Envelope, value: Any) -> None:
+    def _reply_value(self, env: Envelope, value: Any, call: tuple | None = None) -> None:
         try:
             payload, tensors = self.dumps_for(env.src, value)
+            message_id = 0
+            if env.context_id and tensors:
+                autograd = self._autograd()
+                message_id = autograd.record_send(
+                    autograd.contexts.get(env.context_id), env.src, tensors,
+                    lambda: f"the result of {describe(*call) if call else 'a call'} sent to "
+                            f"{self.workers[env.src].name}")[1]
             reply = Envelope(kind=Kind.RESULT, request_id=env.request_id, payload=payload,
-                             tensors=tensors)
+                             tensors=tensors, context_id=env.context_id if message_id else 0,
+                             message_id=message_id)
             devices = self.devices_for(env.src, tensors, reply=True)
         except Exception as exc:
             self._reply_error(env, SerializationError(

@@ -111,6 +111,34 @@ class RRef:
         return agent.wait(agent.call(self._owner, _fetch, (self._rref_id,), {}, timeout),
                           timeout)
 
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Run a backward pass with the value (a scalar tensor) as the root, on the owner.
+
+        With ``dist_autograd_ctx_id`` it is a distributed backward pass in that context
+        (read the gradients with ``mpidag.autograd.get_gradients``); with -1 (the default)
+        a plain local ``value.backward()``, which only the owner may call.
+
+        Example::
+
+            >>> with dist_autograd.context() as context_id:
+            ...     rref = rpc.remote("worker1", torch.sum, args=(x,))   # x requires grad
+            ...     rref.backward(context_id)
+        """
+        agent = _live_agent(self)
+        if dist_autograd_ctx_id is None:
+            dist_autograd_ctx_id = -1
+        if self._fork_id is None:
+            _backward_on_owner(self._rref_id, dist_autograd_ctx_id, retain_graph)
+            return
+        if dist_autograd_ctx_id == -1:
+            raise RuntimeError(
+                f"RRef.backward() without a dist_autograd_ctx_id runs a local backward pass, "
+                f"which only the owner ({self.owner_name()}) can do; pass the context id of "
+                f"`with mpidag.autograd.context() as context_id` for a distributed one")
+        agent.wait(agent.call(self._owner, _backward_on_owner,
+                              (self._rref_id, dist_autograd_ctx_id, retain_graph), {}, 0,
+                              record=False), 0)
+
     # ---------------------------------------------------------------- proxies
     def rpc_sync(self, timeout: float = UNSET_RPC_TIMEOUT) -> _Proxy:
         """Proxy: ``rref.rpc_sync().m(*a)`` runs ``value.m(*a)`` on the owner, waits."""
@@ -197,6 +225,32 @@ def _fetch(rref_id: int) -> torch.futures.Future:
     return rec.value
 
 
+def _describe_remote(func: Callable, *_: Any) -> str:
+    from mpidag.rpc.agent import describe
+
+    return f"remote({describe(func)})"
+
+
+_fetch._mpidag_describe = lambda rref_id: f"RRef(0x{rref_id:x}).to_here()"
+
+
+def _backward_on_owner(rref_id: int, context_id: int, retain_graph: bool) -> None:
+    """On the owner: backward from the RRef's value (distributed when given a context)."""
+    value = _owner_value(RRefContext.of(current_agent()), rref_id)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"RRef.backward() needs a tensor value, but the RRef holds a "
+                        f"{type(value).__name__}")
+    if context_id == -1:
+        if value.numel() != 1:
+            raise RuntimeError(f"RRef.backward(): the value must be a scalar tensor, got "
+                               f"shape {tuple(value.shape)}")
+        value.backward(retain_graph=retain_graph)
+        return
+    from mpidag import autograd
+
+    autograd.backward(context_id, [value], retain_graph)
+
+
 def _make_value(rref_id: int, func: Callable, args: tuple, kwargs: dict) -> None:
     """On the owner: run the function behind ``remote()`` and store its value or error."""
     ctx = RRefContext.of(current_agent())
@@ -209,6 +263,9 @@ def _make_value(rref_id: int, func: Callable, args: tuple, kwargs: dict) -> None
         ctx.finish_creation(rref_id, error=exc)
         raise  # the caller of remote() learns of it too
     ctx.finish_creation(rref_id, value=value)
+
+
+_make_value._mpidag_describe = lambda rref_id, func, *_: _describe_remote(func)
 
 
 def _run_on_owner(rref_id: int, creator_fork: int, func: Callable, args: tuple,
@@ -297,3 +354,6 @@ def _invoke_method(rref: RRef, name: str, args: tuple, kwargs: dict) -> Any:
                              f"{name!r} (called through rref.{name})") from None
     return bound(*args, **kwargs)
 
+
+_run_on_owner._mpidag_describe = lambda rref_id, fork, func, *_: _describe_remote(func)
+_invoke_method._mpidag_describe = lambda rref, name, *_: f"RRef(0x{rref._rref_id:x}).{name}()"

@@ -1,0 +1,163 @@
+"""``mpidag.autograd``: ``torch.distributed.autograd`` on MPI (FAST mode engine).
+
+Port a program by changing its imports::
+
+    import mpidag.autograd as dist_autograd   # was: torch.distributed.autograd
+    import mpidag.rpc as rpc                  # was: torch.distributed.rpc
+
+    with dist_autograd.context() as context_id:
+        t3 = rpc.rpc_sync("worker1", my_add, args=(t1, t2))
+        loss = (t3 * t4).sum()
+        dist_autograd.backward(context_id, [loss])
+        grads = dist_autograd.get_gradients(context_id)   # {t1: ..., t2: ..., t4: ...}
+
+Every RPC made inside the ``with`` block (``rpc_sync``, ``rpc_async``, ``remote``,
+``to_here``, RRef proxies, and calls nested in the remote functions) records a send
+function on the sender and a recv function on the receiver for its tensors that require
+grad. ``backward`` runs the FAST mode algorithm of PyTorch's design: see
+:mod:`mpidag.autograd.engine` and ``docs/design.md``.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from mpidag.autograd.context import ContextContainer, DistAutogradContext
+from mpidag.autograd.engine import (
+    UnusedRPCGradientError,
+    UnusedRPCWarning,
+    check_roots,
+    run_backward,
+)
+
+__all__ = [
+    "DistAutogradContext",
+    "UnusedRPCGradientError",
+    "UnusedRPCWarning",
+    "backward",
+    "context",
+    "get_gradients",
+    "is_available",
+]
+
+
+def _container() -> ContextContainer:
+    from mpidag.rpc.api import current_agent
+
+    return ContextContainer.of(current_agent())
+
+
+def is_available() -> bool:
+    """Whether distributed autograd can be used (as ``torch.distributed.autograd``)."""
+    from mpidag.rpc.api import is_available as rpc_available
+
+    return rpc_available()
+
+
+class context:  # noqa: N801 - torch's name
+    """A distributed autograd context; ``with context() as context_id:``.
+
+    The forward pass of a distributed backward must run inside it. Leaving the block
+    releases the context on this rank and on every rank it exchanged RPCs with (also when
+    the block ends with an exception). Contexts do not nest within one thread.
+
+    Example::
+
+        >>> with dist_autograd.context() as context_id:
+        ...     loss = rpc.rpc_sync("worker1", torch.mul, args=(w, x)).sum()
+        ...     dist_autograd.backward(context_id, [loss])
+        ...     dist_autograd.get_gradients(context_id)[w]
+    """
+
+    def __init__(self) -> None:
+        self._ctx: DistAutogradContext | None = None
+        self._previous: Any = None
+
+    def __enter__(self) -> int:
+        container = _container()
+        if container.current() is not None:
+            raise RuntimeError(
+                "Already have an autograd context id for this thread: distributed autograd "
+                "contexts do not nest; use the context_id of the enclosing `with` block")
+        ctx = container.new_context()
+        self._ctx = ctx
+        self._previous = container.enter(ctx)
+        return ctx.context_id
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        ctx, self._ctx = self._ctx, None
+        if ctx is None:
+            return
+        ctx.container.leave(self._previous)
+        ctx.container.release(ctx)
+
+
+def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = False) -> None:
+    """Run the distributed backward pass from ``roots`` (scalar tensors on this rank).
+
+    Gradients of the leaves on every rank accumulate in that rank's share of the context
+    (read them with :func:`get_gradients`), never in ``.grad``. Returns when the pass is
+    done on every rank; raises the first error any rank met (with its type and remote
+    traceback), and :class:`UnusedRPCGradientError` when an RPC of the context never got the
+    gradient that other gradients depend on (see the FAST mode rule in that class).
+    ``retain_graph=True`` keeps the graph for another backward in the same context, whose
+    gradients add to these.
+
+    Example::
+
+        >>> with dist_autograd.context() as context_id:
+        ...     loss = rpc.rpc_sync("worker1", torch.add, args=(t1, t2)).sum()
+        ...     dist_autograd.backward(context_id, [loss])
+    """
+    container = _container()
+    ctx = container.retrieve(context_id)
+    run_backward(container, ctx, check_roots(roots), bool(retain_graph))
+
+
+def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
+    """This rank's gradients in the context: ``{leaf tensor: gradient}``.
+
+    Example::
+
+        >>> dist_autograd.get_gradients(context_id)
+        {tensor([...], requires_grad=True): tensor([...])}
+    """
+    return _container().retrieve(context_id).gradients.snapshot()
+
+
+def _current_context() -> DistAutogradContext:
+    """The context of this thread (torch's private helper of the same name)."""
+    ctx = _container().current()
+    if ctx is None:
+        raise RuntimeError("Current thread doesn't have a valid autograd context. Please "
+                           "wrap your code using: `with mpidag.autograd.context() as "
+                           "context_id` to generate a valid context")
+    return ctx
+
+
+def _retrieve_context(context_id: int) -> DistAutogradContext:
+    """The context with this id on this rank (raises if there is none)."""
+    return _container().retrieve(context_id)
+
+
+def _is_valid_context(context_id: int) -> bool:
+    """Whether this rank has a context with this id."""
+    return context_id in _container().contexts
+
+
+def _get_debug_info() -> dict[str, int]:
+    """Counters of this rank's contexts and send/recv functions (for tests and leaks).
+
+    ``num_live_send_functions``/``num_live_recv_functions`` count those objects alive
+    anywhere (in contexts, or kept by a graph someone still holds).
+
+    Example::
+
+        >>> dist_autograd._get_debug_info()["num_autograd_contexts"]
+        0
+    """
+    return _container().debug_info()

@@ -1,0 +1,426 @@
+"""Distributed autograd contexts and the recording of send/recv functions in the forward pass.
+
+Each rank keeps its contexts in one :class:`ContextContainer` (per RPC agent). A context is
+created by ``mpidag.autograd.context()`` on the rank that enters it, and on every other rank
+when the first RPC of that context reaches it (the message header carries the context id).
+
+Recording, for every message of a context that carries tensors needing grad (requests of
+``rpc_sync``/``rpc_async``/``remote``/``to_here``/proxies and their replies):
+
+* the sender makes a :class:`SendFunction`: the gradient edges of those tensors, kept in the
+  context under a new autograd message id written into the header;
+* the receiver passes the received tensors through :class:`RecvRPC`, an autograd function
+  whose node carries a :class:`RecvRecord` with the same message id and the sender's rank.
+  The received tensors are outputs of that node (not views, so in-place ops on them work).
+
+Leaving the ``with`` block releases the context here and, through the ranks it exchanged
+messages with, everywhere; ids of released contexts are remembered, so a late message does
+not bring one back.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.autograd.graph import GradientEdge
+
+from mpidag.autograd.graph import edge_of
+
+if TYPE_CHECKING:
+    from mpidag.autograd.engine import PassState
+    from mpidag.rpc.agent import RpcAgent
+
+__all__ = [
+    "ContextContainer",
+    "DistAutogradContext",
+    "GradientMap",
+    "RecvRPC",
+    "RecvRecord",
+    "SendFunction",
+]
+
+log = logging.getLogger(__name__)
+
+#: how many released context ids a rank remembers (late messages of those are not recorded)
+RELEASED_MEMORY = 1 << 16
+
+_created_sends, _freed_sends = itertools.count(), itertools.count()
+_created_recvs, _freed_recvs = itertools.count(), itertools.count()
+
+
+def _peek(counter: itertools.count) -> int:
+    """The next value of an ``itertools.count`` without advancing it."""
+    return int(repr(counter)[6:-1])
+
+
+class SendFunction:
+    """The sender's half of one message: where the gradients of its tensors go."""
+
+    __slots__ = ("message_id", "peer", "edges", "what", "__weakref__")
+
+    def __init__(self, message_id: int, peer: int, edges: list[GradientEdge], what: str):
+        self.message_id = message_id
+        self.peer = peer  # the rank the tensors went to (and the gradients come from)
+        self.edges = edges  # one per tensor that requires grad, in message order
+        self.what = what
+        next(_created_sends)
+
+    def __del__(self) -> None:
+        next(_freed_sends)
+
+    def next_functions(self) -> tuple[tuple[Any, int], ...]:
+        """``((node, input_nr), ...)`` like an autograd node's (for inspection)."""
+        return tuple((e.node, e.output_nr) for e in self.edges)
+
+    def __repr__(self) -> str:
+        return f"SendRpcBackward(message_id=0x{self.message_id:x}, to rank {self.peer}, " \
+               f"{self.what})"
+
+
+class RecvRecord:
+    """The receiver's half of one message, carried by its :class:`RecvRPC` node."""
+
+    __slots__ = ("context_id", "message_id", "peer", "n_outputs", "what", "__weakref__")
+
+    def __init__(self, context_id: int, message_id: int, peer: int, n_outputs: int,
+                 what: str) -> None:
+        self.context_id = context_id
+        self.message_id = message_id
+        self.peer = peer  # the rank the tensors came from (and the gradients go to)
+        self.n_outputs = n_outputs
+        self.what = what
+        next(_created_recvs)
+
+    def __del__(self) -> None:
+        next(_freed_recvs)
+
+    def __repr__(self) -> str:
+        return f"RecvRpcBackward(message_id=0x{self.message_id:x}, from rank {self.peer}, " \
+               f"{self.what})"
+
+
+class RecvRPC(torch.autograd.Function):
+    """Makes received tensors outputs of one node (the recv function of a message).
+
+    ``anchor`` (an empty tensor that requires grad, one per context) only makes autograd
+    record the node; the tensors come in a list, so they are not inputs and the outputs are
+    the received tensors themselves (no copy, not views). The distributed engine stops at
+    this node and sends the gradients of its outputs to ``record.peer``; the node's own
+    ``backward`` runs only if a plain local ``backward()`` reaches it, which is an error.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, record: RecvRecord,
+                tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        ctx.record = record
+        return tuple(tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> None:
+        record = ctx.record
+        raise RuntimeError(
+            f"a local backward() reached tensors received over RPC ({record.what}, distributed "
+            f"autograd context {record.context_id}); run the backward pass with "
+            f"mpidag.autograd.backward(context_id, [loss]) so that their gradients are sent "
+            f"back to rank {record.peer}"
+        )
+
+
+#: the node type of recv functions (what the engine looks for in the graph)
+RECV_NODE_TYPE: type = RecvRPC._backward_cls
+
+
+class GradientMap:
+    """The gradients of one context: ``{leaf tensor: gradient}``, accumulated like
+    ``AccumulateGrad`` does for ``.grad`` (a stored gradient is never shared with anything
+    else, so adding in place is safe)."""
+
+    __slots__ = ("grads", "_owned", "_storage", "lock")
+
+    def __init__(self) -> None:
+        self.grads: dict[torch.Tensor, torch.Tensor] = {}
+        self._owned: set[int] = set()  # ids of stored tensors that are safe to add into
+        self._storage: set[int] = set()  # data pointers of the stored tensors
+        self.lock = threading.Lock()
+
+    def add(self, variable: torch.Tensor, grad: torch.Tensor) -> None:
+        with self.lock:
+            old = self.grads.get(variable)
+            if old is None:
+                new = _own_copy(grad, variable)
+                if new is grad and (grad.data_ptr() in self._storage or not grad.numel()):
+                    new = grad.clone()  # one engine buffer handed to two leaves (a + b)
+                self.grads[variable] = new
+                self._storage.add(new.data_ptr())
+                self._owned.add(id(new))
+            elif id(old) in self._owned and not old.is_sparse and not grad.is_sparse:
+                old.add_(grad)
+            else:
+                self._owned.discard(id(old))
+                self.grads[variable] = new = old + grad
+                self._owned.add(id(new))
+
+    def snapshot(self) -> dict[torch.Tensor, torch.Tensor]:
+        with self.lock:
+            return dict(self.grads)
+
+    def __len__(self) -> int:
+        return len(self.grads)
+
+
+def _own_copy(grad: torch.Tensor, variable: torch.Tensor) -> torch.Tensor:
+    """``grad`` as a tensor this map may keep and change: taken as it is when it is a plain
+    tensor of the variable's layout (only the engine's own buffers and received gradients
+    reach here), copied when it is a view (a broadcast) or laid out otherwise."""
+    if grad.is_sparse or grad.layout is not torch.strided:
+        return grad.clone()
+    if grad.shape == variable.shape and grad.stride() == variable.stride() \
+            and grad._base is None and not grad.is_conj() and not grad.is_neg():
+        return grad
+    return torch.empty_like(variable, dtype=grad.dtype).copy_(grad)
+
+
+class DistAutogradContext:
+    """One rank's state of one distributed autograd context.
+
+    Mirrors torch's ``DistAutogradContext``: ``_context_id()``, ``_send_functions()``,
+    ``_recv_functions()``, ``_known_worker_ids()``.
+    """
+
+    def __init__(self, container: ContextContainer, context_id: int) -> None:
+        self.container = container
+        self.context_id = context_id
+        self.lock = threading.Lock()
+        self.sends: dict[int, SendFunction] = {}
+        self.recvs: dict[int, RecvRecord] = {}
+        self.known_workers: set[int] = set()
+        self.gradients = GradientMap()
+        self.passes: dict[int, PassState] = {}
+        self.released = False
+        self._anchor: torch.Tensor | None = None
+
+    @property
+    def anchor(self) -> torch.Tensor:
+        if self._anchor is None:
+            self._anchor = torch.empty(0, requires_grad=True)
+        return self._anchor
+
+    def _context_id(self) -> int:
+        return self.context_id
+
+    def _send_functions(self) -> dict[int, SendFunction]:
+        with self.lock:
+            return dict(self.sends)
+
+    def _recv_functions(self) -> dict[int, RecvRecord]:
+        with self.lock:
+            return dict(self.recvs)
+
+    def _known_worker_ids(self) -> set[int]:
+        with self.lock:
+            return set(self.known_workers)
+
+    def __repr__(self) -> str:
+        return (f"DistAutogradContext(id={self.context_id}, sends={len(self.sends)}, "
+                f"recvs={len(self.recvs)}, known_workers={sorted(self.known_workers)})")
+
+
+_current = threading.local()
+
+
+class ContextContainer:
+    """All distributed autograd contexts of one rank (one per RPC agent)."""
+
+    def __init__(self, agent: RpcAgent) -> None:
+        self.agent = agent
+        self.rank = agent.rank
+        self.contexts: dict[int, DistAutogradContext] = {}
+        self.lock = threading.Lock()
+        self._released: collections.deque[int] = collections.deque(maxlen=RELEASED_MEMORY)
+        self._released_set: set[int] = set()
+
+    @classmethod
+    def of(cls, agent: RpcAgent) -> ContextContainer:
+        """The agent's container, made on first use."""
+        container = agent.autograd
+        if container is None:
+            with _make_lock:
+                container = agent.autograd
+                if container is None:
+                    container = agent.autograd = cls(agent)
+        return container
+
+    # -------------------------------------------------------------- lifetime
+    def new_context(self) -> DistAutogradContext:
+        ctx = DistAutogradContext(self, self.agent.ids.next())
+        with self.lock:
+            self.contexts[ctx.context_id] = ctx
+        return ctx
+
+    def retrieve(self, context_id: int) -> DistAutogradContext:
+        """The context with this id on this rank; a clear error if there is none."""
+        ctx = self.contexts.get(context_id)
+        if ctx is None:
+            if isinstance(context_id, bool) or not isinstance(context_id, int):
+                raise TypeError(f"context_id must be an int (the value `with "
+                                f"mpidag.autograd.context() as context_id` gives), got "
+                                f"{type(context_id).__name__}")
+            state = "was released (its `with` block ended)" if context_id in \
+                self._released_set else "does not exist"
+            raise RuntimeError(
+                f"Could not find autograd context with id: {context_id} on "
+                f"{self.agent.where()}: it {state}. Call backward/get_gradients inside "
+                f"`with mpidag.autograd.context() as context_id:` with that id."
+            )
+        return ctx
+
+    def incoming(self, context_id: int, src: int) -> DistAutogradContext | None:
+        """The context a message from ``src`` belongs to, made if new (``None``: released)."""
+        ctx = self.contexts.get(context_id)
+        if ctx is None:
+            with self.lock:
+                ctx = self.contexts.get(context_id)
+                if ctx is None:
+                    if context_id in self._released_set:
+                        log.debug("message of released context %d from rank %d: not "
+                                  "recorded", context_id, src)
+                        return None
+                    ctx = self.contexts[context_id] = DistAutogradContext(self, context_id)
+        with ctx.lock:
+            ctx.known_workers.add(src)
+        return ctx
+
+    def release(self, ctx: DistAutogradContext, from_rank: int | None = None) -> None:
+        """Drop ``ctx`` here and tell every rank it exchanged messages with."""
+        with self.lock:
+            if self.contexts.get(ctx.context_id) is not ctx:
+                return
+            del self.contexts[ctx.context_id]
+            self._remember(ctx.context_id)
+        with ctx.lock:
+            ctx.released = True
+            peers = ctx.known_workers - {from_rank, self.rank}
+            ctx.sends.clear()
+            ctx.recvs.clear()
+            ctx.passes.clear()
+        agent = self.agent
+        for peer in sorted(peers):
+            if agent.running:
+                try:
+                    agent.notify(peer, _on_release, (ctx.context_id, self.rank), control=True)
+                except Exception:
+                    log.exception("could not send the release of context %d to rank %d",
+                                  ctx.context_id, peer)
+
+    def release_id(self, context_id: int, from_rank: int) -> None:
+        ctx = self.contexts.get(context_id)
+        if ctx is None:
+            with self.lock:
+                self._remember(context_id)
+            return
+        self.release(ctx, from_rank)
+
+    def _remember(self, context_id: int) -> None:
+        if len(self._released) == self._released.maxlen:
+            self._released_set.discard(self._released[0])
+        self._released.append(context_id)
+        self._released_set.add(context_id)
+
+    # ---------------------------------------------------- the current context
+    def current(self) -> DistAutogradContext | None:
+        """The context this thread is in (entered with ``context()`` or serving an RPC)."""
+        ctx = getattr(_current, "ctx", None)
+        if ctx is None or ctx.container is not self:
+            return None
+        return ctx
+
+    @staticmethod
+    def enter(ctx: DistAutogradContext | None) -> DistAutogradContext | None:
+        """Make ``ctx`` this thread's context; returns the previous one for :meth:`leave`."""
+        previous = getattr(_current, "ctx", None)
+        _current.ctx = ctx
+        return previous
+
+    @staticmethod
+    def leave(previous: DistAutogradContext | None) -> None:
+        _current.ctx = previous
+
+    # ------------------------------------------------------------- recording
+    def record_send(self, ctx: DistAutogradContext | None, dst: int,
+                    tensors: list[torch.Tensor], what: Callable[[], str]
+                    ) -> tuple[int, int]:
+        """Header ids ``(context_id, message_id)`` of a message to ``dst`` in ``ctx``.
+
+        Makes a send function when some of ``tensors`` require grad (message id 0 when none
+        does: the message only carries the context to the callee).
+        """
+        if ctx is None or ctx.released:
+            return 0, 0
+        grad_tensors = [t for t in tensors if t.requires_grad]
+        if not grad_tensors:
+            with ctx.lock:
+                ctx.known_workers.add(dst)
+            return ctx.context_id, 0
+        message_id = self.agent.ids.next()
+        send = SendFunction(message_id, dst, [edge_of(t) for t in grad_tensors], what())
+        with ctx.lock:
+            ctx.known_workers.add(dst)
+            ctx.sends[message_id] = send
+        return ctx.context_id, message_id
+
+    def record_recv(self, ctx: DistAutogradContext, message_id: int, src: int,
+                    tensors: list[torch.Tensor], what: Callable[[], str]
+                    ) -> list[torch.Tensor]:
+        """``tensors`` as received in ``ctx``: those that require grad become outputs of a
+        new recv function paired with the sender's send function ``message_id``."""
+        index = [i for i, t in enumerate(tensors) if t.requires_grad]
+        if not index:
+            return tensors
+        record = RecvRecord(ctx.context_id, message_id, src, len(index), what())
+        plain = [tensors[i].detach() for i in index]
+        with torch.enable_grad():
+            outs = RecvRPC.apply(ctx.anchor, record, plain)
+        with ctx.lock:
+            ctx.known_workers.add(src)
+            ctx.recvs[message_id] = record
+        result = list(tensors)
+        for i, out in zip(index, outs, strict=True):
+            result[i] = out
+        return result
+
+    @staticmethod
+    def describe_recv(ctx: DistAutogradContext, message_id: int,
+                      what: Callable[[], str]) -> None:
+        """Name a recv function better once the call it belongs to is unpickled."""
+        record = ctx.recvs.get(message_id)
+        if record is not None:
+            record.what = what()
+
+    # ------------------------------------------------------------- debugging
+    def debug_info(self) -> dict[str, int]:
+        with self.lock:
+            contexts = list(self.contexts.values())
+        return {
+            "num_autograd_contexts": len(contexts),
+            "num_current_backward_passes": sum(len(c.passes) for c in contexts),
+            "num_send_functions": sum(len(c.sends) for c in contexts),
+            "num_recv_functions": sum(len(c.recvs) for c in contexts),
+            "num_live_send_functions": _peek(_created_sends) - _peek(_freed_sends),
+            "num_live_recv_functions": _peek(_created_recvs) - _peek(_freed_recvs),
+        }
+
+
+_make_lock = threading.Lock()
+
+
+def _on_release(context_id: int, from_rank: int) -> None:
+    """CONTROL message: the context ended on ``from_rank``; end it here too."""
+    from mpidag.rpc.api import current_agent
+
+    ContextContainer.of(current_agent()).release_id(context_id, from_rank)

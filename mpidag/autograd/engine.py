@@ -1,0 +1,305 @@
+"""The FAST mode engine: one distributed backward pass across ranks.
+
+Data flow of ``backward(context_id, [loss])`` on rank A, whose forward sent ``x`` to B and
+got ``y`` back::
+
+    A: plan the local graph from the roots and every send function of the context
+       -> run the regions the roots alone feed (native engine) -> the recv function of y
+       is complete: call _on_gradients(context, pass, message id of y, grad y) on B
+    B: first event of this pass: plan from all of B's send functions -> the send function
+       of y got its gradient: run its region -> the recv function of x is complete:
+       call _on_gradients(..., message id of x, grad x) on A
+    A: the send function of x got its gradient: run its region; leaves accumulate into
+       the context -> answer B's call -> B has nothing left: answer A's first call -> done
+
+Termination is Dijkstra-Scholten's: each gradient message is a call; the first one that
+finds a rank idle *engages* it and is answered only when that rank is idle again and all the
+calls it made were answered; other calls are answered as soon as they are processed. So the
+answer to the root's own pass arrives exactly when no rank has anything left to do for it.
+Answers carry each rank's errors (raised on the caller of ``backward`` with their type and
+remote traceback) and a report of send functions that never got their gradient (the FAST
+mode rule: every send function of a context expects one; see :class:`UnusedRPCGradientError`).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import warnings
+from typing import Any
+
+import torch
+
+from mpidag.autograd.context import (
+    RECV_NODE_TYPE,
+    ContextContainer,
+    DistAutogradContext,
+)
+from mpidag.autograd.graph import Plan, edge_of
+from mpidag.errors import detached_copy, frameless, future_error
+from mpidag.rpc.functions import async_execution
+
+__all__ = ["PassState", "UnusedRPCGradientError", "UnusedRPCWarning", "run_backward"]
+
+log = logging.getLogger(__name__)
+
+#: what a rank reports: {rank: (event number, unused RPC results, send functions waiting)}
+Report = dict[int, tuple[int, list[str], list[str]]]
+
+
+class UnusedRPCGradientError(RuntimeError):
+    """Part of the graph needed the gradient of a send function that never received one.
+
+    FAST mode (as in PyTorch) assumes that every RPC of a context whose tensors require
+    grad takes part in the backward pass: each send function waits for exactly one
+    gradient. When an RPC's result is not used by the loss, its send function never gets
+    one, and a node that also depends on it never runs: its gradients would be missing. This
+    error names those RPCs. Keep such calls out of the context (or detach their results).
+    """
+
+
+class UnusedRPCWarning(UserWarning):
+    """Results of RPCs in the context that the backward pass did not reach (harmless when
+    no other gradient depended on them, which is why this is only a warning)."""
+
+
+class PassState:
+    """One rank's share of one backward pass (``pass_id``) of a context."""
+
+    def __init__(self, container: ContextContainer, ctx: DistAutogradContext, pass_id: int,
+                 retain_graph: bool, root: bool) -> None:
+        self.container = container
+        self.agent = container.agent
+        self.ctx = ctx
+        self.pass_id = pass_id
+        self.retain_graph = retain_graph
+        self.root = root
+        self.lock = threading.Lock()
+        self.events: collections.deque = collections.deque()
+        self.running = False
+        self.deficit = 0  # gradient calls made and not answered yet
+        self.parent: torch.futures.Future | None = None  # answer of the engaging call
+        self.errors: list[BaseException] = []
+        self.reports: Report = {}
+        self.seq = 0
+        self.plan: Plan | None = None
+        self.source_of: dict[int, int] = {}  # send message id -> source index
+        self.source_what: list[str] = []
+
+    # ------------------------------------------------------------- events
+    def post(self, event: tuple) -> None:
+        """Queue an event and process the queue unless another thread already does."""
+        with self.lock:
+            if event[0] == "grads":
+                reply = event[-1]
+                if self.parent is None:
+                    self.parent = reply  # engaged: answered when everything is done
+                    event = (*event[:-1], None)
+            self.events.append(event)
+            if self.running:
+                return
+            self.running = True
+        while True:
+            with self.lock:
+                if not self.events:
+                    self.running = False
+                    break
+                event = self.events.popleft()
+            reply = event[-1] if event[0] == "grads" else None
+            try:
+                self._handle(event)
+            except Exception as exc:
+                log.debug("backward pass %x failed on %s", self.pass_id, self.agent.where(),
+                          exc_info=True)
+                with self.lock:
+                    self.errors.append(frameless(exc, self.agent.where()))
+            if reply is not None:
+                reply.set_result(self._own_report())
+        self._maybe_finish()
+
+    def _handle(self, event: tuple) -> None:
+        kind = event[0]
+        with torch.autograd.profiler.record_function("mpidag.autograd.backward_step"):
+            if self.plan is None:
+                self._make_plan(event[1] if kind == "root" else None)
+            plan = self.plan
+            if kind == "root":
+                leaves, fired = plan.arrive(0, event[2], self.retain_graph)
+            else:
+                message_id, grads = event[1], event[2]
+                index = self.source_of.get(message_id)
+                if index is None:
+                    raise RuntimeError(
+                        f"gradients arrived for autograd message 0x{message_id:x}, but "
+                        f"{self.agent.where()} has no send function with that id in context "
+                        f"{self.ctx.context_id}")
+                leaves, fired = plan.arrive(index, grads, self.retain_graph)
+            self.seq += 1
+            store = self.ctx.gradients
+            for variable, grad in leaves:
+                store.add(variable, grad)
+            for node, slots in fired:
+                record = node.record
+                if record.context_id != self.ctx.context_id:
+                    log.debug("gradient for %r of another context dropped", record)
+                    continue
+                self._send(record.peer, record.message_id,
+                           [slots.get(i) for i in range(record.n_outputs)])
+
+    def _make_plan(self, root_edges: list | None) -> None:
+        with self.ctx.lock:
+            sends = list(self.ctx.sends.values())
+        sources = [] if root_edges is None else [root_edges]
+        self.source_what = [] if root_edges is None else ["the roots of backward()"]
+        for send in sends:
+            self.source_of[send.message_id] = len(sources)
+            sources.append(send.edges)
+            self.source_what.append(f"{send.what} (rank {self.agent.rank})")
+        self.plan = Plan(sources, RECV_NODE_TYPE)
+
+    def _send(self, peer: int, message_id: int, grads: list[torch.Tensor | None]) -> None:
+        with self.lock:
+            self.deficit += 1
+        try:
+            fut = self.agent.call(
+                peer, _on_gradients,
+                (self.ctx.context_id, self.pass_id, message_id, grads, self.retain_graph), {},
+                timeout=0, record=False)
+        except BaseException:
+            with self.lock:
+                self.deficit -= 1
+            raise
+        fut.add_done_callback(self._answered)
+
+    def _answered(self, fut: torch.futures.Future) -> None:
+        error = future_error(fut)
+        with self.lock:
+            self.deficit -= 1
+            if error is not None:
+                self.errors.append(error)
+            else:
+                _merge(self.reports, fut.value())
+        self._maybe_finish()
+
+    # -------------------------------------------------------- termination
+    def _own_report(self) -> Report:
+        plan = self.plan
+        if plan is None:
+            return {}
+        reached = {node.record.message_id for node in plan.reached_recvs()}
+        with self.ctx.lock:
+            unused = [r.what for mid, r in self.ctx.recvs.items() if mid not in reached]
+        waiting = [self.source_what[i] for i in plan.waiting_sources()]
+        return {self.agent.rank: (self.seq, unused, waiting)}
+
+    def _maybe_finish(self) -> None:
+        with self.lock:
+            if self.running or self.events or self.deficit or self.parent is None:
+                return
+            parent, self.parent = self.parent, None
+            errors, self.errors = self.errors, []
+            report, self.reports = self.reports, {}
+        _merge(report, self._own_report())
+        if not self.root and (errors or (self.plan is not None and self.plan.complete)):
+            with self.ctx.lock:
+                if self.ctx.passes.get(self.pass_id) is self:
+                    del self.ctx.passes[self.pass_id]
+        if errors:
+            parent.set_exception(errors[0])
+        else:
+            parent.set_result(report)
+
+
+def _merge(into: Report, other: Report) -> None:
+    for rank, entry in other.items():
+        old = into.get(rank)
+        if old is None or entry[0] >= old[0]:
+            into[rank] = entry
+
+
+@async_execution
+def _on_gradients(context_id: int, pass_id: int, message_id: int,
+                  grads: list[torch.Tensor | None], retain_graph: bool) -> torch.futures.Future:
+    """On the rank of a send function: its gradients arrived; answered per the protocol."""
+    from mpidag.rpc.api import current_agent
+
+    container = ContextContainer.of(current_agent())
+    reply: torch.futures.Future = torch.futures.Future()
+    ctx = container.contexts.get(context_id)
+    if ctx is None:
+        reply.set_exception(RuntimeError(
+            f"the backward pass reached {container.agent.where()}, which has no autograd "
+            f"context {context_id} (already released: did the `with context()` block end "
+            f"before backward() returned?)"))
+        return reply
+    with ctx.lock:
+        state = ctx.passes.get(pass_id)
+        if state is None:
+            state = ctx.passes[pass_id] = PassState(container, ctx, pass_id, retain_graph,
+                                                    root=False)
+    state.post(("grads", message_id, grads, reply))
+    return reply
+
+
+def check_roots(roots: Any) -> list[torch.Tensor]:
+    """The roots as a list, or a clear error naming the bad one."""
+    if isinstance(roots, torch.Tensor):
+        roots = [roots]
+    if not isinstance(roots, (list, tuple)) or not roots:
+        raise TypeError(f"roots must be a non-empty list of tensors, got {roots!r}")
+    for i, root in enumerate(roots):
+        if not isinstance(root, torch.Tensor):
+            raise TypeError(f"roots[{i}] must be a tensor, got {type(root).__name__}")
+        if not root.requires_grad:
+            raise RuntimeError(
+                f"element {i} of tensors does not require grad and does not have a grad_fn: "
+                f"roots[{i}] was not computed from tensors that require grad")
+        if root.numel() != 1:
+            raise RuntimeError(
+                f"grad can be implicitly created only for scalar outputs: roots[{i}] has "
+                f"shape {tuple(root.shape)}; reduce it first (e.g. loss.sum())")
+    return list(roots)
+
+
+def run_backward(container: ContextContainer, ctx: DistAutogradContext,
+                 roots: list[torch.Tensor], retain_graph: bool) -> None:
+    """Run the distributed backward pass from ``roots``; return when it is done everywhere."""
+    agent = container.agent
+    edges = [edge_of(r) for r in roots]
+    grads = [torch.ones_like(r, memory_format=torch.preserve_format) for r in roots]
+    pass_id = agent.ids.next()
+    state = PassState(container, ctx, pass_id, retain_graph, root=True)
+    done: torch.futures.Future = torch.futures.Future()
+    state.parent = done
+    with ctx.lock:
+        ctx.passes[pass_id] = state
+    try:
+        with torch.autograd.profiler.record_function("mpidag.autograd.backward"):
+            state.post(("root", edges, grads))
+            agent.engine.wait_until(done.done, None)
+    finally:
+        with ctx.lock:
+            ctx.passes.pop(pass_id, None)
+    error = future_error(done)
+    if error is not None:
+        raise detached_copy(error)
+    _check_report(done.value(), ctx.context_id)
+
+
+def _check_report(report: Report, context_id: int) -> None:
+    waiting = [w for rank in sorted(report) for w in report[rank][2]]
+    unused = [u for rank in sorted(report) for u in report[rank][1]]
+    if waiting:
+        raise UnusedRPCGradientError(
+            f"distributed backward of context {context_id} could not finish: "
+            f"{'; '.join(waiting)} never received a gradient, and other gradients depend on "
+            f"them. FAST mode expects a gradient for every RPC of the context that carries "
+            f"tensors requiring grad. Results the loss does not use: "
+            f"{'; '.join(unused) or 'none found'}. Detach or drop those results, or make those "
+            f"calls outside the autograd context.")
+    if unused:
+        warnings.warn(
+            f"distributed backward did not reach {'; '.join(unused)}: no gradient flows back "
+            f"through those RPCs (their results are not used by the loss)",
+            UnusedRPCWarning, stacklevel=3)

@@ -1,0 +1,340 @@
+"""One rank's part of a distributed backward pass: regions of the local graph, run natively.
+
+A rank's local autograd graph is entered from several *sources*: the roots of ``backward``
+(on the rank that called it) and the send functions of the context, each of which receives
+its gradient later, from another rank (FAST mode: every send function expects exactly one).
+A node may be reached from several sources; it must run once, with the sum of everything
+that reaches it. So the graph is split into *regions*: the nodes reached from exactly the
+same set of sources (a bit mask). A region can run as soon as every source in its mask has
+arrived, and regions run in increasing mask order, so a region's inputs from other regions
+are complete when it runs.
+
+Each run is one call of the native engine (``torch.autograd.grad`` with
+``GradientEdge`` outputs and inputs): the outputs are the region's entry edges with their
+summed gradients, the inputs are the edges where it stops: into leaves (their gradients go
+to the context, never to ``.grad``), into recv functions (their gradients go to the rank
+the tensor came from) and into regions that must wait for more sources. Nodes behind a
+stop edge do not run in that call; every node runs in exactly one call.
+
+Leaves need no waiting: a leaf's gradient is a sum, so each region adds its part.
+
+This module knows nothing of RPC: :mod:`mpidag.autograd.engine` feeds it gradients and
+sends what it returns. It is tested on one process with sources that arrive in any order.
+
+Example::
+
+    >>> a = torch.ones(2, requires_grad=True); sent = a * 2; root = (sent * 3).sum()
+    >>> plan = Plan([[edge_of(root)], [edge_of(sent)]], recv_type=type(None))
+    >>> leaves, recvs = plan.arrive(0, [torch.tensor(1.0)], retain_graph=False)
+    >>> leaves                         # nothing yet: `a` is behind source 1 (a "send")
+    []
+    >>> leaves, recvs = plan.arrive(1, [torch.ones(2)], retain_graph=False)
+    >>> leaves[0][1]                   # d(root)/da + d(sent)/da * 1 = 6 + 2
+    tensor([8., 8.])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+__all__ = ["AccumulateGrad", "EdgeKey", "Plan", "edge_of"]
+
+#: the node type of a leaf tensor's gradient accumulator
+AccumulateGrad: type = type(get_gradient_edge(torch.empty(0, requires_grad=True)).node)
+
+#: (node, input number of that node): where a gradient enters a node
+EdgeKey = tuple[Any, int]
+
+
+def edge_of(tensor: torch.Tensor) -> GradientEdge:
+    """The edge through which ``tensor``'s gradient enters the graph (keeps it alive).
+
+    Example::
+
+        >>> edge_of(torch.ones(1, requires_grad=True)).node.name()
+        'torch::autograd::AccumulateGrad'
+    """
+    return get_gradient_edge(tensor)
+
+
+@dataclass(slots=True, eq=False)
+class _Region:
+    """The nodes reached from exactly one set of sources."""
+
+    mask: int
+    entries: set[EdgeKey] = field(default_factory=set)  # edges into the region from outside
+    exits: set[EdgeKey] = field(default_factory=set)  # edges to nodes of later regions
+    leaf_edges: set[EdgeKey] = field(default_factory=set)
+    recv_edges: set[EdgeKey] = field(default_factory=set)
+    done: bool = False
+
+
+class Plan:
+    """The regions of the local graph reached from ``sources``, and their execution.
+
+    ``sources[i]`` lists the edges of source ``i`` (``None`` for a tensor without grad);
+    its gradients arrive through :meth:`arrive`. Nodes of type ``recv_type`` are recv
+    functions: gradients stop there and are returned to the caller once complete.
+    """
+
+    def __init__(self, sources: list[list[GradientEdge | None]], recv_type: type) -> None:
+        self.n_sources = len(sources)
+        self.recv_type = recv_type
+        self.arrived = 0
+        self.sources: list[list[EdgeKey | None]] = [
+            [None if e is None or e.node is None else (e.node, e.output_nr) for e in edges]
+            for edges in sources
+        ]
+        self._keep = sources  # the ownership tokens of custom Function nodes
+        self.buffers: dict[EdgeKey, torch.Tensor] = {}
+        self.recv_buffers: dict[Any, dict[int, torch.Tensor]] = {}
+        self.recv_mask: dict[Any, int] = {}
+        self.fired: set[Any] = set()
+        self.regions: dict[int, _Region] = {}
+        self.node_mask: dict[Any, int] = {}
+        self._build()
+
+    # ------------------------------------------------------------------ build
+    def _build(self) -> None:
+        """Find every node reached from the sources and give each its source mask.
+
+        One depth-first pass notes which source reached a node first; when no node is
+        reached from two sources (the common case: a pipeline stage, a parameter server)
+        that is the answer. Otherwise a second, topological pass computes full masks.
+        """
+        acc, recv = AccumulateGrad, self.recv_type
+        succ: dict[Any, tuple] = {}
+        first: dict[Any, int] = {}
+        shared = False
+        for i, edges in enumerate(self.sources):
+            bit = 1 << i
+            stack = []
+            for key in edges:
+                if key is None:
+                    continue
+                node = key[0]
+                kind = type(node)
+                if kind is acc:
+                    continue
+                if kind is recv:
+                    seen = self.recv_mask.get(node, 0)
+                    shared = shared or (seen not in (0, bit))
+                    self.recv_mask[node] = seen | bit
+                    continue
+                owner = first.get(node)
+                if owner is None:
+                    first[node] = bit
+                    stack.append(node)
+                elif owner != bit:
+                    shared = True
+            while stack:
+                node = stack.pop()
+                nexts = node.next_functions
+                succ[node] = nexts
+                for nxt, _ in nexts:
+                    if nxt is None:
+                        continue
+                    kind = type(nxt)
+                    if kind is acc:
+                        continue
+                    if kind is recv:
+                        seen = self.recv_mask.get(nxt, 0)
+                        if seen | bit != seen:
+                            shared = shared or seen != 0
+                            self.recv_mask[nxt] = seen | bit
+                        continue
+                    owner = first.get(nxt)
+                    if owner is None:
+                        first[nxt] = bit
+                        stack.append(nxt)
+                    elif owner != bit:
+                        shared = True
+        masks = self._full_masks(succ) if shared else first
+        self.node_mask = masks
+        regions = self.regions
+        for mask in set(masks.values()):
+            regions[mask] = _Region(mask)
+        for node, nexts in succ.items():
+            region = regions[masks[node]]
+            for nxt, input_nr in nexts:
+                if nxt is None:
+                    continue
+                kind = type(nxt)
+                key = (nxt, input_nr)
+                if kind is acc:
+                    region.leaf_edges.add(key)
+                elif kind is recv:
+                    region.recv_edges.add(key)
+                elif shared and masks[nxt] != region.mask:
+                    region.exits.add(key)
+                    regions[masks[nxt]].entries.add(key)
+        for edges in self.sources:
+            for key in edges:
+                if key is not None and key[0] in masks:
+                    regions[masks[key[0]]].entries.add(key)
+
+    def _full_masks(self, succ: dict[Any, tuple]) -> dict[Any, int]:
+        """Source masks of every node (a node's mask: the union of its parents')."""
+        masks: dict[Any, int] = dict.fromkeys(succ, 0)
+        indegree: dict[Any, int] = dict.fromkeys(succ, 0)
+        for nexts in succ.values():
+            for nxt, _ in nexts:
+                if nxt in indegree:
+                    indegree[nxt] += 1
+        for i, edges in enumerate(self.sources):
+            for key in edges:
+                if key is not None and key[0] in masks:
+                    masks[key[0]] |= 1 << i
+        recv, recv_mask = self.recv_type, self.recv_mask
+        ready = [n for n, d in indegree.items() if d == 0]
+        while ready:
+            node = ready.pop()
+            mask = masks[node]
+            for nxt, _ in succ[node]:
+                if nxt is None:
+                    continue
+                if nxt in indegree:
+                    masks[nxt] |= mask
+                    indegree[nxt] -= 1
+                    if indegree[nxt] == 0:
+                        ready.append(nxt)
+                elif type(nxt) is recv:
+                    recv_mask[nxt] = recv_mask.get(nxt, 0) | mask
+        return masks
+
+    # -------------------------------------------------------------- execution
+    @property
+    def complete(self) -> bool:
+        """Every source has arrived: nothing is left to run."""
+        return self.arrived == (1 << self.n_sources) - 1
+
+    def reached_recvs(self) -> list[Any]:
+        """The recv nodes this pass reaches from some source."""
+        return list(self.recv_mask)
+
+    def waiting_sources(self) -> list[int]:
+        """Sources that have not arrived although a region they feed has other sources that
+        have: under FAST mode those regions can never run (their gradients are lost)."""
+        stuck = 0
+        arrived = self.arrived
+        for mask, region in self.regions.items():
+            if not region.done and mask & arrived:
+                stuck |= mask & ~arrived
+        for node, mask in self.recv_mask.items():
+            if node not in self.fired and mask & arrived:
+                stuck |= mask & ~arrived
+        return [i for i in range(self.n_sources) if stuck >> i & 1]
+
+    def arrive(self, index: int, grads: list[torch.Tensor | None], retain_graph: bool
+               ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[Any, list]]]:
+        """Source ``index`` got its gradients (one per edge); run what is now runnable.
+
+        Returns ``(leaf_grads, fired_recvs)``: ``(leaf tensor, gradient)`` pairs to add to
+        the context, and ``(recv node, {output number: gradient})`` for each recv function
+        whose gradient is now complete.
+        """
+        bit = 1 << index
+        if self.arrived & bit:
+            raise RuntimeError(f"source {index} of this backward pass got gradients twice")
+        edges = self.sources[index]
+        if len(grads) != len(edges):
+            raise RuntimeError(f"source {index} expects {len(edges)} gradients, got "
+                               f"{len(grads)}")
+        self.arrived |= bit
+        leaves: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for key, grad in zip(edges, grads, strict=True):
+            if key is not None and grad is not None:
+                self._deliver(key, grad, leaves)
+        batch = [r for m, r in self.regions.items() if not r.done and m & ~self.arrived == 0]
+        if batch:
+            self._run(batch, retain_graph, leaves)
+        fired = []
+        for node, mask in self.recv_mask.items():
+            if node not in self.fired and mask & ~self.arrived == 0:
+                self.fired.add(node)
+                fired.append((node, self.recv_buffers.pop(node, {})))
+        return leaves, fired
+
+    def _deliver(self, key: EdgeKey, grad: torch.Tensor,
+                 leaves: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        node = key[0]
+        kind = type(node)
+        if kind is AccumulateGrad:
+            leaves.append((node.variable, grad))
+        elif kind is self.recv_type:
+            slots = self.recv_buffers.setdefault(node, {})
+            old = slots.get(key[1])
+            slots[key[1]] = grad if old is None else old + grad
+        else:
+            old = self.buffers.get(key)
+            self.buffers[key] = grad if old is None else old + grad
+
+    def _run(self, batch: list[_Region], retain_graph: bool,
+             leaves: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        masks = {r.mask for r in batch}
+        outputs: list[GradientEdge] = []
+        grad_outputs: list[torch.Tensor] = []
+        stops: dict[EdgeKey, None] = {}
+        exits: list[Any] = []
+        node_mask = self.node_mask
+        for region in batch:
+            region.done = True
+            for key in region.entries:
+                grad = self.buffers.pop(key, None)
+                if grad is not None:
+                    outputs.append(GradientEdge(key[0], key[1]))
+                    grad_outputs.append(grad)
+            for key in region.exits:
+                if node_mask[key[0]] not in masks:
+                    stops[key] = None
+                    exits.append(key[0])
+            stops.update(dict.fromkeys(region.leaf_edges))
+            stops.update(dict.fromkeys(region.recv_edges))
+        if not outputs or not stops:
+            return
+        keys = list(stops)
+        hooks = []
+        if exits and self._behind_exits(exits, keys):
+            # A stop is also reachable through an exit node: the native engine runs every
+            # node on a path to a requested edge, so that exit node would run now with a
+            # partial gradient. Its gradient is captured before it runs; the pre-hook then
+            # hands it nothing, so it and the nodes behind it compute nothing now, and
+            # their saved tensors must survive this call for their real run later.
+            hooks = [node.register_prehook(_nothing) for node in set(exits)]
+            retain_graph = True
+        try:
+            results = torch.autograd.grad(
+                outputs, [GradientEdge(n, i) for n, i in keys], grad_outputs,
+                retain_graph=retain_graph, allow_unused=True,
+            )
+        finally:
+            for hook in hooks:
+                hook.remove()
+        for key, grad in zip(keys, results, strict=True):
+            if grad is not None:
+                self._deliver(key, grad, leaves)
+
+    @staticmethod
+    def _behind_exits(exits: list[Any], stops: list[EdgeKey]) -> bool:
+        """Whether some stop can be reached from one of the exit nodes."""
+        targets = {key[0] for key in stops}
+        seen: set[Any] = set()
+        stack = [nxt for node in set(exits) for nxt, _ in node.next_functions]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            if node in targets:
+                return True
+            seen.add(node)
+            stack.extend(nxt for nxt, _ in node.next_functions)
+        return False
+
+
+def _nothing(grads: tuple) -> tuple:
+    """Pre-hook of an exit node: it has nothing to compute in this run."""
+    return tuple(None for _ in grads)
