@@ -12,7 +12,7 @@ Installed with mpidag, so any pytest run where mpidag is importable has them::
         assert torch.equal(out, torch.full((2,), 2.0))
 
 ``rpc_world`` calls ``init_rpc()`` once per test module and, at the end of the module,
-checks that no RRef, pending fork or call is left on any rank
+checks that no RRef, pending fork, call or distributed autograd context is left on any rank
 (:func:`mpidag.testing.assert_no_leaks`), then shuts RPC down.
 """
 

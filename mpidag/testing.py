@@ -10,7 +10,7 @@ Example::
     with testing.delayed_control_messages(max_delay=0.01, seed=rank):
         ...  # RRef protocol messages now arrive late and out of order
     testing.quiesce()          # every rank here, nothing in flight
-    testing.assert_no_leaks()  # no RRef, pending user or call left on any rank
+    testing.assert_no_leaks()  # no RRef, call or autograd context left on any rank
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ __all__ = ["quiesce", "settle", "leak_report", "assert_no_leaks", "delayed_contr
 
 #: counters of :func:`mpidag.rpc.api._get_debug_info` that must be 0 when nothing leaks
 LEAK_COUNTERS = ("num_owner_rrefs", "num_user_rrefs", "num_pending_users",
-                 "num_pending_children", "num_pending_requests")
+                 "num_pending_children", "num_pending_requests", "num_autograd_contexts",
+                 "num_current_backward_passes", "num_live_send_functions",
+                 "num_live_recv_functions")
 
 
 def quiesce(timeout: float = 60.0) -> None:
@@ -76,7 +78,7 @@ def leak_report(timeout: float = 60.0) -> dict[int, dict[str, int]]:
     k = len(LEAK_COUNTERS)
     mine = _get_debug_info()
     values = [0] * (agent.world_size * k)
-    values[agent.rank * k:(agent.rank + 1) * k] = [int(mine[c]) for c in LEAK_COUNTERS]
+    values[agent.rank * k:(agent.rank + 1) * k] = [int(mine.get(c, 0)) for c in LEAK_COUNTERS]
     totals = _sum_over_ranks(values, timeout)
     report: dict[int, dict[str, int]] = {}
     for rank in range(agent.world_size):
@@ -92,7 +94,8 @@ def assert_no_leaks(timeout: float = 60.0) -> None:
     """Collective: raise ``AssertionError`` on every rank if any rank leaks (see above)."""
     report = leak_report(timeout)
     if report:
-        raise AssertionError(f"mpidag left RRefs or calls alive: {report} (by rank)")
+        raise AssertionError(f"mpidag left RRefs, calls or autograd contexts alive: {report} "
+                             f"(by rank)")
 
 
 class _DelayedSender:

@@ -298,6 +298,8 @@ def _get_debug_info() -> dict[str, int]:
 
         ctx = RRefContext.of(agent)
     info.update(ctx.debug_info())
+    if agent.autograd is not None:
+        info.update(agent.autograd.debug_info())
     return info
 
 

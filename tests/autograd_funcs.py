@@ -1,0 +1,132 @@
+"""Functions the distributed autograd tests call over RPC (importable on every rank).
+
+Each one is also called locally by the tests, to compute the same thing with plain autograd.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import mpidag.autograd as dist_autograd
+import mpidag.rpc as rpc
+
+
+def my_add(t1, t2):
+    return torch.add(t1, t2)
+
+
+def mul_sin(x, w):
+    return (x * w).sin()
+
+
+def square(x):
+    return x * x
+
+
+class Cube(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        ctx.save_for_backward(t)
+        return t ** 3
+
+    @staticmethod
+    def backward(ctx, g):
+        (t,) = ctx.saved_tensors
+        return 3 * t * t * g
+
+
+def cube_inplace(x):
+    """A custom Function, and in-place ops on a received (non-leaf) tensor."""
+    x.mul_(2)
+    y = Cube.apply(x)
+    y.add_(1)
+    return y
+
+
+@dataclass
+class Pair:
+    first: torch.Tensor
+    second: torch.Tensor
+
+
+def containers(d):
+    """Tensors inside dicts, lists and dataclasses, both ways."""
+    pair = d["pair"]
+    return {"out": [pair.first * d["scale"][0], Pair(pair.second.exp(), d["scale"][1] * 3)]}
+
+
+def chain(route, x):
+    """Nested calls: square here, then pass the rest of the route on (may come back here)."""
+    y = square(x) + 1
+    if not route:
+        return y
+    return rpc.rpc_sync(route[0], chain, args=(route[1:], y)) * 2
+
+
+def chain_local(route, x):
+    y = square(x) + 1
+    return y if not route else chain_local(route[1:], y) * 2
+
+
+def call_back(caller, x):
+    """A -> B -> A: the callee calls back into the caller while the first call waits."""
+    y = x.tanh()
+    return rpc.rpc_sync(caller, square, args=(y,)) + y
+
+
+def call_back_local(x):
+    y = x.tanh()
+    return square(y) + y
+
+
+class Linear2(torch.nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a = torch.nn.Linear(4, 5)
+        self.b = torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def make_module(seed):
+    return Linear2(seed)
+
+
+def module_state(rref):
+    return {k: v.detach().clone() for k, v in rref.local_value().state_dict().items()}
+
+
+def module_grads(rref, context_id):
+    """On the owner: the context's gradients of the module's parameters, by name."""
+    grads = dist_autograd.get_gradients(context_id)
+    module = rref.local_value()
+    return {name: grads[p].clone() for name, p in module.named_parameters() if p in grads}
+
+
+class FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("backward of FailingBackward failed on purpose")
+
+
+def fails_in_backward(x):
+    return FailingBackward.apply(x)
+
+
+def leaf_on_owner(seed):
+    gen = torch.Generator().manual_seed(seed)  # not the global one: calls run in threads
+    return torch.rand((3, 3), generator=gen, requires_grad=True)
+
+
+def context_gradients(context_id):
+    """On a remote rank: its gradients in the context, as a list of (value, grad)."""
+    grads = dist_autograd.get_gradients(context_id)
+    return [(t.detach().clone(), g.clone()) for t, g in grads.items()]

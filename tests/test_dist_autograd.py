@@ -1,0 +1,315 @@
+"""Distributed autograd across 2 and 3 ranks, always against plain local autograd.
+
+Every rank drives its own forward/backward towards the next rank at the same time, so each
+test also runs several contexts concurrently on every rank.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import warnings
+
+import pytest
+import torch
+
+import mpidag.autograd as dist_autograd
+import mpidag.rpc as rpc
+from mpidag import testing
+from tests import autograd_funcs as af
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+close = torch.testing.assert_close
+
+
+def _seeded(rank: int, *shapes: tuple[int, ...]) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + rank)
+    return [torch.rand(s, generator=gen, requires_grad=True) for s in shapes]
+
+
+def test_design_document_example(rpc_world):
+    t1, t2, t4 = _seeded(rpc_world.rank, (3, 3), (3, 3), (3, 3))
+    with dist_autograd.context() as context_id:
+        t3 = rpc.rpc_sync(rpc_world.next, af.my_add, args=(t1, t2))
+        loss = torch.mul(t3, t4).sum()
+        dist_autograd.backward(context_id, [loss])
+        grads = dist_autograd.get_gradients(context_id)
+    expected = torch.autograd.grad(torch.mul(af.my_add(t1, t2), t4).sum(), [t1, t2, t4])
+    assert set(grads) == {t1, t2, t4}
+    for t, e in zip([t1, t2, t4], expected, strict=True):
+        close(grads[t], e)
+    assert t1.grad is None and t4.grad is None  # gradients live in the context only
+
+
+def test_every_rpc_path_records(rpc_world):
+    """rpc_async, remote + to_here, and the proxies of an RRef."""
+    x, w = _seeded(rpc_world.rank, (4,), (4,))
+    with dist_autograd.context() as context_id:
+        fut = rpc.rpc_async(rpc_world.next, af.mul_sin, args=(x, w))
+        rref = rpc.remote(rpc_world.next, af.square, args=(x,))
+        held = rpc.remote(rpc_world.next, af.my_add, args=(x, w))
+        via_proxy = held.rpc_sync().mul(2)  # runs value.mul(2) on the owner
+        loss = (fut.wait() * rref.to_here()).sum() + via_proxy.sum()
+        dist_autograd.backward(context_id, [loss])
+        grads = dist_autograd.get_gradients(context_id)
+    local = (af.mul_sin(x, w) * af.square(x)).sum() + (af.my_add(x, w) * 2).sum()
+    ex, ew = torch.autograd.grad(local, [x, w])
+    close(grads[x], ex)
+    close(grads[w], ew)
+
+
+def test_shared_tensors_and_several_rpcs_to_one_rank(rpc_world):
+    """A non-leaf tensor used locally and sent twice; a weight used everywhere."""
+    a, w = _seeded(rpc_world.rank, (2, 3), (3,))
+
+    def forward(call):
+        x = a * w  # non-leaf, sent and used locally
+        y1 = call(af.mul_sin, x, w)
+        y2 = call(af.square, x)
+        return (y1 * y2).sum() + (x * w).sum()
+
+    with dist_autograd.context() as context_id:
+        loss = forward(lambda f, *args: rpc.rpc_sync(rpc_world.next, f, args=args))
+        dist_autograd.backward(context_id, [loss])
+        grads = dist_autograd.get_gradients(context_id)
+    ea, ew = torch.autograd.grad(forward(lambda f, *args: f(*args)), [a, w])
+    close(grads[a], ea)
+    close(grads[w], ew)
+
+
+def test_chain_through_every_rank_and_back(rpc_world):
+    """Nested calls around the ring, back to the caller and once more round (cycles)."""
+    (x,) = _seeded(rpc_world.rank, (5,))
+    x_small = x * 0.1
+    ring = [rpc_world.worker(rpc_world.rank + i) for i in range(1, rpc_world.size + 1)]
+    route = ring + ring[:1]  # ends past this rank: A -> B (-> C) -> A -> B
+    with dist_autograd.context() as context_id:
+        out = rpc.rpc_sync(rpc_world.next, af.chain, args=(route[1:], x_small))
+        loss = out.sum()
+        dist_autograd.backward(context_id, [loss])
+        grads = dist_autograd.get_gradients(context_id)
+    (expected,) = torch.autograd.grad(af.chain_local(route[1:], x * 0.1).sum(), [x])
+    close(grads[x], expected)
+
+
+def test_call_back_into_the_caller(rpc_world):
+    (x,) = _seeded(rpc_world.rank, (3, 2))
+    with dist_autograd.context() as context_id:
+        out = rpc.rpc_sync(rpc_world.next, af.call_back, args=(rpc_world.name, x))
+        dist_autograd.backward(context_id, [(out * x).sum()])
+        grads = dist_autograd.get_gradients(context_id)
+    (expected,) = torch.autograd.grad((af.call_back_local(x) * x).sum(), [x])
+    close(grads[x], expected)
+
+
+def test_custom_function_and_inplace_ops_on_the_callee(rpc_world):
+    (x,) = _seeded(rpc_world.rank, (6,))
+    with dist_autograd.context() as context_id:
+        y = rpc.rpc_sync(rpc_world.next, af.cube_inplace, args=(x * 1,))
+        y.mul_(3)  # in place on a received tensor here too
+        dist_autograd.backward(context_id, [y.sum()])
+        grads = dist_autograd.get_gradients(context_id)
+    local = af.cube_inplace(x * 1)
+    local.mul_(3)
+    (expected,) = torch.autograd.grad(local.sum(), [x])
+    close(grads[x], expected)
+
+
+def test_tensors_inside_containers(rpc_world):
+    a, b, s = _seeded(rpc_world.rank, (3,), (3,), (2,))
+    arg = {"pair": af.Pair(a * 2, b), "scale": [s[0], s[1]]}
+    with dist_autograd.context() as context_id:
+        out = rpc.rpc_sync(rpc_world.next, af.containers, args=(arg,))
+        loss = (out["out"][0] * out["out"][1].first).sum() + out["out"][1].second
+        dist_autograd.backward(context_id, [loss])
+        grads = dist_autograd.get_gradients(context_id)
+    ref = af.containers({"pair": af.Pair(a * 2, b), "scale": [s[0], s[1]]})
+    expected = torch.autograd.grad(
+        (ref["out"][0] * ref["out"][1].first).sum() + ref["out"][1].second, [a, b, s])
+    for t, e in zip([a, b, s], expected, strict=True):
+        close(grads[t], e)
+
+
+def test_retain_graph_accumulates(rpc_world):
+    x, w = _seeded(rpc_world.rank, (4,), (4,))
+    with dist_autograd.context() as context_id:
+        loss = rpc.rpc_sync(rpc_world.next, af.mul_sin, args=(x, w)).sum()
+        dist_autograd.backward(context_id, [loss], retain_graph=True)
+        first = dist_autograd.get_gradients(context_id)[x].clone()
+        dist_autograd.backward(context_id, [loss])
+        second = dist_autograd.get_gradients(context_id)[x]
+    (expected,) = torch.autograd.grad(af.mul_sin(x, w).sum(), [x])
+    close(first, expected)
+    close(second, 2 * expected)
+
+
+def test_parameters_of_a_remote_module(rpc_world):
+    """Leaves on the owner: their gradients are in the owner's part of the context."""
+    owner = rpc_world.next
+    module = rpc.remote(owner, af.make_module, args=(rpc_world.rank,))
+    batch = torch.randn(6, 4)
+    with dist_autograd.context() as context_id:
+        out = module.rpc_sync().forward(batch)
+        loss = out.pow(2).mean()
+        dist_autograd.backward(context_id, [loss])
+        remote_grads = rpc.rpc_sync(owner, af.module_grads, args=(module, context_id))
+    local = af.make_module(rpc_world.rank)
+    local.load_state_dict(rpc.rpc_sync(owner, af.module_state, args=(module,)))
+    local(batch).pow(2).mean().backward()
+    assert set(remote_grads) == {n for n, _ in local.named_parameters()}
+    for name, p in local.named_parameters():
+        close(remote_grads[name], p.grad)
+
+
+def test_end_to_end_remote_leaves_and_rref_backward(rpc_world):
+    """The design document's end-to-end example, plus RRef.backward both ways."""
+    owner = rpc_world.next
+    with dist_autograd.context() as context_id:
+        rref1 = rpc.remote(owner, af.leaf_on_owner, args=(rpc_world.rank,))
+        rref2 = rpc.remote(owner, af.leaf_on_owner, args=(rpc_world.rank + 100,))
+        loss = (rref1.to_here() + rref2.to_here() * 2).sum()
+        dist_autograd.backward(context_id, [loss])
+        got = rpc.rpc_sync(owner, af.context_gradients, args=(context_id,))
+    v1 = af.leaf_on_owner(rpc_world.rank).detach()
+    v2 = af.leaf_on_owner(rpc_world.rank + 100).detach()
+    assert len(got) == 2
+    for value, grad in got:
+        scale = 1.0 if torch.equal(value, v1) else 2.0 if torch.equal(value, v2) else None
+        assert scale is not None, "a gradient for a tensor this test did not make"
+        close(grad, torch.full((3, 3), scale))
+    (x,) = _seeded(rpc_world.rank, (4,))
+    with dist_autograd.context() as context_id:
+        total = rpc.remote(owner, torch.sum, args=(x * 3,))
+        total.backward(context_id)
+        close(dist_autograd.get_gradients(context_id)[x], torch.full((4,), 3.0))
+    mine = rpc.RRef(torch.sum(x * 2))
+    mine.backward()  # local: only the owner may, and it fills .grad
+    close(x.grad, torch.full((4,), 2.0))
+    with pytest.raises(RuntimeError, match="only the owner"):
+        total.backward()
+    del rref1, rref2, total, mine
+
+
+def test_error_in_a_remote_backward_reaches_the_caller(rpc_world):
+    (x,) = _seeded(rpc_world.rank, (3,))
+    with dist_autograd.context() as context_id:
+        y = rpc.rpc_sync(rpc_world.next, af.fails_in_backward, args=(x,))
+        with pytest.raises(ValueError, match="failed on purpose") as info:
+            dist_autograd.backward(context_id, [y.sum()])
+        assert rpc_world.next in str(info.value.__cause__)  # the remote traceback
+        del info
+    # every rank goes on working
+    with dist_autograd.context() as context_id:
+        loss = rpc.rpc_sync(rpc_world.next, af.square, args=(x,)).sum()
+        dist_autograd.backward(context_id, [loss])
+        close(dist_autograd.get_gradients(context_id)[x], 2 * x.detach())
+
+
+def test_bad_calls_are_clear_errors(rpc_world):
+    (x,) = _seeded(rpc_world.rank, (2,))
+    with dist_autograd.context() as context_id:
+        y = rpc.rpc_sync(rpc_world.next, af.square, args=(x,))
+        with pytest.raises(RuntimeError, match="scalar outputs"):
+            dist_autograd.backward(context_id, [y])
+        with pytest.raises(RuntimeError, match="does not require grad"):
+            dist_autograd.backward(context_id, [torch.ones(())])
+        with pytest.raises(TypeError, match="non-empty list"):
+            dist_autograd.backward(context_id, [])
+        with pytest.raises(RuntimeError, match="does not exist"):
+            dist_autograd.backward(context_id + 12345, [y.sum()])
+        with pytest.raises(RuntimeError, match="do not nest"), dist_autograd.context():
+            pass
+        with pytest.raises(RuntimeError, match="mpidag.autograd.backward"):
+            y.sum().backward()  # a local backward through a recv function
+        dist_autograd.backward(context_id, [y.sum()])
+    with pytest.raises(RuntimeError, match="was released"):
+        dist_autograd.backward(context_id, [y.sum()])
+    with pytest.raises(RuntimeError, match="was released"):
+        dist_autograd.get_gradients(context_id)
+    with pytest.raises(RuntimeError, match="does not exist"):
+        dist_autograd.get_gradients(-5)
+    with pytest.raises(RuntimeError, match="valid autograd context"):
+        dist_autograd._current_context()
+
+
+def test_unused_rpc_results(rpc_world):
+    a, b, c = _seeded(rpc_world.rank, (3,), (3,), (3,))
+    # an unused result that nothing else depends on: exact gradients, and a warning
+    with dist_autograd.context() as context_id:
+        d = rpc.rpc_sync(rpc_world.next, af.my_add, args=(a, b))
+        e = rpc.rpc_sync(rpc_world.next, torch.mul, args=(b, c))  # noqa: F841 - unused
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dist_autograd.backward(context_id, [d.sum()])
+        grads = dist_autograd.get_gradients(context_id)
+    assert any(issubclass(w.category, dist_autograd.UnusedRPCWarning)
+               and "mul" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    close(grads[a], torch.ones(3))
+    close(grads[b], torch.ones(3))
+    assert c not in grads
+    # an unused result another gradient depends on: FAST mode cannot finish; say so
+    with dist_autograd.context() as context_id:
+        h = a * 2
+        d = rpc.rpc_sync(rpc_world.next, af.square, args=(h,))
+        e = rpc.rpc_sync(rpc_world.next, af.mul_sin, args=(h, c))  # noqa: F841 - unused on purpose
+        with pytest.raises(dist_autograd.UnusedRPCGradientError, match="mul_sin") as info:
+            dist_autograd.backward(context_id, [d.sum()])
+        assert "FAST mode" in str(info.value)
+        del info
+
+
+def test_concurrent_contexts_in_threads(rpc_world):
+    results: dict[int, tuple] = {}
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            x, w = _seeded(rpc_world.rank * 10 + i, (8,), (8,))
+            for _ in range(5):
+                with dist_autograd.context() as context_id:
+                    y = rpc.rpc_sync(rpc_world.next, af.mul_sin, args=(x, w))
+                    loss = (y * (i + 1)).sum()
+                    dist_autograd.backward(context_id, [loss])
+                    grads = dist_autograd.get_gradients(context_id)
+            results[i] = (x, w, grads[x], grads[w])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i, (x, w, gx, gw) in results.items():
+        ex, ew = torch.autograd.grad((af.mul_sin(x, w) * (i + 1)).sum(), [x, w])
+        close(gx, ex)
+        close(gw, ew)
+
+
+def _rss_mib() -> float:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_many_iterations_leave_nothing_alive(rpc_world):
+    iterations = int(os.environ.get("MPIDAG_TEST_ITERATIONS", "10000"))
+    w = torch.randn(16, requires_grad=True)
+    rss = []
+    for i in range(iterations):
+        with dist_autograd.context() as context_id:
+            x = torch.randn(16) * w
+            y = rpc.rpc_sync(rpc_world.next, af.mul_sin, args=(x, w))
+            dist_autograd.backward(context_id, [y.sum()])
+            assert dist_autograd.get_gradients(context_id)[w].shape == (16,)
+        if i in (iterations // 5, iterations - 1):
+            gc.collect()
+            rss.append(_rss_mib())
+    del x, y
+    testing.settle()
+    info = dist_autograd._get_debug_info()
+    assert info == {k: 0 for k in info}, info
+    assert rss[1] - rss[0] < 20, f"memory grew from {rss[0]:.1f} to {rss[1]:.1f} MiB"
+    testing.quiesce()
