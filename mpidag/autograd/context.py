@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd.graph import GradientEdge
 
-from mpidag.autograd.graph import edge_of
+from mpidag.autograd.graph import Reach, edge_of
 
 if TYPE_CHECKING:
     from mpidag.autograd.engine import PassState
@@ -62,14 +62,21 @@ def _peek(counter: itertools.count) -> int:
 class SendFunction:
     """The sender's half of one message: where the gradients of its tensors go."""
 
-    __slots__ = ("message_id", "peer", "edges", "what", "__weakref__")
+    __slots__ = ("message_id", "peer", "edges", "what", "reach", "__weakref__")
 
     def __init__(self, message_id: int, peer: int, edges: list[GradientEdge], what: str):
         self.message_id = message_id
         self.peer = peer  # the rank the tensors went to (and the gradients come from)
         self.edges = edges  # one per tensor that requires grad, in message order
         self.what = what
+        self.reach: Reach | None = None
         next(_created_sends)
+
+    def prepare(self) -> None:
+        """Walk the graph behind the sent tensors now (it never changes), so the backward
+        pass does not have to: called right after the message left, while the peer works."""
+        if self.reach is None:
+            self.reach = Reach(self.edges, RECV_NODE_TYPE)
 
     def __del__(self) -> None:
         next(_freed_sends)
@@ -175,14 +182,15 @@ class GradientMap:
 
 
 def _own_copy(grad: torch.Tensor, variable: torch.Tensor) -> torch.Tensor:
-    """``grad`` as a tensor this map may keep and change: taken as it is when it is a plain
-    tensor of the variable's layout (only the engine's own buffers and received gradients
-    reach here), copied when it is a view (a broadcast) or laid out otherwise."""
+    """``grad`` as a tensor this map may keep and change: taken as it is when it has the
+    variable's layout (only the engine's own buffers and received gradients reach here; one
+    buffer handed to two leaves is caught by the caller), copied when it is a broadcast or
+    laid out otherwise (copying a 1024x1024 weight gradient costs 1.8 ms here)."""
     if grad.is_sparse or grad.layout is not torch.strided:
         return grad.clone()
     if grad.shape == variable.shape and grad.stride() == variable.stride() \
-            and grad._base is None and not grad.is_conj() and not grad.is_neg():
-        return grad
+            and not grad.is_conj() and not grad.is_neg():
+        return grad  # views too (a Linear's weight gradient is one): the map owns them
     return torch.empty_like(variable, dtype=grad.dtype).copy_(grad)
 
 
@@ -393,6 +401,16 @@ class ContextContainer:
         for i, out in zip(index, outs, strict=True):
             result[i] = out
         return result
+
+    def prepare_send(self, context_id: int, message_id: int) -> None:
+        """Precompute the reach of a send function just sent (never raises)."""
+        ctx = self.contexts.get(context_id)
+        send = None if ctx is None else ctx.sends.get(message_id)
+        if send is not None:
+            try:
+                send.prepare()
+            except Exception:  # the backward pass walks it again and reports what fails
+                log.debug("could not walk the graph of %r", send, exc_info=True)
 
     @staticmethod
     def describe_recv(ctx: DistAutogradContext, message_id: int,

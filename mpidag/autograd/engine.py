@@ -151,12 +151,14 @@ class PassState:
         with self.ctx.lock:
             sends = list(self.ctx.sends.values())
         sources = [] if root_edges is None else [root_edges]
+        reaches = [] if root_edges is None else [None]
         self.source_what = [] if root_edges is None else ["the roots of backward()"]
         for send in sends:
             self.source_of[send.message_id] = len(sources)
             sources.append(send.edges)
+            reaches.append(send.reach)
             self.source_what.append(f"{send.what} (rank {self.agent.rank})")
-        self.plan = Plan(sources, RECV_NODE_TYPE)
+        self.plan = Plan(sources, RECV_NODE_TYPE, reaches)
 
     def _send(self, peer: int, message_id: int, grads: list[torch.Tensor | None]) -> None:
         with self.lock:

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-__all__ = ["AccumulateGrad", "EdgeKey", "Plan", "edge_of"]
+__all__ = ["AccumulateGrad", "EdgeKey", "Plan", "Reach", "edge_of"]
 
 #: the node type of a leaf tensor's gradient accumulator
 AccumulateGrad: type = type(get_gradient_edge(torch.empty(0, requires_grad=True)).node)
@@ -59,6 +59,53 @@ def edge_of(tensor: torch.Tensor) -> GradientEdge:
         'torch::autograd::AccumulateGrad'
     """
     return get_gradient_edge(tensor)
+
+
+class Reach:
+    """What one source reaches in the local graph: its nodes (with their next functions),
+    and its edges into leaves and into recv functions (where the walk stops).
+
+    The graph behind a tensor never changes once made, so the reach of a send function can
+    be computed as soon as it is recorded (see ``SendFunction.prepare``).
+    """
+
+    __slots__ = ("succ", "leaf_edges", "recv_edges", "recv_nodes")
+
+    def __init__(self, edges: list[GradientEdge | None], recv_type: type) -> None:
+        acc = AccumulateGrad
+        succ: dict[Any, tuple] = {}
+        leaf_edges: set[EdgeKey] = set()
+        recv_edges: set[EdgeKey] = set()
+        stack = []
+        for edge in edges:
+            if edge is None or edge.node is None:
+                continue
+            kind = type(edge.node)
+            if kind is not acc and kind is not recv_type and edge.node not in succ:
+                succ[edge.node] = ()
+                stack.append(edge.node)
+        recv_nodes = {e.node for e in edges if e is not None and type(e.node) is recv_type}
+        while stack:
+            node = stack.pop()
+            nexts = node.next_functions
+            succ[node] = nexts
+            for key in nexts:
+                nxt = key[0]
+                if nxt is None or nxt in succ:
+                    continue
+                kind = type(nxt)
+                if kind is acc:
+                    leaf_edges.add(key)
+                elif kind is recv_type:
+                    recv_edges.add(key)
+                    recv_nodes.add(nxt)
+                else:
+                    succ[nxt] = ()
+                    stack.append(nxt)
+        self.succ = succ
+        self.leaf_edges = leaf_edges
+        self.recv_edges = recv_edges
+        self.recv_nodes = recv_nodes
 
 
 @dataclass(slots=True, eq=False)
@@ -81,7 +128,8 @@ class Plan:
     functions: gradients stop there and are returned to the caller once complete.
     """
 
-    def __init__(self, sources: list[list[GradientEdge | None]], recv_type: type) -> None:
+    def __init__(self, sources: list[list[GradientEdge | None]], recv_type: type,
+                 reaches: list[Reach | None] | None = None) -> None:
         self.n_sources = len(sources)
         self.recv_type = recv_type
         self.arrived = 0
@@ -96,66 +144,48 @@ class Plan:
         self.fired: set[Any] = set()
         self.regions: dict[int, _Region] = {}
         self.node_mask: dict[Any, int] = {}
-        self._build()
+        reaches = list(reaches) if reaches is not None else [None] * len(sources)
+        for i, edges in enumerate(sources):
+            if reaches[i] is None:
+                reaches[i] = Reach(edges, recv_type)
+        self._build(reaches)
 
     # ------------------------------------------------------------------ build
-    def _build(self) -> None:
-        """Find every node reached from the sources and give each its source mask.
+    def _build(self, reaches: list[Reach]) -> None:
+        """Give every node reached from the sources its source mask, and form regions.
 
-        One depth-first pass notes which source reached a node first; when no node is
-        reached from two sources (the common case: a pipeline stage, a parameter server)
-        that is the answer. Otherwise a second, topological pass computes full masks.
+        Each source's reach is one depth-first pass (done when its send function was
+        recorded, where possible, while the peer computes). When no node is reached from two
+        sources (the common case: a pipeline stage, a parameter server) the masks are the
+        sources' bits, merged at C speed; otherwise a topological pass computes full masks.
         """
-        acc, recv = AccumulateGrad, self.recv_type
         succ: dict[Any, tuple] = {}
-        first: dict[Any, int] = {}
+        total = 0
         shared = False
-        for i, edges in enumerate(self.sources):
-            bit = 1 << i
-            stack = []
-            for key in edges:
-                if key is None:
-                    continue
-                node = key[0]
-                kind = type(node)
-                if kind is acc:
-                    continue
-                if kind is recv:
-                    seen = self.recv_mask.get(node, 0)
-                    shared = shared or (seen not in (0, bit))
-                    self.recv_mask[node] = seen | bit
-                    continue
-                owner = first.get(node)
-                if owner is None:
-                    first[node] = bit
-                    stack.append(node)
-                elif owner != bit:
-                    shared = True
-            while stack:
-                node = stack.pop()
-                nexts = node.next_functions
-                succ[node] = nexts
-                for nxt, _ in nexts:
-                    if nxt is None:
-                        continue
-                    kind = type(nxt)
-                    if kind is acc:
-                        continue
-                    if kind is recv:
-                        seen = self.recv_mask.get(nxt, 0)
-                        if seen | bit != seen:
-                            shared = shared or seen != 0
-                            self.recv_mask[nxt] = seen | bit
-                        continue
-                    owner = first.get(nxt)
-                    if owner is None:
-                        first[nxt] = bit
-                        stack.append(nxt)
-                    elif owner != bit:
-                        shared = True
-        masks = self._full_masks(succ) if shared else first
-        self.node_mask = masks
+        recv_mask = self.recv_mask
+        for i, reach in enumerate(reaches):
+            succ.update(reach.succ)
+            total += len(reach.succ)
+            for node in reach.recv_nodes:
+                seen = recv_mask.get(node, 0)
+                shared = shared or seen != 0
+                recv_mask[node] = seen | 1 << i
+        shared = shared or len(succ) != total
         regions = self.regions
+        if not shared:
+            masks: dict[Any, int] = {}
+            for i, reach in enumerate(reaches):
+                bit = 1 << i
+                masks.update(dict.fromkeys(reach.succ, bit))
+                region = _Region(bit, leaf_edges=reach.leaf_edges, recv_edges=reach.recv_edges)
+                region.entries = {key for key in self.sources[i]
+                                  if key is not None and key[0] in reach.succ}
+                regions[bit] = region
+            self.node_mask = masks
+            return
+        masks = self._full_masks(succ)
+        self.node_mask = masks
+        acc, recv = AccumulateGrad, self.recv_type
         for mask in set(masks.values()):
             regions[mask] = _Region(mask)
         for node, nexts in succ.items():
@@ -169,7 +199,7 @@ class Plan:
                     region.leaf_edges.add(key)
                 elif kind is recv:
                     region.recv_edges.add(key)
-                elif shared and masks[nxt] != region.mask:
+                elif masks[nxt] != region.mask:
                     region.exits.add(key)
                     regions[masks[nxt]].entries.add(key)
         for edges in self.sources:

@@ -264,6 +264,8 @@ class RpcAgent:
         except BaseException:
             self._pending.pop(request_id, None)
             raise
+        if message_id:
+            autograd.prepare_send(context_id, message_id)  # while the callee works
         return future
 
     def notify(self, dst: int, func: Callable, args: tuple = (), kwargs: dict | None = None,
@@ -458,6 +460,8 @@ class RpcAgent:
             self.transport.send(env.src, reply, devices)
         finally:
             self._mark_processed()
+        if message_id:
+            self.autograd.prepare_send(env.context_id, message_id)
 
     def _reply_error(self, env: Envelope, exc: BaseException) -> None:
         payload = pack_exception(exc, self.where())
@@ -515,6 +519,10 @@ class RpcAgent:
         state = {"next_report": start + 30.0}
 
         def wait(done: Callable[[], bool]) -> None:
+            with self.engine.parked():
+                _wait(done)
+
+        def _wait(done: Callable[[], bool]) -> None:
             sleep = 20e-6
             while not done():
                 now = time.monotonic()

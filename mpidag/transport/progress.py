@@ -9,13 +9,22 @@ Exactly one thread at a time *leads*: it polls the transport and dispatches what
   checks every ``sentinel_interval`` seconds; if the leadership stayed vacant for a whole
   interval while a request runs, it wakes an idle pool thread to lead, so a long or
   blocking user function never stalls the receipt of messages.
-* A pool leader that finds nothing yields for ``spin`` seconds, then sleeps with an
-  exponential backoff up to ``max_sleep`` (``MPIDAG_BACKOFF_MAX``), which bounds the idle
-  CPU cost. A user thread waiting for its own reply yields for ``wait_spin`` (10 ms)
-  before it sleeps: if both ends of a call sleep, each message waits for the other's
-  sleep to end (measured: 3.8 ms round trips in that state).
+* A pool leader that finds nothing yields for ``spin`` seconds (``MPIDAG_POLL_SPIN_S``,
+  50 ms), then sleeps with an exponential backoff up to ``max_sleep``
+  (``MPIDAG_BACKOFF_MAX``), which bounds the idle CPU cost. The yielding phase covers the
+  gaps of a pipeline (a rank waits while its peer computes for a few ms): with 200 us of
+  it, a rank woken after such a gap slept up to 1 ms per message (measured: 3 of the 16 ms
+  of a distributed forward + backward of 1,000 small ops; a pipeline stage of 20 ms needs
+  more than 10 ms). A user thread waiting for its own reply yields as long before it
+  sleeps: if both ends of a call sleep, each message waits for the other's sleep to end
+  (3.8 ms round trips measured).
   Short waits yield (``os.sched_yield``, 0.5 us) instead of sleeping: the shortest
   ``time.sleep`` measured 25-85 us on the VMs this was tuned on.
+* While another thread of the process may compute (a work item: a remote function, a
+  backward step; or the main thread, unless it waits inside mpidag), a polling
+  thread sleeps instead of yielding, and wakes when that ends: with one core per rank, a
+  spinning poller halved the speed of the computing thread (a 2.9 ms backward step took
+  5.8 ms) and made a 10 us send take 340 us (GIL hand-offs).
 
 Work items are plain callables; the dispatcher decides what is work and what is handled
 inline (completing a future).
@@ -24,11 +33,12 @@ inline (completing a future).
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from mpidag.transport.frames import Envelope
 
@@ -37,6 +47,10 @@ __all__ = ["Backoff", "ProgressEngine"]
 log = logging.getLogger(__name__)
 
 Work = Callable[[], None]
+
+#: ``active`` is true in a pool thread while it runs a work item
+_in_work = threading.local()
+_MAIN = threading.main_thread()
 
 
 #: seconds of idleness polled in a tight loop before yielding: covers a normal round trip
@@ -56,25 +70,33 @@ class Backoff:
         >>> b.idle(); b.idle(); b.reset()
     """
 
-    __slots__ = ("spin", "min_sleep", "max_sleep", "_since", "_sleep")
+    __slots__ = ("spin", "min_sleep", "max_sleep", "_since", "_sleep", "_nap")
 
-    def __init__(self, spin: float, min_sleep: float, max_sleep: float) -> None:
+    def __init__(self, spin: float, min_sleep: float, max_sleep: float,
+                 nap: Callable[[float], None] = time.sleep) -> None:
         self.spin = spin
         self.min_sleep = min_sleep
         self.max_sleep = max_sleep
+        self._nap = nap  # sleeps while another thread computes (may end early)
         self._since = 0.0
         self._sleep = 0.0
 
     def reset(self) -> None:
         self._since = 0.0
 
-    def idle(self) -> None:
+    def idle(self, computing: bool = False) -> None:
+        """One empty poll. ``computing``: another thread of this process runs work now;
+        spinning would take the core (one per rank is common) from it, so sleep at once."""
         now = time.perf_counter()
         if not self._since:
             self._since = now
             self._sleep = self.min_sleep
             return
         idle_for = now - self._since
+        if computing:
+            self._nap(self._sleep)
+            self._sleep = min(self._sleep * 2, self.max_sleep)
+            return
         if idle_for < PURE_SPIN:
             return
         if idle_for < self.spin:
@@ -107,8 +129,8 @@ class ProgressEngine:
         on_idle: Callable[[], None],
         num_threads: int,
         *,
-        spin: float = 200e-6,
-        wait_spin: float = 10e-3,
+        spin: float = float(os.environ.get("MPIDAG_POLL_SPIN_S", "50e-3")),
+        wait_spin: float = float(os.environ.get("MPIDAG_POLL_SPIN_S", "50e-3")),
         min_sleep: float = 50e-6,
         max_sleep: float = 1e-3,
         sentinel_interval: float = float(os.environ.get("MPIDAG_SENTINEL_S", "1e-3")),
@@ -127,11 +149,14 @@ class ProgressEngine:
         self._lock = threading.Lock()
         self._pool_cv = threading.Condition(self._lock)
         self._user_cv = threading.Condition(self._lock)
+        self._computing_cv = threading.Condition(self._lock)  # a work item ended or waits
         self._leader_busy = False
         self._waiters = 0  # user threads that want to lead
         self._idle = 0  # pool threads parked
         self._work: collections.deque[Work] = collections.deque()
         self._running_work = 0
+        self._blocked_work = 0  # of those, work items waiting in wait_until (not computing)
+        self._main_parked = 0  # the main thread waits inside mpidag (is not computing)
         self._vacancy_epoch = 0  # counts lazy vacancies, for the sentinel
         self._stopping = False
         self._threads = [
@@ -196,7 +221,7 @@ class ProgressEngine:
 
     def _lead_as_pool(self) -> Work | None:
         """Lead until a request arrives (returned, leadership vacated) or a user waits."""
-        backoff = Backoff(self._spin, self._min_sleep, self._max_sleep)
+        backoff = Backoff(self._spin, self._min_sleep, self._max_sleep, self._nap)
         poll, dispatch = self._poll, self._dispatch
         while True:
             if self._waiters or self._stopping:
@@ -217,7 +242,7 @@ class ProgressEngine:
                 env = None
             self._on_idle()
             if env is None:
-                backoff.idle()
+                backoff.idle(self._computing())
                 continue
             backoff.reset()
             work = self._dispatch_safely(dispatch, env)
@@ -230,13 +255,43 @@ class ProgressEngine:
     def _run(self, work: Work) -> None:
         with self._lock:
             self._running_work += 1
+        _in_work.active = True
         try:
             work()
         except Exception:
             log.exception("work item failed")
         finally:
+            _in_work.active = False
             with self._lock:
                 self._running_work -= 1
+                self._computing_cv.notify_all()
+
+    def _computing(self) -> bool:
+        """Whether some thread of this process may be computing: a work item that is not
+        waiting, or the main thread while it is not waiting inside mpidag (other threads
+        of the program are not counted: idle timers and monitors are common)."""
+        if self._running_work > self._blocked_work:
+            return True
+        return not self._main_parked and _MAIN.is_alive()
+
+    def _nap(self, seconds: float) -> None:
+        """Sleep while another thread computes; wake as soon as none does."""
+        with self._lock:
+            if self._computing():
+                self._computing_cv.wait(seconds)
+
+    @contextlib.contextmanager
+    def parked(self) -> Iterator[None]:
+        """Mark this thread as waiting (not computing) while inside the block."""
+        main = threading.current_thread() is _MAIN
+        with self._lock:
+            self._main_parked += main
+            self._computing_cv.notify_all()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._main_parked -= main
 
     def _vacate_locked(self, lazy: bool = False) -> None:
         """Give up the leadership: to a waiting user thread, else to a pool thread.
@@ -302,8 +357,13 @@ class ProgressEngine:
             return True
         lock = self._lock
         yields = 0
+        blocked = getattr(_in_work, "active", False)  # a work item waiting: not computing
+        main = threading.current_thread() is _MAIN
         with lock:
             self._waiters += 1  # from now on pool leaders hand over to this thread
+            self._blocked_work += blocked
+            self._main_parked += main
+            self._computing_cv.notify_all()
         registered = True
         try:
             while True:
@@ -338,12 +398,14 @@ class ProgressEngine:
                         wait = 0.05 if deadline is None else max(0.0, deadline - time.monotonic())
                         self._user_cv.wait(min(wait, 0.05))
         finally:
-            if registered:
-                with lock:
+            with lock:
+                self._blocked_work -= blocked
+                self._main_parked -= main
+                if registered:
                     self._waiters -= 1
 
     def _lead_as_user(self, done: Callable[[], bool], deadline: float | None) -> bool:
-        backoff = Backoff(self._wait_spin, self._min_sleep, self._max_sleep)
+        backoff = Backoff(self._wait_spin, self._min_sleep, self._max_sleep, self._nap)
         poll, dispatch = self._poll, self._dispatch
         while not done():
             env = poll()
@@ -353,7 +415,7 @@ class ProgressEngine:
                     return False
                 if self._stopping:
                     return done()
-                backoff.idle()
+                backoff.idle(self._computing())
                 continue
             backoff.reset()
             work = self._dispatch_safely(dispatch, env)

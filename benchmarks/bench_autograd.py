@@ -1,0 +1,285 @@
+"""Distributed autograd: mpidag vs ``torch.distributed.autograd`` (TensorPipe) vs one rank.
+
+Run on exactly two MPI ranks; rank 0 drives, rank 1 holds the second stage::
+
+    python -m mpidag.run -n 2 benchmarks/bench_autograd.py [--quick]
+
+Workloads (forward + backward per iteration, median time of several repetitions):
+
+* ``pipeline_mlp``: a 2-stage pipeline MLP, 4 layers of 1024x1024 + ReLU per stage, batch
+  64. Stage 1 runs on rank 0, stage 2 on rank 1 (``rpc_sync`` of the activations), loss on
+  rank 0, then the distributed backward.
+* ``ops_1000``: a graph of 1,000 small ops (tanh, mul, add on 64 floats), 500 per stage.
+* ``seed_example``: the design document's example (``my_add`` on worker1, ``t3 * t4``).
+
+``local`` runs the same model on rank 0 alone with ``loss.backward()`` (gradients to
+``.grad``, reset every iteration); the goal is mpidag <= 1.3x local, and faster than torch.
+Every rank uses one intra-op thread (two ranks share two cores). Rank 0 writes
+``benchmarks/results/autograd.json``; ``benchmarks/plot.py`` draws it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from mpi4py import MPI
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+from bench_rpc import (  # noqa: E402 - after the path set-up
+    Watchdog,
+    free_tcp_port,
+    log,
+    machine_info,
+    timed_allreduce_min,
+    timed_barrier,
+)
+
+DEFAULT_OUT = HERE / "results" / "autograd.json"
+IMPLS = ["local", "torch_rpc", "mpidag"]
+WIDTH, LAYERS, BATCH = 1024, 4, 64
+OPS_PER_STAGE, OPS_SIZE = 500, 64
+
+
+# ---------------------------------------------------------------- models (both ranks)
+def _stage(seed: int) -> torch.nn.Sequential:
+    gen = torch.Generator().manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    for _ in range(LAYERS):
+        lin = torch.nn.Linear(WIDTH, WIDTH)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(WIDTH, WIDTH, generator=gen) / WIDTH ** 0.5)
+            lin.bias.zero_()
+        layers += [lin, torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers)
+
+
+STAGE1 = _stage(1)
+STAGE2 = _stage(2)
+W1 = torch.linspace(0.5, 1.0, OPS_SIZE).requires_grad_()
+W2 = torch.linspace(1.0, 0.5, OPS_SIZE).requires_grad_()
+
+
+def stage2_forward(h: torch.Tensor) -> torch.Tensor:
+    """On rank 1: the second pipeline stage."""
+    return STAGE2(h)
+
+
+def ops_half(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    for i in range(OPS_PER_STAGE):
+        h = (h * w) if i % 2 else torch.tanh(h + 0.01)
+    return h
+
+
+def ops_stage2(h: torch.Tensor) -> torch.Tensor:
+    """On rank 1: the second half of the 1,000-op graph."""
+    return ops_half(h, W2)
+
+
+def my_add(t1: torch.Tensor, t2: torch.Tensor) -> torch.Tensor:
+    return torch.add(t1, t2)
+
+
+# ---------------------------------------------------------------- one iteration each
+def local_step(workload: str) -> None:
+    if workload == "pipeline_mlp":
+        x = torch.randn(BATCH, WIDTH)
+        STAGE2(STAGE1(x)).pow(2).mean().backward()
+        for p in (*STAGE1.parameters(), *STAGE2.parameters()):
+            p.grad = None
+    elif workload == "ops_1000":
+        ops_half(ops_half(torch.full((OPS_SIZE,), 0.1), W1), W2).sum().backward()
+        W1.grad = W2.grad = None
+    else:
+        t1, t2, t4 = (torch.rand((3, 3), requires_grad=True) for _ in range(3))
+        (my_add(t1, t2) * t4).sum().backward()
+
+
+def distributed_step(rpc: ModuleType, dist_autograd: ModuleType, workload: str) -> None:
+    with dist_autograd.context() as context_id:
+        if workload == "pipeline_mlp":
+            h = STAGE1(torch.randn(BATCH, WIDTH))
+            loss = rpc.rpc_sync("worker1", stage2_forward, args=(h,)).pow(2).mean()
+        elif workload == "ops_1000":
+            h = ops_half(torch.full((OPS_SIZE,), 0.1), W1)
+            loss = rpc.rpc_sync("worker1", ops_stage2, args=(h,)).sum()
+        else:
+            t1, t2, t4 = (torch.rand((3, 3), requires_grad=True) for _ in range(3))
+            loss = (rpc.rpc_sync("worker1", my_add, args=(t1, t2)) * t4).sum()
+        dist_autograd.backward(context_id, [loss])
+        dist_autograd.get_gradients(context_id)
+
+
+# ---------------------------------------------------------------- driver
+WORKLOADS: dict[str, dict[str, int]] = {
+    # iterations per repetition, repetitions, warm-up iterations
+    "pipeline_mlp": {"calls": 10, "reps": 7, "warmup": 5},
+    "ops_1000": {"calls": 20, "reps": 7, "warmup": 10},
+    "seed_example": {"calls": 300, "reps": 7, "warmup": 100},
+}
+
+
+def check_gradients(rpc: ModuleType, dist_autograd: ModuleType) -> None:
+    """The pipeline's stage-1 gradients equal a local backward (same input)."""
+    x = torch.randn(BATCH, WIDTH)
+    with dist_autograd.context() as context_id:
+        loss = rpc.rpc_sync("worker1", stage2_forward, args=(STAGE1(x),)).pow(2).mean()
+        dist_autograd.backward(context_id, [loss])
+        grads = dist_autograd.get_gradients(context_id)
+    STAGE2(STAGE1(x)).pow(2).mean().backward()
+    for p in STAGE1.parameters():
+        torch.testing.assert_close(grads[p], p.grad, rtol=1e-4, atol=1e-6)
+        p.grad = None
+    for p in STAGE2.parameters():
+        p.grad = None
+
+
+def measure(step: Callable[[], None], spec: dict[str, int]) -> list[float]:
+    for _ in range(spec["warmup"]):
+        step()
+    per_iter = []
+    for _ in range(spec["reps"]):
+        t0 = time.perf_counter()
+        for _ in range(spec["calls"]):
+            step()
+        per_iter.append((time.perf_counter() - t0) / spec["calls"] * 1e3)
+    return per_iter
+
+
+def start_rpc(key: str, comm: MPI.Comm) -> tuple[ModuleType, ModuleType]:
+    rank = comm.Get_rank()
+    if key == "mpidag":
+        import mpidag.autograd as dist_autograd
+        import mpidag.rpc as rpc
+
+        rpc.init_rpc()
+        return rpc, dist_autograd
+    import torch.distributed.autograd as dist_autograd
+    import torch.distributed.rpc as rpc
+
+    port = comm.bcast(free_tcp_port() if rank == 0 else None, root=0)
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
+                                           num_worker_threads=16, rpc_timeout=300)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    return rpc, dist_autograd
+
+
+def run(key: str, comm: MPI.Comm, workloads: dict[str, dict[str, int]]
+        ) -> dict[str, list[float]] | None:
+    rank = comm.Get_rank()
+    if key == "local":
+        timed_barrier(comm, 600, "local start")
+        out = None
+        if rank == 0:
+            out = {w: measure(lambda w=w: local_step(w), spec) for w, spec in workloads.items()}
+        timed_barrier(comm, 3600, "local end")
+        return out
+    with Watchdog(300, f"{key} init"):
+        rpc, dist_autograd = start_rpc(key, comm)
+    timed_allreduce_min(comm, 1, 300, f"{key} init")
+    if rank == 1:
+        with Watchdog(3600, f"{key} serve"):
+            rpc.shutdown()
+        return None
+    check_gradients(rpc, dist_autograd)
+    out = {}
+    for w, spec in workloads.items():
+        t0 = time.perf_counter()
+        out[w] = measure(lambda w=w: distributed_step(rpc, dist_autograd, w), spec)
+        log(f"{key}: {w} = {statistics.median(out[w]):.3f} ms/iteration "
+            f"[{time.perf_counter() - t0:.1f} s]")
+    rpc.shutdown()
+    return out
+
+
+def report(measured: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    for w in WORKLOADS:
+        entry: dict[str, Any] = {"unit": "ms", "better": "lower"}
+        for key in IMPLS:
+            samples = measured.get(key, {}).get(w)
+            entry[key] = statistics.median(samples) if samples else None
+        entry["samples"] = {k: measured[k][w] for k in measured if w in measured[k]}
+
+        def ratio(a: str, b: str, e: dict[str, Any] = entry) -> float | None:
+            return e[a] / e[b] if e.get(a) and e.get(b) else None
+
+        entry["mpidag_vs_local"] = ratio("mpidag", "local")
+        entry["mpidag_vs_torch"] = ratio("mpidag", "torch_rpc")
+        entry["torch_vs_local"] = ratio("torch_rpc", "local")
+        entry["description"] = (__doc__ or "").split(f"``{w}``: ")[-1].split("\n*")[0] \
+            .replace("\n", " ").strip() if f"``{w}``" in (__doc__ or "") else w
+        rows[f"autograd_{w}_ms"] = entry
+    return {
+        "machine": machine_info(),
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "config": {"torch_num_threads": torch.get_num_threads(), "batch": BATCH,
+                   "width": WIDTH, "layers_per_stage": LAYERS,
+                   "ops": 2 * OPS_PER_STAGE, "workloads": WORKLOADS},
+        "rows": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--only", default=",".join(IMPLS),
+                        help=f"comma-separated subset of {','.join(IMPLS)}")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    world = MPI.COMM_WORLD
+    if world.Get_size() != 2:
+        if world.Get_rank() == 0:
+            sys.stderr.write("bench_autograd.py needs exactly 2 MPI ranks\n")
+        return 2
+    torch.set_num_threads(1)
+    workloads = {w: dict(spec) for w, spec in WORKLOADS.items()}
+    if args.quick:
+        for spec in workloads.values():
+            spec["reps"], spec["warmup"] = 3, max(2, spec["warmup"] // 5)
+    comm = world.Dup()
+    rank = comm.Get_rank()
+    if rank == 0 and os.getloadavg()[0] > 0.5:
+        log(f"WARNING: load average {os.getloadavg()[0]:.2f} before starting: noisy numbers")
+    measured: dict[str, dict[str, list[float]]] = {}
+    for key in [k for k in IMPLS if k in args.only.split(",")]:
+        if rank == 0:
+            log(f"{key}: start")
+        out = run(key, comm, workloads)
+        if rank == 0 and out is not None:
+            measured[key] = out
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report(measured), indent=2) + "\n")
+        timed_barrier(comm, 3600, f"after {key}")
+    if rank == 0:
+        doc = report(measured)
+        print(f"{'workload':<24}{'local ms':>10}{'torch ms':>10}{'mpidag ms':>11}"
+              f"{'mpidag/local':>14}{'mpidag/torch':>14}")
+        for name, e in doc["rows"].items():
+            def f(v: float | None, fmt: str = "{:.3f}") -> str:
+                return "-" if v is None else fmt.format(v)
+            print(f"{name:<24}{f(e['local']):>10}{f(e['torch_rpc']):>10}{f(e['mpidag']):>11}"
+                  f"{f(e['mpidag_vs_local'], '{:.2f}x'):>14}"
+                  f"{f(e['mpidag_vs_torch'], '{:.2f}x'):>14}")
+        log(f"wrote {args.out}")
+    comm.Free()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
