@@ -1,9 +1,11 @@
-"""Plot ``benchmarks/results/rpc.json`` as ``benchmarks/results/rpc.png``.
+"""Plot the benchmark results: ``results/rpc.json`` and ``results/autograd.json`` as PNGs.
 
-One panel per benchmark row, three bars per panel (raw mpi4py, torch.distributed.rpc,
-mpidag) on a log scale, each bar labelled with its value::
+One panel per benchmark row, three bars per panel on a log scale, each bar labelled with its
+value: raw mpi4py, torch.distributed.rpc and mpidag for RPC; one rank with
+``loss.backward()``, torch.distributed.autograd and mpidag for distributed autograd::
 
-    python benchmarks/plot.py [--json PATH] [--out PATH]
+    python benchmarks/plot.py                      # both files that exist
+    python benchmarks/plot.py --json PATH --out PATH
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ IMPLS: list[tuple[str, str, str]] = [
     ("torch_rpc", "torch.distributed.rpc (TensorPipe)", "#ee7733"),
     ("mpidag", "mpidag.rpc", "#0077bb"),
 ]
+AUTOGRAD_IMPLS: list[tuple[str, str, str]] = [
+    ("local", "one rank, loss.backward()", "#7f7f7f"),
+    ("torch_rpc", "torch.distributed.autograd (TensorPipe)", "#ee7733"),
+    ("mpidag", "mpidag.autograd", "#0077bb"),
+]
 
 
 def format_value(value: float, unit: str) -> str:
@@ -41,14 +48,17 @@ def format_value(value: float, unit: str) -> str:
         return f"{value / 1e3:.3g}k/s" if value >= 1e3 else f"{value:.3g}/s"
     if unit == "%":
         return f"{value:.3g} %"
+    if unit == "ms":
+        return f"{value * 1e3:.3g} µs" if value < 1 else f"{value:.3g} ms"
     return f"{value:.3g} {unit}"
 
 
-def plot_row(ax: Any, name: str, entry: dict[str, Any]) -> None:
+def plot_row(ax: Any, name: str, entry: dict[str, Any],
+             impls: list[tuple[str, str, str]] = IMPLS) -> None:
     """Draw one row's three bars (log scale) with value labels into ``ax``."""
     unit = entry.get("unit", "")
     gbps = entry.get("GBps") or {}
-    values = [entry.get(key) for key, _, _ in IMPLS]
+    values = [entry.get(key) for key, _, _ in impls]
     present = [v for v in values if isinstance(v, (int, float)) and v > 0]
     lo = min(present) if present else 1.0
     hi = max(present) if present else 10.0
@@ -56,7 +66,7 @@ def plot_row(ax: Any, name: str, entry: dict[str, Any]) -> None:
     top = 10 ** math.ceil(math.log10(hi) + 0.8)
     ax.set_yscale("log")
     ax.set_ylim(floor, top)
-    for i, ((key, _, colour), v) in enumerate(zip(IMPLS, values, strict=True)):
+    for i, ((key, _, colour), v) in enumerate(zip(impls, values, strict=True)):
         if v is None:
             if key in (entry.get("errors") or {}):
                 note = "failed"
@@ -73,39 +83,48 @@ def plot_row(ax: Any, name: str, entry: dict[str, Any]) -> None:
         ax.text(i, height * 1.15, label, ha="center", va="bottom", fontsize=8.5)
     better = entry.get("better", "lower")
     ax.set_title(f"{name}\n({unit}, {better} is better)", fontsize=10)
-    ax.set_xlim(-0.6, len(IMPLS) - 0.4)
-    ax.set_xticks(range(len(IMPLS)))
-    ax.set_xticklabels([key for key, _, _ in IMPLS], fontsize=8.5)
+    ax.set_xlim(-0.6, len(impls) - 0.4)
+    ax.set_xticks(range(len(impls)))
+    ax.set_xticklabels([key for key, _, _ in impls], fontsize=8.5)
     ax.tick_params(axis="y", labelsize=8)
     ax.grid(axis="y", which="major", alpha=0.3)
-    ratio = entry.get("mpidag_vs_torch")
-    if ratio is not None:
-        ax.text(0.98, 0.98, f"mpidag/torch = {ratio:.2f}x", transform=ax.transAxes,
+    ratios = [f"mpidag/{other} = {entry[key]:.2f}x"
+              for key, other in (("mpidag_vs_local", "local"), ("mpidag_vs_torch", "torch"))
+              if entry.get(key) is not None]
+    if ratios:
+        ax.text(0.98, 0.98, "\n".join(ratios), transform=ax.transAxes,
                 ha="right", va="top", fontsize=8, color="#0077bb")
 
 
 def plot(report: dict[str, Any], out: Path) -> None:
     """Write the figure for ``report`` (the parsed JSON) to ``out``."""
     rows = list(report["rows"].items())
-    ncols = 4
+    autograd = any("local" in entry for _, entry in rows)
+    impls = AUTOGRAD_IMPLS if autograd else IMPLS
+    ncols = min(4, len(rows))
     nrows = math.ceil(len(rows) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 4.4 * nrows), squeeze=False)
     flat = [ax for line in axes for ax in line]
     for ax, (name, entry) in zip(flat, rows, strict=False):
-        plot_row(ax, name, entry)
+        plot_row(ax, name, entry, impls)
     for ax in flat[len(rows):]:
         ax.axis("off")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c, ec="black", lw=0.5) for _, _, c in IMPLS]
-    fig.legend(handles, [label for _, label, _ in IMPLS], loc="lower right",
-               bbox_to_anchor=(0.98, 0.08), fontsize=10, frameon=False)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c, ec="black", lw=0.5) for _, _, c in impls]
+    if autograd:
+        fig.legend(handles, [label for _, label, _ in impls], loc="lower center", ncol=3,
+                   fontsize=9, frameon=False)
+    else:
+        fig.legend(handles, [label for _, label, _ in impls], loc="lower right",
+                   bbox_to_anchor=(0.98, 0.08), fontsize=10, frameon=False)
     m = report.get("machine", {})
     mpi = str(m.get("mpi", "")).replace(chr(0), "").split(",")[0]
     machine = (f"{m.get('cores', '?')} cores {m.get('cpu', '')}, torch {m.get('torch', '?')}, "
                f"mpi4py {m.get('mpi4py', '?')}, {mpi}")
     quick = "  [--quick]" if report.get("quick") else ""
-    fig.suptitle(f"RPC between 2 MPI ranks on one host — {report.get('date', '')}{quick}\n"
-                 f"{machine}", fontsize=11)
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    what = ("Forward + distributed backward per iteration, 2 MPI ranks" if autograd
+            else "RPC between 2 MPI ranks on one host")
+    fig.suptitle(f"{what} — {report.get('date', '')}{quick}\n{machine}", fontsize=11)
+    fig.tight_layout(rect=(0, 0.06 if autograd else 0, 1, 0.9 if autograd else 0.95))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -114,11 +133,17 @@ def plot(report: dict[str, Any], out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", type=Path, default=RESULTS_DIR / "rpc.json", help="input JSON")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "rpc.png", help="output PNG")
+    p.add_argument("--json", type=Path, default=None, help="input JSON (default: both)")
+    p.add_argument("--out", type=Path, default=None, help="output PNG (with --json)")
     args = p.parse_args(argv)
-    plot(json.loads(args.json.read_text()), args.out)
-    print(f"wrote {args.out}")
+    if args.json is not None:
+        pairs = [(args.json, args.out or args.json.with_suffix(".png"))]
+    else:
+        pairs = [(RESULTS_DIR / f"{n}.json", RESULTS_DIR / f"{n}.png")
+                 for n in ("rpc", "autograd") if (RESULTS_DIR / f"{n}.json").exists()]
+    for src, out in pairs:
+        plot(json.loads(src.read_text()), out)
+        print(f"wrote {out}")
     return 0
 
 

@@ -1,4 +1,11 @@
-"""mpidag demo: RPC calls, a remote exception and measured latencies across MPI ranks.
+"""mpidag demo: the example of PyTorch's distributed autograd design document, on MPI.
+
+Worker 0 sends ``t1`` and ``t2`` to worker 1, which adds them (``my_add``); worker 0
+multiplies the result with ``t4`` and runs the distributed backward pass from
+``loss = t5.sum()``. The FAST mode engine sends the gradient of ``t3`` back to worker 1, whose
+send function passes it on to ``t1`` and ``t2`` on worker 0. The gradients, read from the
+context with ``get_gradients``, are printed next to those of the same computation done
+locally with plain autograd.
 
 Run:  python -m mpidag.run -n 2 examples/demo.py
 """
@@ -10,70 +17,63 @@ import time
 
 import torch
 
-import mpidag.rpc as rpc
+import mpidag.autograd as dist_autograd  # was: import torch.distributed.autograd
+import mpidag.rpc as rpc  # was: import torch.distributed.rpc
 
 
-def add(a, b):
-    return a + b
+def my_add(t1, t2):
+    return torch.add(t1, t2)
 
 
-def noop():
-    return None
-
-
-def identity(x):
-    return x
-
-
-def divide(a, b):
-    if b == 0:
-        raise ZeroDivisionError(f"cannot divide {a} by zero on {rpc.get_worker_info().name}")
-    return a / b
-
-
-def median_us(fn, n: int, reps: int = 5) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        times.append((time.perf_counter() - start) / n * 1e6)
-    return statistics.median(times)
+def forward_and_backward(t1, t2, t4):
+    with dist_autograd.context() as context_id:
+        # Perform some computation remotely.
+        t3 = rpc.rpc_sync("worker1", my_add, args=(t1, t2))
+        # Perform some computation locally based on the remote result.
+        t5 = torch.mul(t3, t4)
+        # Compute some loss.
+        loss = t5.sum()
+        # Run the backward pass.
+        dist_autograd.backward(context_id, [loss])
+        # Retrieve the gradients from the context.
+        return loss, dist_autograd.get_gradients(context_id)
 
 
 def main() -> None:
     rpc.init_rpc()  # rank and world size come from mpirun / srun
     me = rpc.get_worker_info()
     if me.id == 0:
-        peer = "worker1"
-        print(f"[{me.name}] world: {[rpc.get_worker_info(f'worker{i}').name for i in range(2)]}")
-        x = torch.arange(6.0).reshape(2, 3)
-        y = rpc.rpc_sync(peer, add, args=(x, 10))
-        print(f"[{me.name}] rpc_sync({peer}, add, x, 10) ->\n{y}")
-        futs = [rpc.rpc_async(peer, add, args=(i, i)) for i in range(5)]
-        print(f"[{me.name}] rpc_async x5 -> {[f.wait() for f in futs]}")
-        try:
-            rpc.rpc_sync(peer, divide, args=(1, 0))
-        except ZeroDivisionError as exc:
-            print(f"[{me.name}] remote exception re-raised with its type: "
-                  f"{type(exc).__name__}: {exc}")
-            print(f"[{me.name}] its remote traceback ends with: "
-                  f"{str(exc.__cause__).strip().splitlines()[-1]}")
-        for _ in range(500):
-            rpc.rpc_sync(peer, noop)
-        rtt = median_us(lambda: rpc.rpc_sync(peer, noop), 2000)
-        print(f"[{me.name}] rpc_sync no-op round trip: {rtt:.1f} us (median of 5 x 2000)")
-        start = time.perf_counter()
-        torch.futures.wait_all([rpc.rpc_async(peer, noop) for _ in range(5000)])
-        print(f"[{me.name}] rpc_async: {5000 / (time.perf_counter() - start):,.0f} calls/s "
-              f"with 5000 in flight")
-        for nbytes in (1 << 10, 1 << 20, 64 << 20):
-            t = torch.randn(nbytes // 4)
-            rpc.rpc_sync(peer, identity, args=(t,))
-            us = median_us(lambda t=t: rpc.rpc_sync(peer, identity, args=(t,)),
-                           max(3, min(200, (256 << 20) // nbytes)), reps=3)
-            print(f"[{me.name}] echo {nbytes >> 10:>6} KiB: {us:10.1f} us  "
-                  f"({2 * nbytes / us / 1e3:.2f} GB/s)")
+        torch.manual_seed(0)
+        t1 = torch.rand((3, 3), requires_grad=True)
+        t2 = torch.rand((3, 3), requires_grad=True)
+        t4 = torch.rand((3, 3), requires_grad=True)
+        loss, grads = forward_and_backward(t1, t2, t4)
+        local_loss = torch.mul(my_add(t1, t2), t4).sum()
+        local = torch.autograd.grad(local_loss, [t1, t2, t4])
+        print(f"[{me.name}] loss {loss.item():.6f} (local: {local_loss.item():.6f})")
+        worst = 0.0
+        for name, tensor, expected in zip(("t1", "t2", "t4"), (t1, t2, t4), local,
+                                          strict=True):
+            got = grads[tensor]
+            worst = max(worst, (got - expected).abs().max().item())
+            print(f"[{me.name}] gradient of {name}: distributed | local")
+            for row_got, row_exp in zip(got.tolist(), expected.tolist(), strict=True):
+                print("    " + " ".join(f"{v:8.4f}" for v in row_got) + "  | "
+                      + " ".join(f"{v:8.4f}" for v in row_exp))
+        assert t1.grad is None, "distributed gradients live in the context, not in .grad"
+        print(f"[{me.name}] largest difference to local autograd: {worst:.2e}")
+        if worst > 1e-6:
+            raise SystemExit("distributed gradients differ from local autograd")
+        for _ in range(200):
+            forward_and_backward(t1, t2, t4)
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(500):
+                forward_and_backward(t1, t2, t4)
+            times.append((time.perf_counter() - start) / 500 * 1e6)
+        print(f"[{me.name}] forward + distributed backward: {statistics.median(times):.0f} us "
+              f"per iteration (median of 5 x 500)")
     rpc.shutdown()
     print(f"[{me.name}] shut down cleanly")
 

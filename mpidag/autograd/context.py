@@ -62,7 +62,7 @@ def _peek(counter: itertools.count) -> int:
 class SendFunction:
     """The sender's half of one message: where the gradients of its tensors go."""
 
-    __slots__ = ("message_id", "peer", "edges", "what", "reach", "__weakref__")
+    __slots__ = ("message_id", "peer", "edges", "what", "reach", "_walking", "__weakref__")
 
     def __init__(self, message_id: int, peer: int, edges: list[GradientEdge], what: str):
         self.message_id = message_id
@@ -70,13 +70,17 @@ class SendFunction:
         self.edges = edges  # one per tensor that requires grad, in message order
         self.what = what
         self.reach: Reach | None = None
+        self._walking = threading.Lock()
         next(_created_sends)
 
-    def prepare(self) -> None:
-        """Walk the graph behind the sent tensors now (it never changes), so the backward
-        pass does not have to: called right after the message left, while the peer works."""
-        if self.reach is None:
-            self.reach = Reach(self.edges, RECV_NODE_TYPE)
+    def prepare(self) -> Reach:
+        """Walk the graph behind the sent tensors (it never changes) once: right after the
+        message left, while the peer works, so the backward pass need not; a backward pass
+        that starts meanwhile waits for that walk instead of doing it again."""
+        with self._walking:
+            if self.reach is None:
+                self.reach = Reach(self.edges, RECV_NODE_TYPE)
+            return self.reach
 
     def __del__(self) -> None:
         next(_freed_sends)

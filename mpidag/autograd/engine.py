@@ -156,7 +156,7 @@ class PassState:
         for send in sends:
             self.source_of[send.message_id] = len(sources)
             sources.append(send.edges)
-            reaches.append(send.reach)
+            reaches.append(send.prepare())
             self.source_what.append(f"{send.what} (rank {self.agent.rank})")
         self.plan = Plan(sources, RECV_NODE_TYPE, reaches)
 

@@ -1,0 +1,285 @@
+"""``DistributedOptimizer``: one local optimizer per owner rank, stepped over RPC.
+
+Data flow of ``DistributedOptimizer(optim.SGD, [rref1, rref2], lr=0.05).step(context_id)``::
+
+    caller:  group the parameter RRefs by owner -> at construction, one call per owner makes a
+             _LocalOptimizer there (kept through an RRef); step() calls every owner at once
+    owner:   take the locks of the optimizer's parameters (one lock per parameter, taken in
+             one global order) -> set .grad from the context's gradients -> optimizer.step()
+             -> clear .grad -> release
+
+PyTorch serializes every step on a worker behind one global lock. Here two steps wait for each
+other only when they share a parameter; steps over disjoint parameters of the same owner run
+at the same time. Locks are always taken in the order the parameters were first seen on that
+rank, so two steps that share several parameters cannot deadlock, and the instance lock of a
+local optimizer (its state: momentum, Adam moments) is taken before any parameter lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import defaultdict
+from collections.abc import Iterable
+from contextlib import ExitStack, suppress
+from typing import Any
+
+import torch
+
+__all__ = ["DistributedOptimizer", "ParameterLocks"]
+
+log = logging.getLogger(__name__)
+
+
+class ParameterLocks:
+    """One lock per parameter tensor of this rank, and the global order to take them in.
+
+    Example::
+
+        >>> locks = ParameterLocks()
+        >>> with locks.holding([w, b]):      # w and b locked, in registration order
+        ...     w.add_(1)
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[int, tuple[int, threading.Lock]] = {}
+        self._order = itertools.count()
+        #: ``"parameter"`` (default) or ``"global"``: one lock for everything (torch's way,
+        #: kept for comparison; ``MPIDAG_OPTIM_LOCKS=global``)
+        self.mode = os.environ.get("MPIDAG_OPTIM_LOCKS", "parameter")
+        self._global = threading.Lock()
+
+    def _entry(self, param: torch.Tensor) -> tuple[int, threading.Lock]:
+        key = id(param)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = self._entries[key] = (next(self._order), threading.Lock())
+                weakref.finalize(param, self._forget, key, entry)
+        return entry
+
+    def _forget(self, key: int, entry: tuple[int, threading.Lock]) -> None:
+        with self._lock:
+            if self._entries.get(key) is entry:
+                del self._entries[key]
+
+    def register(self, params: Iterable[torch.Tensor]) -> None:
+        """Give each parameter its place in the lock order (first come, first placed)."""
+        for param in params:
+            self._entry(param)
+
+    def holding(self, params: Iterable[torch.Tensor]) -> ExitStack:
+        """A context manager that holds the locks of ``params`` (in the global order)."""
+        stack = ExitStack()
+        if self.mode == "global":
+            stack.enter_context(self._global)
+            return stack
+        entries = sorted({id(p): self._entry(p) for p in params}.values(), key=lambda e: e[0])
+        try:
+            for _, lock in entries:
+                stack.enter_context(lock)
+        except BaseException:
+            stack.close()
+            raise
+        return stack
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+#: the lock table of this process (parameters are per-process objects)
+PARAMETER_LOCKS = ParameterLocks()
+
+
+class _LocalOptimizer:
+    """Lives on an owner rank: a torch optimizer over that rank's parameters."""
+
+    def __init__(self, optimizer_class: type, groups: list[dict[str, Any]], args: tuple,
+                 kwargs: dict) -> None:
+        local_groups = []
+        self.params: list[torch.Tensor] = []
+        for group in groups:
+            values = []
+            for i, rref in enumerate(group["params"]):
+                value = rref.local_value()
+                _check_parameter(value, f"params_rref{group['where'][i]}")
+                values.append(value)
+            self.params.extend(values)
+            local_groups.append({**{k: v for k, v in group.items()
+                                    if k not in ("params", "where")}, "params": values})
+        PARAMETER_LOCKS.register(self.params)
+        self.optimizer = optimizer_class(local_groups, *args, **kwargs)
+        self.lock = threading.Lock()  # this optimizer's own state
+        #: (start, end) monotonic times of the locked part of recent steps (for tests)
+        self.step_times: list[tuple[float, float]] = []
+
+    def step(self, context_id: int) -> int:
+        from mpidag import autograd as dist_autograd
+        from mpidag.autograd.context import ContextContainer
+        from mpidag.rpc.api import current_agent
+
+        contexts = ContextContainer.of(current_agent()).contexts
+        grads = dist_autograd.get_gradients(context_id) if context_id in contexts else {}
+        mine = [(p, grads.get(p)) for p in self.params]
+        for index, (param, grad) in enumerate(mine):  # check all before changing anything
+            if grad is not None and (grad.shape != param.shape or grad.dtype != param.dtype
+                                     or grad.device != param.device):
+                raise RuntimeError(
+                    f"gradient {index} in context {context_id} has shape {tuple(grad.shape)}, "
+                    f"{grad.dtype} on {grad.device}, but its parameter has "
+                    f"{tuple(param.shape)}, {param.dtype} on {param.device}")
+        with self.lock, PARAMETER_LOCKS.holding(self.params):
+            start = time.monotonic()
+            for param, grad in mine:
+                param.grad = grad  # None: skipped by the optimizer, as in torch
+            try:
+                self.optimizer.step()
+            finally:
+                for param in self.params:
+                    param.grad = None
+            self.step_times.append((start, time.monotonic()))
+            del self.step_times[:-1000]
+        return sum(g is not None for _, g in mine)
+
+
+def _check_parameter(value: Any, where: str) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{where} refers to a {type(value).__name__}, not a tensor: "
+                        f"DistributedOptimizer needs RRefs of parameters (e.g. "
+                        f"[RRef(p) for p in model.parameters()])")
+    if not value.requires_grad:
+        raise ValueError(f"{where} refers to a tensor that does not require grad: it would "
+                         f"never get a gradient; call requires_grad_() on it or leave it out")
+    if not value.is_leaf:
+        raise ValueError(f"{where} refers to a non-leaf tensor (computed from others): "
+                         f"optimizers can only update leaf tensors such as nn.Parameters")
+
+
+def _new_local_optimizer(optimizer_class: type, groups: list[dict[str, Any]], args: tuple,
+                         kwargs: dict) -> Any:
+    from mpidag.rpc import RRef
+
+    return RRef(_LocalOptimizer(optimizer_class, groups, args, kwargs))
+
+
+def _local_step(optimizer_rref: Any, context_id: int) -> int:
+    return optimizer_rref.local_value().step(context_id)
+
+
+def _step_times(optimizer_rref: Any) -> list[tuple[float, float]]:
+    return list(optimizer_rref.local_value().step_times)
+
+
+class DistributedOptimizer:
+    """torch's ``DistributedOptimizer`` on MPI: one local optimizer per owner of parameters.
+
+    Args:
+        optimizer_class: any ``torch.optim.Optimizer`` subclass, made on every owner.
+        params_rref: RRefs of the parameters to optimize (local ones wrapped in ``RRef``);
+            like torch's param groups, dicts ``{"params": [rrefs...], "lr": ...}`` give
+            options per group of parameters.
+        *args, **kwargs: passed to ``optimizer_class`` on every owner.
+
+    ``step(context_id)`` applies, on every owner at once, the gradients that the
+    distributed backward pass of that context left there. A parameter with no gradient in
+    the context is skipped, as torch's optimizers skip parameters whose ``.grad`` is
+    ``None`` (torch itself would re-apply a stale ``.grad`` from an earlier step; here
+    ``.grad`` is set only for the step and cleared after it).
+
+    Example::
+
+        >>> with dist_autograd.context() as context_id:
+        ...     rref1 = rpc.remote("worker1", random_tensor)
+        ...     rref2 = rpc.remote("worker1", random_tensor)
+        ...     loss = rref1.to_here() + rref2.to_here()
+        ...     dist_autograd.backward(context_id, [loss.sum()])
+        ...     dist_optim = DistributedOptimizer(optim.SGD, [rref1, rref2], lr=0.05)
+        ...     dist_optim.step(context_id)
+    """
+
+    def __init__(self, optimizer_class: type, params_rref: list, *args: Any,
+                 **kwargs: Any) -> None:
+        from mpidag.rpc import RRef, rpc_async
+
+        if not (isinstance(optimizer_class, type)
+                and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got "
+                            f"{optimizer_class!r}")
+        if isinstance(params_rref, (RRef, dict)) or not isinstance(params_rref, Iterable):
+            raise TypeError("params_rref must be a list of RRefs (or of param-group dicts)")
+        params_rref = list(params_rref)
+        if not params_rref:
+            raise ValueError("DistributedOptimizer got an empty params_rref: pass the RRefs of "
+                             "the parameters to optimize")
+        per_owner: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+        for g, entry in enumerate(params_rref):
+            if isinstance(entry, dict):
+                if "params" not in entry:
+                    raise ValueError(f"params_rref[{g}] is a param group without 'params'")
+                rrefs = list(entry["params"])
+                options = {k: v for k, v in entry.items() if k != "params"}
+                where = [f"[{g}]['params'][{i}]" for i in range(len(rrefs))]
+            else:
+                rrefs, options, where = [entry], {}, [f"[{g}]"]
+            groups: dict[Any, dict[str, Any]] = {}
+            for rref, place in zip(rrefs, where, strict=True):
+                if not isinstance(rref, RRef):
+                    raise TypeError(f"params_rref{place} is a {type(rref).__name__}, not an "
+                                    f"RRef: wrap local parameters with rpc.RRef(param)")
+                owner = rref.owner()
+                group = groups.get(owner)
+                if group is None:
+                    group = groups[owner] = {**options, "params": [], "where": []}
+                    per_owner[owner].append(group)
+                group["params"].append(rref)
+                group["where"].append(place)
+        self._owners = list(per_owner)
+        futures = [rpc_async(owner, _new_local_optimizer,
+                             args=(optimizer_class, per_owner[owner], args, kwargs))
+                   for owner in self._owners]
+        self.remote_optimizers = _wait_for_all(futures, self._owners, "create the optimizer")
+
+    def step(self, context_id: int) -> None:
+        """Apply the gradients of ``context_id`` on every owner, concurrently.
+
+        Raises the first owner's error with its type; the message says on which owners the
+        step was applied and on which it was not.
+        """
+        from mpidag import autograd as dist_autograd
+        from mpidag.rpc import rpc_async
+
+        dist_autograd._retrieve_context(context_id)  # a clear error for an unknown id
+        futures = [rpc_async(rref.owner(), _local_step, args=(rref, context_id))
+                   for rref in self.remote_optimizers]
+        _wait_for_all(futures, self._owners, "step")
+
+
+def _wait_for_all(futures: list, owners: list, what: str) -> list:
+    from mpidag.errors import detached_copy, future_error
+
+    results, failed, done = [], [], []
+    for fut, owner in zip(futures, owners, strict=True):
+        with suppress(Exception):  # read below, as a value or as the stored error
+            fut.wait()
+        error = future_error(fut)
+        if error is None:
+            results.append(fut.value())
+            done.append(owner.name)
+        else:
+            failed.append((owner.name, error))
+    if failed:
+        name, first = failed[0]
+        error = detached_copy(first)
+        summary = (f"DistributedOptimizer could not {what} on {', '.join(n for n, _ in failed)}"
+                   f"; it did on {', '.join(done) or 'no owner'}")
+        if hasattr(error, "add_note"):
+            error.__notes__ = [*getattr(error, "__notes__", []), summary]
+        else:  # Python 3.10
+            log.error(summary)
+        raise error
+    return results

@@ -1,0 +1,83 @@
+"""Functions the DistributedOptimizer tests call over RPC (importable on every rank)."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+import mpidag.rpc as rpc
+
+_shared: dict[str, torch.Tensor] = {}
+_shared_lock = threading.Lock()
+
+
+def random_tensor(seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand((3, 3), generator=gen, requires_grad=True)
+
+
+def shared_param(name, numel):
+    """On the owner: an RRef to the process-wide parameter `name` (made on first call)."""
+    with _shared_lock:
+        if name not in _shared:
+            _shared[name] = torch.zeros(numel, requires_grad=True)
+    return rpc.RRef(_shared[name])
+
+
+def shared_value(name):
+    return _shared[name].detach().clone()
+
+
+def scaled_sum(param_rref, scale):
+    """On the owner: a loss whose gradient is `scale` whatever the parameter's value."""
+    return (param_rref.local_value() * scale).sum()
+
+
+def pair_loss(rref_a, rref_b, scale):
+    return (rref_a.local_value() * scale).sum() + (rref_b.local_value() * scale).sum()
+
+
+def make_model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+
+
+def parameter_rrefs(module_rref):
+    return [rpc.RRef(p) for p in module_rref.local_value().parameters()]
+
+
+def model_forward(module_rref, x):
+    return module_rref.local_value()(x)
+
+
+def model_state(module_rref):
+    return {k: v.detach().clone() for k, v in module_rref.local_value().state_dict().items()}
+
+
+def frozen_tensor():
+    return torch.ones(3)
+
+
+def step_times(optimizer_rref):
+    return list(optimizer_rref.local_value().step_times)
+
+
+def set_lock_mode(mode):
+    from mpidag.optim.optimizer import PARAMETER_LOCKS
+
+    previous, PARAMETER_LOCKS.mode = PARAMETER_LOCKS.mode, mode
+    return previous
+
+
+class FailingSGD(torch.optim.SGD):
+    """SGD whose step fails on the rank named `fail_on` (a constructor argument)."""
+
+    def __init__(self, params, lr, fail_on):
+        super().__init__(params, lr=lr)
+        self.fail_on = fail_on
+
+    def step(self, closure=None):
+        if rpc.get_worker_info().name == self.fail_on:
+            raise FloatingPointError(f"step refused on {self.fail_on} on purpose")
+        return super().step(closure)
