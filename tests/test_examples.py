@@ -44,3 +44,12 @@ def test_examples_fail_loudly_on_a_bad_world(nprocs, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mpidag.run", "-n", str(nprocs), str(bad)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_distributed_optimizer_example(nprocs):
+    proc = run_example("dist_optim_example.py", nprocs=nprocs)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in range(nprocs):
+        assert f"[worker{rank}] the SGD step on worker{(rank + 1) % nprocs} moved each value " \
+               f"by 0.0500" in proc.stdout
