@@ -25,6 +25,23 @@ def run_job(tmp_path: Path, source: str, nprocs: int = 2, timeout: float = 120,
     )
 
 
+def profiled_names(fn) -> set[str]:
+    """Run ``fn`` under ``torch.profiler`` (every thread: RPCs are served by pool threads)
+    while every rank does the same; a collective before stopping lets the calls of the other
+    ranks be served meanwhile. Returns the names of the recorded ranges."""
+    import torch
+
+    from mpidag import testing
+
+    every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                experimental_config=every_thread) as prof:
+        testing.quiesce()  # every rank records before any rank calls
+        fn()
+        testing.quiesce()
+    return {e.key for e in prof.key_averages()}
+
+
 @pytest.fixture
 def job(tmp_path):
     """``job(source, nprocs=2, timeout=120)`` runs a script on several ranks."""

@@ -12,6 +12,7 @@ import mpidag.rpc as rpc
 from mpidag import testing
 from mpidag.optim import DistributedOptimizer
 from tests import optim_funcs as of
+from tests.conftest import profiled_names
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -238,3 +239,27 @@ def test_failing_step_names_what_was_applied(rpc_world):
     close(here, torch.zeros(3))  # refused here
     close(there.to_here(), start - 1.0)  # applied there, and the error said so
     del there, opt, info
+
+
+def test_profiler_ranges_of_backward_and_step(rpc_world):
+    """A trace shows the caller's backward, each rank's gradient work, the RPCs and the
+    owner's optimizer step, on every rank that took part."""
+    me, nxt, prv = rpc_world.name, rpc_world.next, rpc_world.prev
+    param = rpc.remote(nxt, of.random_tensor, args=(rpc_world.rank,))
+
+    def train_step(param=param):
+        with dist_autograd.context() as context_id:
+            loss = rpc.rpc_sync(nxt, of.scaled_sum, args=(param, 2.0))
+            dist_autograd.backward(context_id, [loss])
+            DistributedOptimizer(torch.optim.SGD, [param], lr=0.1).step(context_id)
+
+    names = profiled_names(train_step)
+    for name in ("mpidag.autograd.backward", "mpidag.autograd.gradients(roots)",
+                 # the gradient of my RPC's arguments went to the previous rank's pass, and
+                 # the previous rank's loss came from here: its gradients arrive here
+                 f"mpidag.autograd.gradients({prv} -> {me})",
+                 "mpidag.optim.step",  # the previous rank's parameter lives here
+                 f"mpidag.rpc#tests.optim_funcs.scaled_sum({me} -> {nxt})",
+                 f"mpidag.rpc.serve#tests.optim_funcs.scaled_sum({prv} -> {me})"):
+        assert name in names, (name, sorted(n for n in names if n.startswith("mpidag")))
+    del param, train_step

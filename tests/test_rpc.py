@@ -13,6 +13,7 @@ import torch
 import mpidag.rpc as rpc
 from mpidag.errors import RemoteTraceback, RPCTimeoutError, SerializationError
 from tests import rpc_funcs as f
+from tests.conftest import profiled_names
 from tests.test_frames import DTYPES, sample
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -232,3 +233,23 @@ def test_many_threads_calling_at_once(rpc_world):
 
     with cf.ThreadPoolExecutor(8) as pool:
         assert list(pool.map(work, range(200))) == [100.0 * (i + 1) for i in range(200)]
+
+
+
+def test_profiler_ranges_on_caller_and_callee(rpc_world):
+    me, nxt, prv = rpc_world.name, rpc_world.next, rpc_world.prev
+
+    def calls():
+        assert rpc.rpc_sync(nxt, f.add, args=(1, 2), timeout=10) == 3
+        assert rpc.rpc_async(nxt, f.async_add_chained, args=(me, 1, 2, 3), timeout=10).wait() == 6
+
+    names = profiled_names(calls)
+    add, chained = "tests.rpc_funcs.add", "tests.rpc_funcs.async_add_chained"
+    assert f"mpidag.rpc#{add}({me} -> {nxt})" in names, sorted(names)
+    assert f"mpidag.rpc#{chained}({me} -> {nxt})" in names
+    # served here for the previous rank, in a pool thread: the callee's side of its calls
+    assert f"mpidag.rpc.serve#{add}({prv} -> {me})" in names, sorted(names)
+    assert f"mpidag.rpc.serve#{chained}({prv} -> {me})" in names
+    # the async function called back into its caller: that nested call is served here too
+    assert f"mpidag.rpc#{add}({nxt} -> {me})" not in names  # made on the next rank, not here
+    assert f"mpidag.rpc.serve#{add}({nxt} -> {me})" in names

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from mpidag._profiling import span
 from mpidag.autograd.context import (
     RECV_NODE_TYPE,
     ContextContainer,
@@ -120,7 +121,7 @@ class PassState:
 
     def _handle(self, event: tuple) -> None:
         kind = event[0]
-        with torch.autograd.profiler.record_function("mpidag.autograd.backward_step"):
+        with span(lambda: self._describe(event)):
             if self.plan is None:
                 self._make_plan(event[1] if kind == "root" else None)
             plan = self.plan
@@ -146,6 +147,14 @@ class PassState:
                     continue
                 self._send(record.peer, record.message_id,
                            [slots.get(i) for i in range(record.n_outputs)])
+
+    def _describe(self, event: tuple) -> str:
+        """The profiler range of one event: where its gradients came from."""
+        if event[0] == "root":
+            return "mpidag.autograd.gradients(roots)"
+        send = self.ctx.sends.get(event[1])  # the gradients come from where it sent to
+        origin = "?" if send is None else self.agent.workers[send.peer].name
+        return f"mpidag.autograd.gradients({origin} -> {self.agent.info.name})"
 
     def _make_plan(self, root_edges: list | None) -> None:
         with self.ctx.lock:
@@ -277,7 +286,7 @@ def run_backward(container: ContextContainer, ctx: DistAutogradContext,
     with ctx.lock:
         ctx.passes[pass_id] = state
     try:
-        with torch.autograd.profiler.record_function("mpidag.autograd.backward"):
+        with span(lambda: "mpidag.autograd.backward"):
             state.post(("root", edges, grads))
             agent.engine.wait_until(done.done, None)
     finally:

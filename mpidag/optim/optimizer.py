@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from mpidag._profiling import span
+
 __all__ = ["DistributedOptimizer", "ParameterLocks"]
 
 log = logging.getLogger(__name__)
@@ -133,7 +135,8 @@ class _LocalOptimizer:
                     f"gradient {index} in context {context_id} has shape {tuple(grad.shape)}, "
                     f"{grad.dtype} on {grad.device}, but its parameter has "
                     f"{tuple(param.shape)}, {param.dtype} on {param.device}")
-        with self.lock, PARAMETER_LOCKS.holding(self.params):
+        with span(lambda: "mpidag.optim.step"), self.lock, \
+                PARAMETER_LOCKS.holding(self.params):
             start = time.monotonic()
             for param, grad in mine:
                 param.grad = grad  # None: skipped by the optimizer, as in torch

@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.autograd.profiler import record_function
 
 from mpidag._ids import IdGenerator
+from mpidag._profiling import profiling
 from mpidag.errors import (
     RPCError,
     RPCTimeoutError,
@@ -230,8 +232,24 @@ class RpcAgent:
 
         Inside a distributed autograd context (``record``: unless an internal message) the
         call carries the context id, and a send function is recorded for its tensors that
-        require grad.
+        require grad. While ``torch.profiler`` runs, the call is a range (see
+        :mod:`mpidag._profiling`) from here until its answer arrives.
         """
+        if not profiling():
+            return self._call(dst, func, args, kwargs, timeout, record)
+        span = record_function(f"mpidag.rpc#{describe(func, args)}"
+                               f"({self.info.name} -> {self.workers[dst].name})")
+        span.__enter__()
+        try:
+            future = self._call(dst, func, args, kwargs, timeout, record)
+        except BaseException:
+            span.__exit__(None, None, None)
+            raise
+        span._call_end_callbacks_on_future(future)
+        return future
+
+    def _call(self, dst: int, func: Callable, args: tuple, kwargs: dict, timeout: float,
+              record: bool) -> RpcFuture:
         if not self.running:
             raise RPCError("the RPC agent is shut down; call mpidag.rpc.init_rpc again first")
         try:
@@ -395,12 +413,18 @@ class RpcAgent:
         return ctx
 
     def _serve_call(self, env: Envelope) -> None:
+        """Run an incoming CALL and answer it; a profiler range while a profiler runs."""
         ctx = None
+        span = None
         try:
             if env.context_id:
                 ctx = self._record_recv(env, lambda: f"the arguments of a call from "
                                                      f"{self.workers[env.src].name}")
             func, args, kwargs = self._unpack_call(env)
+            if profiling():
+                span = record_function(f"mpidag.rpc.serve#{describe(func, args)}"
+                                       f"({self.workers[env.src].name} -> {self.info.name})")
+                span.__enter__()
             wrapped = getattr(func, "_wrapped_async_rpc_function", None)
             if ctx is None:
                 result = func(*args, **kwargs)
@@ -416,16 +440,24 @@ class RpcAgent:
                     self.autograd.leave(previous)
         except Exception as exc:
             self._reply_error(env, exc)
+            if span is not None:
+                span.__exit__(None, None, None)
             return
         if wrapped is not None:
             if not isinstance(result, torch._C.Future):
                 self._reply_error(env, TypeError(
                     f"{describe(func)} is decorated with @async_execution and must return a "
                     f"torch.futures.Future, but returned {type(result).__name__}"))
-                return
-            result.add_done_callback(lambda fut: self._reply_future(env, fut, (func, args)))
-            return
-        self._reply_value(env, result, (func, args))
+            else:
+                result.add_done_callback(
+                    lambda fut: self._reply_future(env, fut, (func, args)))
+                if span is not None:  # the range ends when the function's future does
+                    span._call_end_callbacks_on_future(result)
+                    return
+        else:
+            self._reply_value(env, result, (func, args))
+        if span is not None:
+            span.__exit__(None, None, None)
 
     def _reply_future(self, env: Envelope, fut: torch.futures.Future,
                       call: tuple | None = None) -> None:
