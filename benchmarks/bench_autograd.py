@@ -14,6 +14,9 @@ Workloads (forward + backward per iteration, median time of several repetitions)
 
 ``local`` runs the same model on rank 0 alone with ``loss.backward()`` (gradients to
 ``.grad``, reset every iteration); the goal is mpidag <= 1.3x local, and faster than torch.
+``mpi4py`` is the same split written by hand with raw mpi4py (``Send``/``Recv`` of the
+activations, then of their gradients, each stage running ``backward`` on its half): the
+floor of what any RPC-based engine can do on these two ranks.
 Every rank uses one intra-op thread (two ranks share two cores). Rank 0 writes
 ``benchmarks/results/autograd.json``; ``benchmarks/plot.py`` draws it.
 """
@@ -49,7 +52,7 @@ from bench_rpc import (  # noqa: E402 - after the path set-up
 )
 
 DEFAULT_OUT = HERE / "results" / "autograd.json"
-IMPLS = ["local", "torch_rpc", "mpidag"]
+IMPLS = ["local", "mpi4py", "torch_rpc", "mpidag"]
 WIDTH, LAYERS, BATCH = 1024, 4, 64
 OPS_PER_STAGE, OPS_SIZE = 500, 64
 
@@ -123,6 +126,74 @@ def distributed_step(rpc: ModuleType, dist_autograd: ModuleType, workload: str) 
         dist_autograd.get_gradients(context_id)
 
 
+# ------------------------------------------------- the same split by hand, raw mpi4py
+def _first_half(workload: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Rank 0's forward up to the cut: (leaves it owns, tensors sent to rank 1)."""
+    if workload == "pipeline_mlp":
+        return [], [STAGE1(torch.randn(BATCH, WIDTH))]
+    if workload == "ops_1000":
+        return [], [ops_half(torch.full((OPS_SIZE,), 0.1), W1)]
+    t1, t2 = (torch.rand((3, 3), requires_grad=True) for _ in range(2))
+    return [t1, t2], [t1, t2]
+
+
+def _second_half(workload: str, inputs: list[torch.Tensor]) -> torch.Tensor:
+    """Rank 1's part of the forward."""
+    if workload == "pipeline_mlp":
+        return STAGE2(inputs[0])
+    if workload == "ops_1000":
+        return ops_stage2(inputs[0])
+    return my_add(*inputs)
+
+
+def _loss(workload: str, out: torch.Tensor) -> torch.Tensor:
+    if workload == "pipeline_mlp":
+        return out.pow(2).mean()
+    if workload == "ops_1000":
+        return out.sum()
+    return (out * torch.rand((3, 3), requires_grad=True)).sum()
+
+
+def _shape(workload: str) -> tuple[int, ...]:
+    return {"pipeline_mlp": (BATCH, WIDTH), "ops_1000": (OPS_SIZE,)}.get(workload, (3, 3))
+
+
+def mpi4py_step(comm: MPI.Comm, workload: str) -> None:
+    """Rank 0: one forward + backward, activations and gradients sent with raw mpi4py."""
+    _, sent = _first_half(workload)
+    for t in sent:
+        comm.Send(t.detach().numpy(), dest=1)
+    out = torch.empty(_shape(workload))
+    comm.Recv(out.numpy(), source=1)
+    out.requires_grad_()
+    _loss(workload, out).backward()
+    comm.Send(out.grad.numpy(), dest=1)
+    grads = [torch.empty_like(t) for t in sent]
+    for g in grads:
+        comm.Recv(g.numpy(), source=1)
+    torch.autograd.backward(sent, grads)
+    for p in (*STAGE1.parameters(), *STAGE2.parameters(), W1, W2):
+        p.grad = None
+
+
+def mpi4py_serve(comm: MPI.Comm, workload: str) -> None:
+    """Rank 1: its half of one :func:`mpi4py_step`."""
+    n_in = 2 if workload == "seed_example" else 1
+    inputs = [torch.empty(_shape(workload)) for _ in range(n_in)]
+    for t in inputs:
+        comm.Recv(t.numpy(), source=0)
+        t.requires_grad_()
+    out = _second_half(workload, inputs)
+    comm.Send(out.detach().numpy(), dest=0)
+    grad = torch.empty_like(out)
+    comm.Recv(grad.numpy(), source=0)
+    out.backward(grad)
+    for t in inputs:
+        comm.Send(t.grad.numpy(), dest=0)
+    for p in (*STAGE2.parameters(), W2):
+        p.grad = None
+
+
 # ---------------------------------------------------------------- driver
 WORKLOADS: dict[str, dict[str, int]] = {
     # iterations per repetition, repetitions, warm-up iterations
@@ -182,6 +253,19 @@ def start_rpc(key: str, comm: MPI.Comm) -> tuple[ModuleType, ModuleType]:
 def run(key: str, comm: MPI.Comm, workloads: dict[str, dict[str, int]]
         ) -> dict[str, list[float]] | None:
     rank = comm.Get_rank()
+    if key == "mpi4py":
+        timed_barrier(comm, 600, "mpi4py start")
+        out = {} if rank == 0 else None
+        for w, spec in workloads.items():
+            with Watchdog(3600, f"mpi4py {w}"):
+                if rank == 0:
+                    out[w] = measure(lambda w=w: mpi4py_step(comm, w), spec)
+                    log(f"mpi4py: {w} = {statistics.median(out[w]):.3f} ms/iteration")
+                else:
+                    for _ in range(spec["warmup"] + spec["reps"] * spec["calls"]):
+                        mpi4py_serve(comm, w)
+        timed_barrier(comm, 600, "mpi4py end")
+        return out
     if key == "local":
         timed_barrier(comm, 600, "local start")
         out = None
@@ -221,6 +305,7 @@ def report(measured: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
 
         entry["mpidag_vs_local"] = ratio("mpidag", "local")
         entry["mpidag_vs_torch"] = ratio("mpidag", "torch_rpc")
+        entry["mpidag_vs_mpi4py"] = ratio("mpidag", "mpi4py")
         entry["torch_vs_local"] = ratio("torch_rpc", "local")
         entry["description"] = (__doc__ or "").split(f"``{w}``: ")[-1].split("\n*")[0] \
             .replace("\n", " ").strip() if f"``{w}``" in (__doc__ or "") else w
@@ -268,12 +353,13 @@ def main(argv: list[str] | None = None) -> int:
         timed_barrier(comm, 3600, f"after {key}")
     if rank == 0:
         doc = report(measured)
-        print(f"{'workload':<24}{'local ms':>10}{'torch ms':>10}{'mpidag ms':>11}"
-              f"{'mpidag/local':>14}{'mpidag/torch':>14}")
+        print(f"{'workload':<24}{'local ms':>10}{'mpi4py ms':>10}{'torch ms':>10}"
+              f"{'mpidag ms':>11}{'mpidag/local':>14}{'mpidag/torch':>14}")
         for name, e in doc["rows"].items():
             def f(v: float | None, fmt: str = "{:.3f}") -> str:
                 return "-" if v is None else fmt.format(v)
-            print(f"{name:<24}{f(e['local']):>10}{f(e['torch_rpc']):>10}{f(e['mpidag']):>11}"
+            print(f"{name:<24}{f(e['local']):>10}{f(e['mpi4py']):>10}{f(e['torch_rpc']):>10}"
+                  f"{f(e['mpidag']):>11}"
                   f"{f(e['mpidag_vs_local'], '{:.2f}x'):>14}"
                   f"{f(e['mpidag_vs_torch'], '{:.2f}x'):>14}")
         log(f"wrote {args.out}")

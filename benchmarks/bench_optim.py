@@ -1,0 +1,226 @@
+"""Parameter server: mpidag's DistributedOptimizer vs torch's (TensorPipe), and locks.
+
+Run on exactly three MPI ranks (rank 0 is the parameter server, ranks 1 and 2 train)::
+
+    python -m mpidag.run -n 3 benchmarks/bench_optim.py [--quick]
+
+The server holds an embedding table (20,000 x 64) and a linear layer (64 -> 16). Each
+training step of a trainer, in a distributed autograd context: ``rpc_sync`` the embedding
+lookup of a batch of 256 indices on the server, pull the linear layer's weight and bias
+(``RRef.to_here()``), apply them and the cross entropy locally, run the distributed backward
+pass (the gradients go back to the server through the lookup and the two fetches) and
+``DistributedOptimizer(SGD, momentum 0.9).step``. Both trainers step at the same time.
+(Computing the linear layer on the server instead would save its weight for the backward
+pass, and the other trainer's concurrent step would change it in place: autograd rejects
+that, in torch as here.)
+
+Rows (total steps per second of the two trainers, higher is better):
+
+* ``ps_shared_steps_per_s``: both trainers train the same table and layer (the torch RPC
+  parameter-server tutorial's shape): mpidag vs torch.
+* ``ps_disjoint_steps_per_s``: each trainer has its own table and layer on the server:
+  mpidag with its per-parameter locks vs mpidag with one global lock per rank (torch's
+  scheme, ``MPIDAG_OPTIM_LOCKS=global``) vs torch.
+
+Rank 0 writes ``benchmarks/results/optim.json``; ``benchmarks/plot.py`` draws it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from mpi4py import MPI
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+from bench_rpc import free_tcp_port, log, machine_info  # noqa: E402
+
+DEFAULT_OUT = HERE / "results" / "optim.json"
+ROWS_, DIM, CLASSES, BATCH = 20_000, 64, 16, 256
+
+
+class Shard(torch.nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = torch.nn.Embedding(ROWS_, DIM)
+        self.fc = torch.nn.Linear(DIM, CLASSES)
+
+    def lookup(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.emb(idx)
+
+
+#: on the server: model name -> shard
+SHARDS: dict[str, Shard] = {}
+
+
+def server_lookup(name: str, idx: torch.Tensor) -> torch.Tensor:
+    return SHARDS[name].lookup(idx)
+
+
+def server_params(name: str, rref_cls: Any) -> list:
+    if name not in SHARDS:
+        SHARDS[name] = Shard(len(SHARDS))
+    return [rref_cls(p) for p in SHARDS[name].parameters()]
+
+
+def set_lock_mode(mode: str) -> str:
+    from mpidag.optim.optimizer import PARAMETER_LOCKS
+
+    previous, PARAMETER_LOCKS.mode = PARAMETER_LOCKS.mode, mode
+    return previous
+
+
+def train(rpc: ModuleType, dist_autograd: ModuleType, optim_cls: type, model: str,
+          steps: int, warmup: int, trainers: MPI.Comm) -> float:
+    """Run ``warmup`` + ``steps`` training steps; returns the seconds the timed part took."""
+    params = rpc.rpc_sync("worker0", server_params, args=(model, rpc.RRef))
+    opt = optim_cls(torch.optim.SGD, params, lr=0.05, momentum=0.9)
+    weight, bias = params[1], params[2]
+    gen = torch.Generator().manual_seed(trainers.Get_rank())
+
+    def step() -> None:
+        idx = torch.randint(0, ROWS_, (BATCH,), generator=gen)
+        target = torch.randint(0, CLASSES, (BATCH,), generator=gen)
+        with dist_autograd.context() as context_id:
+            hidden = rpc.rpc_sync("worker0", server_lookup, args=(model, idx))
+            out = torch.nn.functional.linear(hidden, weight.to_here(), bias.to_here())
+            loss = torch.nn.functional.cross_entropy(out, target)
+            dist_autograd.backward(context_id, [loss])
+            opt.step(context_id)
+
+    for _ in range(warmup):
+        step()
+    trainers.Barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return time.perf_counter() - start
+
+
+def start(key: str, comm: MPI.Comm) -> tuple[ModuleType, ModuleType, type]:
+    rank = comm.Get_rank()
+    if key == "mpidag":
+        import mpidag.autograd as dist_autograd
+        import mpidag.rpc as rpc
+        from mpidag.optim import DistributedOptimizer
+
+        rpc.init_rpc()
+        return rpc, dist_autograd, DistributedOptimizer
+    import torch.distributed.autograd as dist_autograd
+    import torch.distributed.rpc as rpc
+    from torch.distributed.optim import DistributedOptimizer
+
+    port = comm.bcast(free_tcp_port() if rank == 0 else None, root=0)
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
+                                           num_worker_threads=16, rpc_timeout=300)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore")
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=comm.Get_size(),
+                     rpc_backend_options=opts)
+    return rpc, dist_autograd, DistributedOptimizer
+
+
+def session(key: str, comm: MPI.Comm, trainers: MPI.Comm | None, phases: list[tuple[str, str]],
+            steps: int, warmup: int, reps: int) -> dict[str, list[float]]:
+    """One RPC session: rank 0 serves; each trainer runs ``phases`` (row, lock mode)."""
+    rpc, dist_autograd, optim_cls = start(key, comm)
+    out: dict[str, list[float]] = {}
+    if trainers is not None:
+        me = trainers.Get_rank()
+        for row, mode in phases:
+            if key == "mpidag" and me == 0:
+                rpc.rpc_sync("worker0", set_lock_mode, args=(mode,))
+            model = "shared" if row.startswith("ps_shared") else f"own{me}"
+            rates = []
+            for _ in range(reps):
+                seconds = train(rpc, dist_autograd, optim_cls, model, steps, warmup, trainers)
+                slowest = trainers.allreduce(seconds, op=MPI.MAX)
+                rates.append(2 * steps / slowest)
+            out[row] = rates
+            if me == 0:
+                log(f"{key} {row} ({mode} locks): {statistics.median(rates):.1f} steps/s")
+        if key == "mpidag" and me == 0:
+            rpc.rpc_sync("worker0", set_lock_mode, args=("parameter",))
+    rpc.shutdown()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    world = MPI.COMM_WORLD
+    if world.Get_size() != 3:
+        if world.Get_rank() == 0:
+            sys.stderr.write("bench_optim.py needs exactly 3 MPI ranks\n")
+        return 2
+    torch.set_num_threads(1)
+    comm = world.Dup()
+    rank = comm.Get_rank()
+    trainers = comm.Split(1 if rank > 0 else MPI.UNDEFINED, rank)
+    trainers = None if trainers == MPI.COMM_NULL else trainers
+    steps, warmup, reps = (20, 5, 3) if args.quick else (60, 10, 5)
+    measured: dict[str, dict[str, list[float]]] = {}
+    plan = {
+        "mpidag": [("ps_shared_steps_per_s", "parameter"),
+                   ("ps_disjoint_steps_per_s", "parameter"),
+                   ("ps_disjoint_global_lock_steps_per_s", "global")],
+        "torch_rpc": [("ps_shared_steps_per_s", "-"), ("ps_disjoint_steps_per_s", "-")],
+    }
+    for key, phases in plan.items():
+        if rank == 0:
+            log(f"{key}: start")
+        res = session(key, comm, trainers, phases, steps, warmup, reps)
+        gathered = comm.gather(res, root=0)
+        if rank == 0:
+            measured[key] = gathered[1]  # the first trainer has the allreduced rates
+        comm.Barrier()
+    if rank == 0:
+        rows: dict[str, Any] = {}
+        for row in ("ps_shared_steps_per_s", "ps_disjoint_steps_per_s"):
+            mp = statistics.median(measured["mpidag"][row])
+            tp = statistics.median(measured["torch_rpc"][row])
+            entry: dict[str, Any] = {"unit": "steps/s", "better": "higher", "mpidag": mp,
+                                     "torch_rpc": tp, "mpidag_vs_torch": mp / tp,
+                                     "samples": {"mpidag": measured["mpidag"][row],
+                                                 "torch_rpc": measured["torch_rpc"][row]}}
+            if row == "ps_disjoint_steps_per_s":
+                g = measured["mpidag"]["ps_disjoint_global_lock_steps_per_s"]
+                entry["mpidag_global_lock"] = statistics.median(g)
+                entry["samples"]["mpidag_global_lock"] = g
+                entry["parameter_vs_global_lock"] = mp / statistics.median(g)
+            rows[row] = entry
+        doc = {"machine": machine_info(),
+               "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+               "config": {"table": [ROWS_, DIM], "classes": CLASSES, "batch": BATCH,
+                          "steps": steps, "warmup": warmup, "reps": reps,
+                          "optimizer": "SGD(lr=0.05, momentum=0.9)", "trainers": 2},
+               "rows": rows}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+        for name, e in rows.items():
+            extra = (f", global lock {e['mpidag_global_lock']:.1f} "
+                     f"(per-parameter locks {e['parameter_vs_global_lock']:.2f}x)"
+                     if "mpidag_global_lock" in e else "")
+            print(f"{name}: mpidag {e['mpidag']:.1f}, torch {e['torch_rpc']:.1f} steps/s "
+                  f"({e['mpidag_vs_torch']:.2f}x){extra}")
+        log(f"wrote {args.out}")
+    comm.Free()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
