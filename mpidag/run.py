@@ -6,11 +6,14 @@ wheel's by default, found next to the Python interpreter), or the one named by
 ``MPIDAG_MPIRUN``. The settings Open MPI needs as root (``OMPI_ALLOW_RUN_AS_ROOT``) and on a
 machine with fewer cores than ranks (``--oversubscribe``) are added for you.
 
-Example::
+Example:
 
-    $ python -m mpidag.run -n 2 examples/hello.py
-    $ python -m mpidag.run -n 4 --dry-run train.py --epochs 3
-    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --oversubscribe -n 4 ...
+.. code-block:: console
+
+    $ python -m mpidag.run -n 2 examples/demo.py
+    $ python -m mpidag.run -n 2 -m pytest --with-mpi tests     # a module, as python -m
+    $ python -m mpidag.run -n 4 --dry-run train.py --epochs 3  # as root, on 2 cores
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 .../mpirun --oversubscribe -n 4 ...
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["build_command", "find_mpirun", "main"]
+__all__ = ["build_command", "find_mpirun", "main", "srun_mpi_plugin"]
+
+#: ``MPI_Get_library_version`` words of MPIs that Slurm starts with ``--mpi=pmi2``
+_PMI2_MPIS = ("mpich", "intel", "cray", "mvapich")
 
 
 def find_mpirun() -> str:
@@ -62,6 +68,47 @@ def _is_open_mpi(mpirun: str) -> bool:
     return "open mpi" in text or "open-mpi" in text or "openrte" in text or "prte" in text
 
 
+def mpi_library_version() -> str:
+    """``MPI_Get_library_version()`` of the MPI mpi4py uses ('' if it cannot be read).
+
+    Read in a child interpreter, so the launcher itself never loads the MPI library.
+    """
+    code = ("import mpi4py; mpi4py.rc.initialize = mpi4py.rc.finalize = False; "
+            "from mpi4py import MPI; print(MPI.Get_library_version())")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.strip()
+
+
+def srun_mpi_plugin(library_version: str | None = None) -> str:
+    """The ``srun --mpi=`` plugin for the MPI that mpi4py uses.
+
+    ``$MPIDAG_SRUN_MPI`` if set; else ``pmi2`` for MPICH and its derivatives (Intel MPI,
+    Cray MPICH, MVAPICH) and ``pmix`` for Open MPI and anything else. With a wrong plugin
+    ``srun -n N`` starts N separate one-rank "worlds" instead of one N-rank job (Open MPI
+    under ``--mpi=pmi2``), which is why every rank checks the world size at ``init_rpc``.
+
+    Example::
+
+        >>> srun_mpi_plugin("MPICH Version: 4.2.3 ...")
+        'pmi2'
+        >>> srun_mpi_plugin("Open MPI v5.0.11, package: ...")
+        'pmix'
+    """
+    forced = os.environ.get("MPIDAG_SRUN_MPI")
+    if forced:
+        return forced
+    if library_version is None:
+        library_version = mpi_library_version()
+    text = library_version.lower()
+    if "open mpi" not in text and any(word in text for word in _PMI2_MPIS):
+        return "pmi2"
+    return "pmix"
+
+
 def build_command(
     nprocs: int,
     program: Sequence[str],
@@ -88,7 +135,7 @@ def build_command(
     python_argv = [sys.executable, *program]
     env: dict[str, str] = {}
     if use_srun:
-        mpi_plugin = os.environ.get("MPIDAG_SRUN_MPI", "pmix")
+        mpi_plugin = srun_mpi_plugin()
         return ["srun", f"--mpi={mpi_plugin}", "-n", str(nprocs), *extra, *python_argv], env
     mpirun = mpirun or find_mpirun()
     argv = [mpirun]
@@ -132,7 +179,19 @@ def _split_program(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point; returns the job's exit status."""
+    """Command-line entry point (``python -m mpidag.run``, ``mpidag-run``).
+
+    Options: ``-n/--nprocs N``, ``--dry-run`` (print the command), ``--srun`` or
+    ``--mpirun`` (force one launcher), ``--launcher-arg ARG`` (repeatable, passed to the
+    launcher). Everything from the first other argument on (or after ``--``) is the
+    program: ``script.py [args]`` or ``-m module [args]``. Returns the job's exit status.
+
+    Example::
+
+        >>> main(["-n", "2", "--dry-run", "demo.py"])  # doctest: +SKIP
+        OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 .../mpirun -n 2 .../python demo.py
+        0
+    """
     parser = argparse.ArgumentParser(
         prog="python -m mpidag.run",
         description="Run a Python program on N MPI ranks with mpirun or srun.",

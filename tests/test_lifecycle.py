@@ -291,3 +291,25 @@ except ValueError as e:
     print("BAD-LEVEL", "not a log level" in str(e))
 """, env={"MPIDAG_LOG": "loud"}))
     assert bad.count("BAD-LEVEL True") == 2
+
+
+@pytest.mark.parametrize("variable", ["SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE"])
+def test_a_singleton_of_a_larger_launch_is_an_error(tmp_path, variable):
+    """srun --mpi=pmi2 with Open MPI gives every task a world of its own: each would run
+    alone as worker0 and exit 0. init_rpc says what is wrong instead."""
+    import os
+    import sys
+
+    script = tmp_path / "single.py"
+    script.write_text("import mpidag.rpc as rpc\nrpc.init_rpc()\nprint('RAN ALONE')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI", "SLURM"))}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=120, env={**env, variable: "2"})
+    out = result.stdout + result.stderr
+    assert result.returncode != 0 and "RAN ALONE" not in out, out
+    assert f"the launcher started 2 tasks ({variable})" in out
+    assert "srun --mpi=pmix" in out
+    # a real one-rank run is fine
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=120, env=env)
+    assert result.returncode == 0 and "RAN ALONE" in result.stdout, result.stderr

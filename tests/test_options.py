@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mpidag.rpc.options import MPIRpcBackendOptions, TensorPipeRpcBackendOptions, WorkerInfo
-from mpidag.run import _split_program, build_command
+from mpidag.run import _split_program, build_command, mpi_library_version, srun_mpi_plugin
 
 
 def test_options_defaults_match_torch():
@@ -56,10 +56,25 @@ def test_launcher_splits_its_options_from_the_program():
 
 def test_launcher_command(monkeypatch):
     monkeypatch.delenv("MPIDAG_OVERSUBSCRIBE", raising=False)
-    argv, _ = build_command(2, ["s.py"], use_srun=True)
+    monkeypatch.delenv("MPIDAG_SRUN_MPI", raising=False)
+    argv, _ = build_command(2, ["s.py"], use_srun=True)  # mpi4py uses the Open MPI wheel
     assert argv[:4] == ["srun", "--mpi=pmix", "-n", "2"] and argv[-1] == "s.py"
     with pytest.raises(ValueError, match="at least 1"):
         build_command(0, ["s.py"], use_srun=True)
+
+
+def test_srun_plugin_follows_the_mpi_library(monkeypatch):
+    monkeypatch.delenv("MPIDAG_SRUN_MPI", raising=False)
+    for version, plugin in [("Open MPI v5.0.11, package: Open MPI", "pmix"),
+                            ("MPICH Version:      4.2.3", "pmi2"),
+                            ("Intel(R) MPI Library 2021.13 for Linux* OS", "pmi2"),
+                            ("MPI VERSION    : CRAY MPICH version 8.1.28", "pmi2"),
+                            ("", "pmix")]:
+        assert srun_mpi_plugin(version) == plugin, version
+    assert "Open MPI" in mpi_library_version()  # the wheel this project installs
+    monkeypatch.setenv("MPIDAG_SRUN_MPI", "pmi2")
+    assert srun_mpi_plugin("Open MPI v5") == "pmi2"
+    assert build_command(2, ["s.py"], use_srun=True)[0][1] == "--mpi=pmi2"
 
 
 def test_cuda_awareness_detection_without_a_gpu(monkeypatch):

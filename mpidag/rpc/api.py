@@ -116,6 +116,8 @@ def init_rpc(
                 f"init_rpc(rank={rank!r}) but this process is MPI rank {my_rank} of {size}: "
                 f"ranks come from the MPI launcher; omit rank= or pass the MPI rank"
             )
+        if problem is None and size == 1:
+            problem = _singleton_of_a_larger_launch()
         if problem is None and world_size is not None and world_size != size:
             problem = ValueError(
                 f"init_rpc(world_size={world_size!r}) but the MPI job has {size} ranks: "
@@ -144,6 +146,25 @@ def init_rpc(
         agent.start()
         _install_process_hooks()
         log.debug("RPC started on %s", agent.where())
+
+
+def _singleton_of_a_larger_launch() -> Exception | None:
+    """An error when the launcher started several tasks but MPI put each in a world of its
+    own (``srun --mpi=pmi2`` with Open MPI, or a launcher of another MPI than mpi4py's):
+    every task would otherwise run alone as worker0 and "succeed"."""
+    import os
+
+    for variable in ("SLURM_STEP_NUM_TASKS", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        value = os.environ.get(variable, "")
+        if value.isdigit() and int(value) > 1:
+            return RPCError(
+                f"the launcher started {value} tasks ({variable}) but MPI gives this one a "
+                f"world of 1 rank: the launcher and the MPI that mpi4py uses do not match. "
+                f"Under Slurm use `srun --mpi=pmix` for Open MPI and `--mpi=pmi2` for MPICH "
+                f"or Intel MPI (`srun --mpi=list`; MPIDAG_SRUN_MPI for `python -m "
+                f"mpidag.run`), or the mpirun of mpi4py's MPI (`python -c 'import mpi4py; "
+                f"print(mpi4py.get_config())'`).")
+    return None
 
 
 def _freeze_heap() -> None:
