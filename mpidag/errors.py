@@ -27,27 +27,78 @@ __all__ = [
 
 
 class RPCError(RuntimeError):
-    """Base class of mpidag's own errors."""
+    """Base class of mpidag's own errors (a ``RuntimeError``, like torch's RPC errors).
+
+    Also raised for a remote exception whose type cannot be pickled, naming that type.
+
+    Example::
+
+        >>> try:
+        ...     rpc.rpc_sync("worker1", time.sleep, args=(1,), timeout=0.1)
+        ... except rpc.RPCError as exc:        # every mpidag error, timeouts included
+        ...     print(type(exc).__name__)
+        RPCTimeoutError
+    """
 
 
 class RPCNotInitializedError(RPCError):
-    """An RPC API was used before :func:`mpidag.rpc.init_rpc` or after ``shutdown``."""
+    """An RPC API was used before :func:`mpidag.rpc.init_rpc` or after ``shutdown``.
+
+    Example::
+
+        >>> rpc.get_worker_info()              # before init_rpc()
+        Traceback (most recent call last):
+        RPCNotInitializedError: RPC has not been initialized. Call mpidag.rpc.init_rpc first.
+    """
 
 
 class RPCTimeoutError(TimeoutError, RPCError):
-    """A call did not complete within its timeout (a ``TimeoutError`` and a ``RuntimeError``)."""
+    """A call did not complete within its timeout (a ``TimeoutError`` and a ``RuntimeError``).
+
+    Example::
+
+        >>> fut = rpc.rpc_async("worker1", time.sleep, args=(1,), timeout=0.1)
+        >>> try:
+        ...     fut.wait()
+        ... except TimeoutError:               # what torch raises; RuntimeError works too
+        ...     print("timed out")
+        timed out
+    """
 
 
 class UnknownWorkerError(ValueError, RPCError):
-    """A worker name, rank or ``WorkerInfo`` that is not part of this job."""
+    """A worker name, rank or ``WorkerInfo`` that is not part of this job (a ``ValueError``).
+
+    Example::
+
+        >>> rpc.rpc_sync("worker9", torch.add, args=(1, 2))   # a job of 2 ranks
+        Traceback (most recent call last):
+        UnknownWorkerError: unknown destination worker 'worker9'; workers: ['worker0', 'worker1']
+    """
 
 
 class WorkerDiedError(RPCError):
-    """The peer rank of a call failed or shut down before answering."""
+    """The peer rank of a call failed or shut down before answering.
+
+    Example::
+
+        >>> fut = rpc.rpc_async("worker1", time.sleep, args=(60,))
+        >>> rpc.shutdown(graceful=False)       # this rank stops: fut fails
+        >>> fut.wait()
+        Traceback (most recent call last):
+        WorkerDiedError: ... did not complete: the RPC agent was shut down
+    """
 
 
 class SerializationError(TypeError, RPCError):
-    """An argument or return value could not be pickled or unpickled."""
+    """An argument or return value could not be pickled or unpickled (a ``TypeError``).
+
+    Example::
+
+        >>> rpc.rpc_sync("worker1", lambda: 1)     # lambdas do not pickle
+        Traceback (most recent call last):
+        SerializationError: could not pickle the call of ... for worker1: ...
+    """
 
 
 class RemoteTraceback(Exception):
@@ -55,6 +106,14 @@ class RemoteTraceback(Exception):
 
     Set as ``__cause__`` of the re-raised exception, so a printed traceback shows the
     remote one first, headed by the worker that raised it.
+
+    Example::
+
+        >>> try:
+        ...     rpc.rpc_sync("worker1", operator.truediv, args=(1, 0))
+        ... except ZeroDivisionError as exc:   # the remote exception's own type
+        ...     print(exc.__cause__.text.splitlines()[1])
+        ### Remote traceback from worker1 (rank 1 of 2)
     """
 
     def __init__(self, text: str) -> None:

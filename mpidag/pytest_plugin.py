@@ -28,13 +28,22 @@ __all__ = ["RpcWorld", "rpc_world"]
 
 @dataclass(frozen=True)
 class RpcWorld:
-    """This rank's place in the job: ``rank``, ``size``, its ``name`` and neighbours."""
+    """This rank's place in the job: ``rank``, ``size``, its ``name`` and neighbours.
+
+    Example::
+
+        >>> rpc_world                          # in a test on rank 0 of 2 ranks
+        RpcWorld(rank=0, size=2)
+        >>> rpc_world.name, rpc_world.next, rpc_world.prev
+        ('worker0', 'worker1', 'worker1')
+    """
 
     rank: int
     size: int
 
     @property
     def name(self) -> str:
+        """This worker's name (``worker{rank}``, as ``init_rpc()`` names it)."""
         return self.worker(self.rank)
 
     @property
@@ -48,6 +57,7 @@ class RpcWorld:
         return self.worker(self.rank - 1)
 
     def worker(self, rank: int) -> str:
+        """The name of the worker of ``rank``, taken around the ring (``rank mod size``)."""
         from mpidag.rpc import get_worker_info
 
         return get_worker_info(rank % self.size).name
@@ -55,7 +65,17 @@ class RpcWorld:
 
 @pytest.fixture(scope="module")
 def rpc_world() -> Iterator[RpcWorld]:
-    """RPC started for the module's tests; a leak check on every rank at the end."""
+    """Module-scoped fixture: RPC started for the module's tests, an :class:`RpcWorld` as
+    its value, and a leak check on every rank at the end
+    (:func:`mpidag.testing.assert_no_leaks`) before ``shutdown()``.
+
+    Example::
+
+        pytestmark = pytest.mark.mpi(min_size=2)
+
+        def test_echo(rpc_world):
+            assert rpc.rpc_sync(rpc_world.next, len, args=("abc",)) == 3
+    """
     import mpidag.rpc as rpc
     from mpidag import testing
 

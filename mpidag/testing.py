@@ -37,7 +37,17 @@ LEAK_COUNTERS = ("num_owner_rrefs", "num_user_rrefs", "num_pending_users",
 
 
 def quiesce(timeout: float = 60.0) -> None:
-    """Collective: return when every rank called this and no message is in flight."""
+    """Collective: return when every rank called this and no message is in flight.
+
+    Raises ``RPCTimeoutError`` after ``timeout`` seconds (0: no limit).
+
+    Example::
+
+        >>> fut = rpc.rpc_async(rpc_world.next, torch.add, args=(1, 2))
+        >>> testing.quiesce()            # fut's call and reply are done on every rank
+        >>> fut.done()
+        True
+    """
     current_agent().wait_quiescent(timeout)
 
 
@@ -52,7 +62,13 @@ def settle(timeout: float = 60.0, rounds: int = 10) -> None:
 
     Garbage cycles that hold RRefs (tracebacks, frames) are only freed when the collector
     runs, and freeing them sends protocol messages; this repeats collect-and-quiesce until
-    a round in which no rank's collector found anything.
+    a round in which no rank's collector found anything (at most ``rounds`` rounds).
+
+    Example::
+
+        >>> rref = rpc.remote(rpc_world.next, torch.ones, args=(2,))
+        >>> del rref
+        >>> testing.settle()             # the owner has freed the value
     """
     for _ in range(rounds):
         found = gc.collect()
@@ -68,7 +84,9 @@ def leak_report(timeout: float = 60.0) -> dict[int, dict[str, int]]:
 
         >>> testing.leak_report()
         {}
-        >>> keep = rpc.remote("worker1", torch.ones, args=(2,)); testing.leak_report()
+        >>> if rank == 0:                     # worker0 keeps an RRef owned by worker1
+        ...     keep = rpc.remote("worker1", torch.ones, args=(2,))
+        >>> testing.leak_report()             # every rank gets the same report
         {0: {'num_user_rrefs': 1}, 1: {'num_owner_rrefs': 1}}
     """
     from mpidag.rpc.api import _get_debug_info
@@ -91,7 +109,19 @@ def leak_report(timeout: float = 60.0) -> dict[int, dict[str, int]]:
 
 
 def assert_no_leaks(timeout: float = 60.0) -> None:
-    """Collective: raise ``AssertionError`` on every rank if any rank leaks (see above)."""
+    """Collective: raise ``AssertionError`` on every rank if any rank leaks.
+
+    The leaks are those of :func:`leak_report`: RRefs, pending forks, calls in flight,
+    distributed autograd contexts or send/recv functions still alive on some rank.
+
+    Example::
+
+        >>> def test_no_leaks(rpc_world):
+        ...     rref = rpc.remote(rpc_world.next, torch.ones, args=(2,))
+        ...     assert rref.to_here().sum() == 2
+        ...     del rref
+        ...     testing.assert_no_leaks()    # raises on every rank if one leaks
+    """
     report = leak_report(timeout)
     if report:
         raise AssertionError(f"mpidag left RRefs, calls or autograd contexts alive: {report} "
@@ -147,9 +177,19 @@ class _DelayedSender:
 
 @contextlib.contextmanager
 def delayed_control_messages(max_delay: float = 0.01, seed: int = 0) -> Iterator[_DelayedSender]:
-    """Delay every CONTROL message (RRef protocol steps) sent by this rank by a random time
-    up to ``max_delay`` seconds, so they arrive late and reordered. Leaving the block
-    sends whatever is still held back."""
+    """Delay every CONTROL message (RRef protocol steps, context releases) sent by this rank
+    by a random time up to ``max_delay`` seconds, so they arrive late and reordered. Leaving
+    the block sends whatever is still held back. Not collective: each rank delays what it
+    sends.
+
+    Example::
+
+        >>> with testing.delayed_control_messages(max_delay=0.01, seed=rpc_world.rank):
+        ...     rref = rpc.remote(rpc_world.next, torch.ones, args=(2,))
+        ...     rpc.rpc_sync(rpc_world.prev, len, args=([rref],))   # forks, deletes: late
+        ...     del rref
+        >>> testing.assert_no_leaks()
+    """
     transport = current_agent().transport
     sender = _DelayedSender(transport, max_delay, seed)
     transport.send_hook = sender.hook

@@ -15,7 +15,7 @@ Every RPC made inside the ``with`` block (``rpc_sync``, ``rpc_async``, ``remote`
 ``to_here``, RRef proxies, and calls nested in the remote functions) records a send
 function on the sender and a recv function on the receiver for its tensors that require
 grad. ``backward`` runs the FAST mode algorithm of PyTorch's design: see
-:mod:`mpidag.autograd.engine` and ``docs/design.md``.
+:mod:`mpidag.autograd.engine` and the design overview of the documentation (``docs/``).
 """
 
 from __future__ import annotations
@@ -51,7 +51,14 @@ def _container() -> ContextContainer:
 
 
 def is_available() -> bool:
-    """Whether distributed autograd can be used (as ``torch.distributed.autograd``)."""
+    """Whether distributed autograd can be used (as ``torch.distributed.autograd``).
+
+    Example::
+
+        >>> import mpidag.autograd as dist_autograd
+        >>> dist_autograd.is_available()
+        True
+    """
     from mpidag.rpc.api import is_available as rpc_available
 
     return rpc_available()

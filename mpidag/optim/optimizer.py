@@ -8,11 +8,13 @@ Data flow of ``DistributedOptimizer(optim.SGD, [rref1, rref2], lr=0.05).step(con
              one global order) -> set .grad from the context's gradients -> optimizer.step()
              -> clear .grad -> release
 
-PyTorch serializes every step on a worker behind one global lock. Here two steps wait for each
-other only when they share a parameter; steps over disjoint parameters of the same owner run
-at the same time. Locks are always taken in the order the parameters were first seen on that
-rank, so two steps that share several parameters cannot deadlock, and the instance lock of a
-local optimizer (its state: momentum, Adam moments) is taken before any parameter lock.
+PyTorch's Python local optimizer serializes every step on a worker behind one global lock
+(its TorchScript one, used for the optimizers that have a functional version, takes no lock
+at all). Here two steps wait for each other only when they share a parameter; steps over
+disjoint parameters of the same owner run at the same time. Locks are always taken in the
+order the parameters were first seen on that rank, so two steps that share several
+parameters cannot deadlock, and the instance lock of a local optimizer (its state:
+momentum, Adam moments) is taken before any parameter lock.
 """
 
 from __future__ import annotations
@@ -186,13 +188,14 @@ class DistributedOptimizer:
         params_rref: RRefs of the parameters to optimize (local ones wrapped in ``RRef``);
             like torch's param groups, dicts ``{"params": [rrefs...], "lr": ...}`` give
             options per group of parameters.
-        *args, **kwargs: passed to ``optimizer_class`` on every owner.
+        *args: passed to ``optimizer_class`` on every owner.
+        **kwargs: passed to ``optimizer_class`` on every owner (``lr=0.05``, ...).
 
     ``step(context_id)`` applies, on every owner at once, the gradients that the
     distributed backward pass of that context left there. A parameter with no gradient in
     the context is skipped, as torch's optimizers skip parameters whose ``.grad`` is
-    ``None`` (torch itself would re-apply a stale ``.grad`` from an earlier step; here
-    ``.grad`` is set only for the step and cleared after it).
+    ``None`` (torch's Python local optimizer would re-apply a stale ``.grad`` left from an
+    earlier step; here ``.grad`` is set only for the step and cleared after it).
 
     Example::
 
@@ -252,6 +255,13 @@ class DistributedOptimizer:
 
         Raises the first owner's error with its type; the message says on which owners the
         step was applied and on which it was not.
+
+        Example::
+
+            >>> with dist_autograd.context() as context_id:
+            ...     loss = model(batch).sum()               # parameters on other ranks
+            ...     dist_autograd.backward(context_id, [loss])
+            ...     dist_optim.step(context_id)             # every owner steps at once
         """
         from mpidag import autograd as dist_autograd
         from mpidag.rpc import rpc_async

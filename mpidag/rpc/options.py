@@ -30,7 +30,12 @@ DeviceLike = int | str | torch.device
 
 
 class BackendType(enum.Enum):
-    """RPC backends. ``TENSORPIPE`` is accepted for torch programs and runs on MPI."""
+    """RPC backends. ``TENSORPIPE`` is accepted for torch programs and runs on MPI.
+
+    Example::
+
+        >>> rpc.init_rpc("worker0", backend=rpc.BackendType.TENSORPIPE)   # runs on MPI
+    """
 
     MPI = "MPI"
     TENSORPIPE = "TENSORPIPE"
@@ -115,7 +120,15 @@ class MPIRpcBackendOptions:
     def set_device_map(self, to: str, device_map: Mapping[DeviceLike, DeviceLike]) -> None:
         """Map local devices to devices of worker ``to`` for tensors sent there.
 
-        Replies from ``to`` use the inverse map, as in torch.
+        Replies from ``to`` use the inverse map, as in torch. Two local devices may not map
+        to the same remote device (``ValueError``).
+
+        Example::
+
+            >>> opts = MPIRpcBackendOptions()
+            >>> opts.set_device_map("worker1", {"cuda:0": "cuda:1"})   # or {0: 1}
+            >>> opts.device_maps
+            {'worker1': {device(type='cuda', index=0): device(type='cuda', index=1)}}
         """
         mapping = {_device(k): _device(v) for k, v in device_map.items()}
         targets = list(mapping.values())
@@ -125,12 +138,28 @@ class MPIRpcBackendOptions:
         self.device_maps.setdefault(to, {}).update(mapping)
 
     def set_devices(self, devices: list[DeviceLike]) -> None:
-        """Set the local devices this worker uses."""
+        """Set the local devices this worker uses.
+
+        Example::
+
+            >>> opts.set_devices(["cuda:0", 1])
+            >>> opts.devices
+            [device(type='cuda', index=0), device(type='cuda', index=1)]
+        """
         self.devices = [_device(d) for d in devices]
 
     @classmethod
     def from_any(cls, options: Any) -> MPIRpcBackendOptions:
-        """Accept ours, torch's ``TensorPipeRpcBackendOptions``, or ``None``."""
+        """Accept ours, torch's ``TensorPipeRpcBackendOptions``, or ``None``.
+
+        Example::
+
+            >>> import torch.distributed.rpc as torch_rpc
+            >>> opts = MPIRpcBackendOptions.from_any(
+            ...     torch_rpc.TensorPipeRpcBackendOptions(num_worker_threads=8))
+            >>> opts.num_worker_threads, opts.rpc_timeout
+            (8, 60.0)
+        """
         if options is None:
             return cls()
         if isinstance(options, cls):

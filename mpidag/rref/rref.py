@@ -27,7 +27,8 @@ class RRef:
     """A reference to a value that lives on one worker (its owner).
 
     ``RRef(value)`` wraps a local value: this worker is the owner. Remote references come
-    from :func:`remote` or arrive as arguments and results of RPCs.
+    from :func:`remote` or arrive as arguments and results of RPCs. The owner frees the
+    value when no reference to it is left on any worker.
 
     Example::
 
@@ -88,7 +89,13 @@ class RRef:
 
     # ------------------------------------------------------------------ value
     def local_value(self) -> Any:
-        """The value itself; only on the owner (waits for a ``remote()`` still running)."""
+        """The value itself; only on the owner (waits for a ``remote()`` still running).
+
+        Example::
+
+            >>> rpc.RRef(torch.zeros(3)).local_value()
+            tensor([0., 0., 0.])
+        """
         if self._fork_id is not None:
             raise RPCError(
                 f"RRef.local_value() called on a non-owner: this is "
@@ -100,7 +107,13 @@ class RRef:
     def to_here(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
         """A copy of the value on this worker (the value itself on the owner).
 
-        Raises the error of the function behind ``remote()`` if it failed.
+        Raises the error of the function behind ``remote()`` if it failed. ``timeout`` as
+        for :func:`mpidag.rpc.rpc_sync`.
+
+        Example::
+
+            >>> rpc.remote("worker1", torch.ones, args=(2,)).to_here()
+            tensor([1., 1.])
         """
         agent = _live_agent(self)
         if self._fork_id is None:
@@ -141,15 +154,34 @@ class RRef:
 
     # ---------------------------------------------------------------- proxies
     def rpc_sync(self, timeout: float = UNSET_RPC_TIMEOUT) -> _Proxy:
-        """Proxy: ``rref.rpc_sync().m(*a)`` runs ``value.m(*a)`` on the owner, waits."""
+        """Proxy: ``rref.rpc_sync().m(*a)`` runs ``value.m(*a)`` on the owner, waits.
+
+        Example::
+
+            >>> rref = rpc.remote("worker1", torch.ones, args=(2,))
+            >>> rref.rpc_sync().size()
+            torch.Size([2])
+        """
         return _Proxy(self, "rpc_sync", timeout)
 
     def rpc_async(self, timeout: float = UNSET_RPC_TIMEOUT) -> _Proxy:
-        """Proxy: ``rref.rpc_async().m(*a)`` returns a future of ``value.m(*a)``."""
+        """Proxy: ``rref.rpc_async().m(*a)`` returns a future of ``value.m(*a)``.
+
+        Example::
+
+            >>> rref.rpc_async().size().wait()
+            torch.Size([2])
+        """
         return _Proxy(self, "rpc_async", timeout)
 
     def remote(self, timeout: float = UNSET_RPC_TIMEOUT) -> _Proxy:
-        """Proxy: ``rref.remote().m(*a)`` returns an RRef to ``value.m(*a)`` on the owner."""
+        """Proxy: ``rref.remote().m(*a)`` returns an RRef to ``value.m(*a)`` on the owner.
+
+        Example::
+
+            >>> rref.remote().size().to_here()
+            torch.Size([2])
+        """
         return _Proxy(self, "remote", timeout)
 
     # --------------------------------------------------------------- pickling
