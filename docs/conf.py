@@ -57,9 +57,9 @@ napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
 
-# "default": Python where the example is Python, plain text where it is not (a shell
-# command inside an `Example::` block); "python3" would warn on those
-highlight_language = "default"
+# every literal block is Python (shell lines are comments or `.. code-block:: sh`), so a
+# broken example warns, and under -W fails the build
+highlight_language = "python3"
 pygments_style = "sphinx"
 
 html_theme = "alabaster"

@@ -35,16 +35,6 @@ API_PAGES = {
     "mpidag.run": "api/run.html",
 }
 
-#: public functions and classes whose docstrings still lack an ``Example::`` (their modules
-#: are being changed elsewhere); any other public name without one fails the test
-KNOWN_WITHOUT_EXAMPLE = {
-    "mpidag.rpc.is_available",  # mpidag/rpc/api.py
-    "mpidag.autograd.DistAutogradContext",  # mpidag/autograd/context.py
-    "mpidag.autograd.UnusedRPCGradientError",  # mpidag/autograd/engine.py
-    "mpidag.autograd.UnusedRPCWarning",  # mpidag/autograd/engine.py
-}
-
-
 def page_text(path: Path) -> str:
     """The text of an HTML page: tags removed, entities decoded (code keeps its lines)."""
     return html.unescape(re.sub(r"<[^>]+>", "", path.read_text(encoding="utf-8")))
@@ -124,7 +114,7 @@ def test_public_functions_and_classes_have_an_example():
             obj = getattr(module, name)
             if not (inspect.isfunction(obj) or inspect.isclass(obj) or callable(obj)):
                 continue
-            if inspect.ismodule(obj) or f"{module_name}.{name}" in KNOWN_WITHOUT_EXAMPLE:
+            if inspect.ismodule(obj):
                 continue
             doc = inspect.getdoc(obj) or ""
             if "Example" not in doc:

@@ -203,6 +203,15 @@ class DistAutogradContext:
 
     Mirrors torch's ``DistAutogradContext``: ``_context_id()``, ``_send_functions()``,
     ``_recv_functions()``, ``_known_worker_ids()``.
+
+    Example::
+
+        >>> with dist_autograd.context() as context_id:
+        ...     y = rpc.rpc_sync("worker1", torch.mul, args=(x, 2))   # x requires grad
+        ...     ctx = dist_autograd._current_context()
+        ...     ctx._send_functions()    # {message id: SendRpcBackward(... to rank 1 ...)}
+        ...     ctx._known_worker_ids()
+        {1}
     """
 
     def __init__(self, container: ContextContainer, context_id: int) -> None:

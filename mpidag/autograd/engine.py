@@ -57,12 +57,31 @@ class UnusedRPCGradientError(RuntimeError):
     gradient. When an RPC's result is not used by the loss, its send function never gets
     one, and a node that also depends on it never runs: its gradients would be missing. This
     error names those RPCs. Keep such calls out of the context (or detach their results).
+
+    Example::
+
+        >>> with dist_autograd.context() as context_id:
+        ...     h = a * 2
+        ...     d = rpc.rpc_sync("worker1", torch.square, args=(h,))
+        ...     e = rpc.rpc_sync("worker1", torch.sin, args=(h,))   # never used
+        ...     dist_autograd.backward(context_id, [d.sum()])
+        Traceback (most recent call last):
+        UnusedRPCGradientError: ... torch.sin ... never received a gradient ...
     """
 
 
 class UnusedRPCWarning(UserWarning):
     """Results of RPCs in the context that the backward pass did not reach (harmless when
-    no other gradient depended on them, which is why this is only a warning)."""
+    no other gradient depended on them, which is why this is only a warning).
+
+    Example::
+
+        >>> with dist_autograd.context() as context_id:
+        ...     d = rpc.rpc_sync("worker1", torch.add, args=(a, b))
+        ...     e = rpc.rpc_sync("worker1", torch.mul, args=(b, c))   # not in the loss
+        ...     dist_autograd.backward(context_id, [d.sum()])
+        UnusedRPCWarning: distributed backward did not reach the result of torch.mul ...
+    """
 
 
 class PassState:

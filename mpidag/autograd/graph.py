@@ -6,8 +6,9 @@ its gradient later, from another rank (FAST mode: every send function expects ex
 A node may be reached from several sources; it must run once, with the sum of everything
 that reaches it. So the graph is split into *regions*: the nodes reached from exactly the
 same set of sources (a bit mask). A region can run as soon as every source in its mask has
-arrived, and regions run in increasing mask order, so a region's inputs from other regions
-are complete when it runs.
+arrived. Every region upstream of it (nearer the sources) has a mask that is a subset of its
+own, so it ran earlier or runs in the same native-engine call: a region's inputs from other
+regions are complete when it runs.
 
 Each run is one call of the native engine (``torch.autograd.grad`` with
 ``GradientEdge`` outputs and inputs): the outputs are the region's entry edges with their

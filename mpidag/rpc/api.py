@@ -39,7 +39,13 @@ _hooks_installed = False
 
 
 def is_available() -> bool:
-    """Whether mpidag's RPC can be used (mpi4py importable)."""
+    """Whether mpidag's RPC can be used (mpi4py importable), as torch's ``is_available``.
+
+    Example::
+
+        >>> mpidag.rpc.is_available()
+        True
+    """
     try:
         import mpi4py  # noqa: F401
     except ImportError:
@@ -81,8 +87,7 @@ def init_rpc(
 
     Example::
 
-        $ python -m mpidag.run -n 2 prog.py
-        # prog.py
+        # prog.py, run with: python -m mpidag.run -n 2 prog.py
         import torch, mpidag.rpc as rpc
         rpc.init_rpc()                      # worker0 and worker1
         if rpc.get_worker_info().id == 0:

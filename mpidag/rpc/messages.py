@@ -1,4 +1,4 @@
-"""Message kinds of the RPC protocol; every layer above speaks through these four.
+"""Message kinds of the RPC protocol; every layer above speaks through these five.
 
 Internal protocols (RRef creation, fetch and deletion; gradient propagation; context
 release; optimizer steps) are calls of module-level mpidag functions: a ``CALL`` when an
