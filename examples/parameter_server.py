@@ -229,7 +229,7 @@ def run_training_loop(rank: int, steps: int, batch: int) -> None:
             # Optimizer step on the server, with the gradients of this context.
             opt.step(context_id)
         losses.append(loss.item())
-        if (step + 1) % every == 0 or step == 0:
+        if step == 0 or (step + 1) % every == 0 or step + 1 == steps:
             print(f"[{name}] step {step + 1}/{steps} loss {loss.item():.4f}", flush=True)
     remote_method(ParameterServer.report, net.param_server_rref, name, losses, grad_check)
     print(f"[{name}] training complete", flush=True)

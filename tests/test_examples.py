@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -53,3 +54,67 @@ def test_distributed_optimizer_example(nprocs):
     for rank in range(nprocs):
         assert f"[worker{rank}] the SGD step on worker{(rank + 1) % nprocs} moved each value " \
                f"by 0.0500" in proc.stdout
+
+
+def ok_line(proc: subprocess.CompletedProcess, name: str) -> str:
+    """The example's one ``OK name:`` line, after checking that the job succeeded."""
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(f"OK {name}:")]
+    assert len(lines) == 1, proc.stdout + proc.stderr
+    return lines[0]
+
+
+def numbers(line: str, pattern: str) -> tuple[float, ...]:
+    match = re.search(pattern, line)
+    assert match, f"{pattern!r} not in {line!r}"
+    return tuple(float(g) for g in match.groups())
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_parameter_server(nprocs):
+    proc = run_example("parameter_server.py", nprocs=nprocs,
+                       args=("--steps", "30", "--batch", "32"))
+    line = ok_line(proc, "parameter_server")
+    assert f"world_size={nprocs} trainers={nprocs - 1} steps=30 batch=32 " in line
+    first, last = numbers(line, r" loss (\d+\.\d+) -> (\d+\.\d+) ")
+    assert last < first
+    before, after = numbers(line, r" eval_loss (\d+\.\d+) -> (\d+\.\d+) ")
+    assert after < before
+    (diff,) = numbers(line, r" grad_check_max_diff=(\S+)")
+    assert diff < 1e-5
+    for rank in range(1, nprocs):
+        assert f"[trainer_{rank}] step 1: distributed gradients match local autograd" \
+            in proc.stdout
+        assert f"[trainer_{rank}] step 30/30 loss " in proc.stdout
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_rl_agent(nprocs):
+    proc = run_example("rl_agent.py", nprocs=nprocs)
+    line = ok_line(proc, "rl_agent")
+    assert f"world_size={nprocs} observers={nprocs - 1} episodes=40 " in line
+    first, last = numbers(line, r" reward (-?\d+\.\d+) -> (-?\d+\.\d+) ")
+    assert last > first
+    assert "[agent] episode  40  last reward" in proc.stdout
+
+
+@pytest.mark.parametrize("nprocs, epochs", [(2, 3), (3, 2)])
+def test_pipeline(nprocs, epochs, tmp_path):
+    plot = tmp_path / "loss.png"
+    proc = run_example("pipeline.py", nprocs=nprocs,
+                       args=("--epochs", str(epochs), "--plot", str(plot)))
+    line = ok_line(proc, "pipeline")
+    assert f"world_size={nprocs} epochs={epochs} " in line
+    first, last = numbers(line, r" loss (\d+\.\d+) -> (\d+\.\d+) ")
+    assert last < first
+    (diff,) = numbers(line, r" grad_check_max_diff=(\S+)")
+    assert diff < 1e-5
+    assert line.endswith(f"plot={plot}")
+    stage1 = "worker0" if nprocs == 2 else "worker1"
+    assert f"stage 1 on {stage1}, stage 2 on worker{nprocs - 1}" in proc.stdout
+    # not a terminal: one finished bar per epoch, never redrawn in place
+    assert "\r" not in proc.stdout
+    for epoch in range(1, epochs + 1):
+        assert f"epoch {epoch}/{epochs} [########################] 16/16 loss " in proc.stdout
+    data = plot.read_bytes()
+    assert len(data) > 1000 and data.startswith(b"\x89PNG\r\n\x1a\n")
