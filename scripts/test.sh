@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/install_slurm.sh  # Debian's Slurm for tests/test_slurm.py (root + apt only)
 PY=.venv/bin/python
 export PYTHONUNBUFFERED=1 MPIDAG_ABORT_ON_ERROR=1
 echo "== ruff"
