@@ -19,14 +19,16 @@
 #                     Open MPI refuses to start as root without both set to 1; set for you
 #                     when the job runs as root (containers, test clusters).
 
-# The srun --mpi plugin for the MPI library that mpi4py uses (prints it).
-mpidag_detect_srun_mpi() {
-  local version
-  version=$("$PYTHON" -c 'import mpi4py; mpi4py.rc.initialize = False
+# The first line of the version string of the MPI library that mpi4py loads (prints it).
+mpidag_mpi_library() {
+  "$PYTHON" -c 'import mpi4py; mpi4py.rc.initialize = False
 from mpi4py import MPI; print(MPI.Get_library_version().replace(chr(0), "").strip())' \
-    2>/dev/null) \
-    || version=unknown
-  case "$version" in
+    2>/dev/null | head -n 1 || true
+}
+
+# The srun --mpi plugin for an MPI library version string (prints it).
+mpidag_srun_mpi_for() {
+  case "$1" in
     *"Open MPI"*) echo pmix ;;
     *MPICH*|*"Intel(R) MPI"*|*MVAPICH*) echo pmi2 ;;
     *) echo pmix ;;  # unknown: pmix, the plugin of the bundled Open MPI wheel
@@ -38,7 +40,9 @@ mpidag_setup() {
     echo "mpidag: no Python at $PYTHON: set MPIDAG_VENV or MPIDAG_PYTHON in the template" >&2
     exit 2
   fi
-  MPIDAG_SRUN_MPI=${MPIDAG_SRUN_MPI:-$(mpidag_detect_srun_mpi)}
+  local library
+  library=$(mpidag_mpi_library)
+  MPIDAG_SRUN_MPI=${MPIDAG_SRUN_MPI:-$(mpidag_srun_mpi_for "$library")}
   if ! srun --mpi=list 2>&1 | grep -qw -- "$MPIDAG_SRUN_MPI"; then
     echo "mpidag: warning: srun --mpi=list does not list '$MPIDAG_SRUN_MPI'" >&2
   fi
@@ -51,7 +55,7 @@ mpidag_setup() {
   echo "mpidag: job ${SLURM_JOB_ID:-?} on ${SLURM_JOB_NUM_NODES:-?} node(s)" \
        "(${SLURM_JOB_NODELIST:-?}), ${SLURM_NTASKS:-?} task(s)," \
        "${SLURM_CPUS_PER_TASK:-1} cpu(s) per task"
-  echo "mpidag: python $PYTHON; srun --mpi=$MPIDAG_SRUN_MPI"
+  echo "mpidag: python $PYTHON; MPI library: ${library:-unknown}; srun --mpi=$MPIDAG_SRUN_MPI"
 }
 
 mpidag_srun() {

@@ -94,12 +94,17 @@ class SlurmCluster:
         return "\n".join(parts)
 
 
+def _search_path() -> str:
+    """``$PATH`` plus the sbin directories where Debian puts the daemons."""
+    return os.pathsep.join([os.environ.get("PATH", os.defpath), "/usr/sbin", "/sbin"])
+
+
 def _unavailable_reason() -> str | None:
     """Why a Slurm cannot be started here, or None when it can."""
     if os.geteuid() != 0:
         return "the throwaway Slurm runs its daemons as root (SlurmUser=root); not root"
     for tool in ("slurmctld", "slurmd", "sbatch", "sinfo", "scancel", "srun"):
-        if shutil.which(tool) is None:
+        if shutil.which(tool, path=_search_path()) is None:
             return f"no {tool} on PATH: run `bash scripts/install_slurm.sh` (as root)"
     if not any((d / "mpi_pmix.so").exists() for d in PLUGIN_DIRS):
         return "Slurm has no mpi/pmix plugin (Debian: slurm-wlm-basic-plugins + libpmix2)"
@@ -182,7 +187,8 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=10 State=UP
 def _cluster_env(conf: Path) -> dict[str, str]:
     """The environment of Slurm commands and jobs: this cluster, this Python, root OK."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_"))}
-    env.update(SLURM_CONF=str(conf), MPIDAG_PYTHON=sys.executable, PYTHONUNBUFFERED="1",
+    env.update(SLURM_CONF=str(conf), PATH=_search_path(), MPIDAG_PYTHON=sys.executable,
+               PYTHONUNBUFFERED="1",
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     env.pop("MPIDAG_SRUN_MPI", None)
     return env
@@ -269,6 +275,7 @@ def test_single_node(slurm: SlurmCluster) -> None:
     job = slurm.submit("single", "single_node.sbatch", options=("--ntasks=2",))
     line = ok_line(job, "hello")
     assert "world_size=2 nodes=1 " in line, job.describe()
+    assert "MPI library: Open MPI" in job.output, job.describe()
     assert "srun --mpi=pmix" in job.output, job.describe()  # detected: Open MPI wheel
     assert "[world-check] MPI world of 2 rank(s): as many as the Slurm tasks" in job.output
 
@@ -331,3 +338,33 @@ def test_wrong_mpi_plugin_fails_the_job(slurm: SlurmCluster) -> None:
     assert "srun --mpi=pmi2" in job.output, job.describe()
     assert "wrong srun --mpi plugin" in job.output, job.describe()
     assert "OK hello" not in job.output, job.describe()
+
+
+MPICH_WHEEL = "mpich==5.0.2"  # PyPI's MPICH; mpi4py >= 4 loads it through MPI4PY_LIBMPI
+
+
+@pytest.fixture(scope="module")
+def mpich_libmpi(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """PyPI's MPICH wheel in a temp prefix; the path of its libmpi.so.12."""
+    prefix = tmp_path_factory.mktemp("mpich")
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+             "--no-deps", "--prefix", str(prefix), MPICH_WHEEL],
+            capture_output=True, text=True, timeout=240, check=False)
+    except subprocess.TimeoutExpired:
+        _skip_or_fail(f"pip install {MPICH_WHEEL} timed out")
+    libmpi = prefix / "lib" / "libmpi.so.12"
+    if done.returncode != 0 or not libmpi.exists():
+        _skip_or_fail(f"pip install {MPICH_WHEEL} failed: {done.stderr[-500:]}")
+    return libmpi
+
+
+def test_mpich_pmi2(slurm: SlurmCluster, mpich_libmpi: Path) -> None:
+    """With MPICH the template picks --mpi=pmi2 by itself and gets a real 2-rank world."""
+    job = slurm.submit("mpich", "single_node.sbatch", options=("--ntasks=2",),
+                       env={"MPI4PY_LIBMPI": str(mpich_libmpi)})
+    line = ok_line(job, "hello")
+    assert "world_size=2 nodes=1 " in line, job.describe()
+    assert "MPI library: MPICH" in job.output, job.describe()
+    assert "srun --mpi=pmi2" in job.output, job.describe()
