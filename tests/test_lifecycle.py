@@ -131,6 +131,21 @@ print("SHUTDOWN-WAITED", me, round(time.monotonic() - t0, 2))
     assert out.count("SHUTDOWN-WAITED") == 3
 
 
+def test_shutdown_when_only_some_ranks_used_rrefs(job):
+    """Ranks that touched RRefs have shutdown work the others lack; all must still agree."""
+    out = ok(job(PRELUDE + """
+rpc.init_rpc()
+me = rpc.get_worker_info().id
+if me == 0:
+    rref = rpc.remote("worker2", torch.ones, args=(3,))
+    assert rref.to_here().sum().item() == 3
+    del rref
+rpc.shutdown(timeout=60)
+print("SOME-RREFS-OK", me)
+""", nprocs=3, timeout=120))
+    assert out.count("SOME-RREFS-OK") == 3
+
+
 def test_shutdown_with_one_rank_late(job):
     # rank 1 keeps working (and serving calls) long after rank 0 entered shutdown()
     out = ok(job(PRELUDE + """

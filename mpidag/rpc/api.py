@@ -277,12 +277,13 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
             if graceful:
                 deadline = time.monotonic() + timeout if timeout > 0 else None
                 agent.wait_quiescent(timeout)
-                if agent.shutdown_hooks:
-                    for hook in agent.shutdown_hooks:  # e.g. release leftover user RRefs
-                        hook(agent)
-                    left = 0.0 if deadline is None else max(1e-3, deadline - time.monotonic())
-                    agent.wait_quiescent(left)
-                    _report_leaks(agent)
+                for hook in agent.shutdown_hooks:  # e.g. release leftover user RRefs
+                    hook(agent)
+                # A second round on every rank, hooks or not: the number of collectives
+                # must not depend on what a rank used (only some ranks hold RRefs).
+                left = 0.0 if deadline is None else max(1e-3, deadline - time.monotonic())
+                agent.wait_quiescent(left)
+                _report_leaks(agent)
         except BaseException:
             agent.stop(graceful=False)
             _agent = None
