@@ -135,8 +135,12 @@ def build_command(
     python_argv = [sys.executable, *program]
     env: dict[str, str] = {}
     if use_srun:
-        mpi_plugin = srun_mpi_plugin()
-        return ["srun", f"--mpi={mpi_plugin}", "-n", str(nprocs), *extra, *python_argv], env
+        argv = ["srun", f"--mpi={srun_mpi_plugin()}", "-n", str(nprocs)]
+        # Slurm 22.05+ no longer hands sbatch's --cpus-per-task down to srun
+        cpus = os.environ.get("SLURM_CPUS_PER_TASK", "")
+        if cpus.isdigit() and not any(a.startswith(("--cpus-per-task", "-c")) for a in extra):
+            argv.append(f"--cpus-per-task={cpus}")
+        return [*argv, *extra, *python_argv], env
     mpirun = mpirun or find_mpirun()
     argv = [mpirun]
     if _is_open_mpi(mpirun):

@@ -56,6 +56,7 @@ def test_launcher_splits_its_options_from_the_program():
 
 def test_launcher_command(monkeypatch):
     monkeypatch.delenv("MPIDAG_OVERSUBSCRIBE", raising=False)
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
     monkeypatch.delenv("MPIDAG_SRUN_MPI", raising=False)
     argv, _ = build_command(2, ["s.py"], use_srun=True)  # mpi4py uses the Open MPI wheel
     assert argv[:4] == ["srun", "--mpi=pmix", "-n", "2"] and argv[-1] == "s.py"
@@ -65,6 +66,7 @@ def test_launcher_command(monkeypatch):
 
 def test_srun_plugin_follows_the_mpi_library(monkeypatch):
     monkeypatch.delenv("MPIDAG_SRUN_MPI", raising=False)
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
     for version, plugin in [("Open MPI v5.0.11, package: Open MPI", "pmix"),
                             ("MPICH Version:      4.2.3", "pmi2"),
                             ("Intel(R) MPI Library 2021.13 for Linux* OS", "pmi2"),
@@ -72,6 +74,10 @@ def test_srun_plugin_follows_the_mpi_library(monkeypatch):
                             ("", "pmix")]:
         assert srun_mpi_plugin(version) == plugin, version
     assert "Open MPI" in mpi_library_version()  # the wheel this project installs
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "4")
+    assert "--cpus-per-task=4" in build_command(2, ["s.py"], use_srun=True)[0]
+    assert "--cpus-per-task=4" not in build_command(2, ["s.py"], use_srun=True,
+                                                    extra=["-c", "2"])[0]
     monkeypatch.setenv("MPIDAG_SRUN_MPI", "pmi2")
     assert srun_mpi_plugin("Open MPI v5") == "pmi2"
     assert build_command(2, ["s.py"], use_srun=True)[0][1] == "--mpi=pmi2"
