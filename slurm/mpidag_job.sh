@@ -19,20 +19,14 @@
 #                     Open MPI refuses to start as root without both set to 1; set for you
 #                     when the job runs as root (containers, test clusters).
 
-# The first line of the version string of the MPI library that mpi4py loads (prints it).
-mpidag_mpi_library() {
-  "$PYTHON" -c 'import mpi4py; mpi4py.rc.initialize = False
-from mpi4py import MPI; print(MPI.Get_library_version().replace(chr(0), "").strip())' \
-    2>/dev/null | head -n 1 || true
-}
-
-# The srun --mpi plugin for an MPI library version string (prints it).
-mpidag_srun_mpi_for() {
-  case "$1" in
-    *"Open MPI"*) echo pmix ;;
-    *MPICH*|*"Intel(R) MPI"*|*MVAPICH*) echo pmi2 ;;
-    *) echo pmix ;;  # unknown: pmix, the plugin of the bundled Open MPI wheel
-  esac
+# The first line of the version string of the MPI library that mpi4py loads, and the srun
+# --mpi plugin for it (one line each), from mpidag's launcher (mpidag.run), which decides
+# the same way: $MPIDAG_SRUN_MPI, else pmi2 for the MPICH family, pmix for Open MPI.
+mpidag_mpi_facts() {
+  "$PYTHON" -c 'from mpidag.run import mpi_library_version, srun_mpi_plugin
+version = mpi_library_version().replace(chr(0), "").strip()
+print(version.splitlines()[0] if version else "unknown")
+print(srun_mpi_plugin(version))'
 }
 
 mpidag_setup() {
@@ -40,9 +34,10 @@ mpidag_setup() {
     echo "mpidag: no Python at $PYTHON: set MPIDAG_VENV or MPIDAG_PYTHON in the template" >&2
     exit 2
   fi
-  local library
-  library=$(mpidag_mpi_library)
-  MPIDAG_SRUN_MPI=${MPIDAG_SRUN_MPI:-$(mpidag_srun_mpi_for "$library")}
+  local facts library
+  facts=$(mpidag_mpi_facts) || { echo "mpidag: cannot import mpidag with $PYTHON" >&2; exit 2; }
+  library=$(head -n 1 <<<"$facts")
+  MPIDAG_SRUN_MPI=$(tail -n 1 <<<"$facts")
   if ! srun --mpi=list 2>&1 | grep -qw -- "$MPIDAG_SRUN_MPI"; then
     echo "mpidag: warning: srun --mpi=list does not list '$MPIDAG_SRUN_MPI'" >&2
   fi
