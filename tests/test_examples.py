@@ -78,7 +78,7 @@ def test_parameter_server(nprocs):
     assert f"world_size={nprocs} trainers={nprocs - 1} steps=30 batch=32 " in line
     first, last = numbers(line, r" loss (\d+\.\d+) -> (\d+\.\d+) ")
     assert last < first
-    before, after = numbers(line, r" eval_loss (\d+\.\d+) -> (\d+\.\d+) ")
+    before, after = numbers(line, r" held_out_loss (\d+\.\d+) -> (\d+\.\d+) ")
     assert after < before
     (diff,) = numbers(line, r" grad_check_max_diff=(\S+)")
     assert diff < 1e-5
