@@ -253,3 +253,26 @@ def test_profiler_ranges_on_caller_and_callee(rpc_world):
     # the async function called back into its caller: that nested call is served here too
     assert f"mpidag.rpc#{add}({nxt} -> {me})" not in names  # made on the next rank, not here
     assert f"mpidag.rpc.serve#{add}({nxt} -> {me})" in names
+
+
+@pytest.mark.parametrize("collective", ["barrier", "bcast", "allgather", "Allreduce"])
+def test_calls_are_served_while_a_rank_waits_in_its_own_mpi_collective(rpc_world, collective):
+    """The user's own MPI calls on COMM_WORLD (mpidag uses a private duplicate) do not stop a
+    rank from serving RPCs while it waits in them (docs/quickstart.md)."""
+    import numpy as np
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    if rpc_world.rank == 0:  # the others are inside the collective meanwhile
+        for dst in range(1, rpc_world.size):
+            assert rpc.rpc_sync(dst, f.add, args=(dst, 1), timeout=20) == dst + 1
+    if collective == "barrier":
+        comm.barrier()
+    elif collective == "bcast":
+        assert comm.bcast("go" if rpc_world.rank == 0 else None, root=0) == "go"
+    elif collective == "allgather":
+        assert comm.allgather(rpc_world.rank) == list(range(rpc_world.size))
+    else:
+        value = np.array([rpc_world.rank], dtype=np.int64)
+        comm.Allreduce(MPI.IN_PLACE, value, op=MPI.MIN)
+        assert value[0] == 0
