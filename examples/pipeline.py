@@ -19,9 +19,10 @@ the pipeline still has two stages on two processes; ranks between the first and 
 with 4 or more, only serve.
 
 The data is synthetic: a fixed random "teacher" network makes the regression targets that
-the two-stage "student" learns with an MSE loss. On the first batch the distributed
-gradients are compared with plain local autograd on a copy of both stages. Each epoch shows
-a progress bar, and the loss of every batch is plotted to a PNG.
+the two-stage "student" learns with an MSE loss; the run checks that the loss on the whole
+dataset went down. On the first batch the distributed gradients are compared with plain
+local autograd on a copy of both stages. Each epoch shows a progress bar, and the loss of
+every batch is plotted to a PNG.
 
 Run:  python -m mpidag.run -n 3 examples/pipeline.py [--epochs 5] [--plot pipeline_loss.png]
 """
@@ -33,6 +34,7 @@ import os
 import statistics
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
@@ -171,19 +173,22 @@ class ProgressBar:
         self.stream.flush()
 
 
-def plot_losses(path: Path, losses: list[list[float]], title: str) -> None:
-    """Loss of every batch, and each epoch's mean, to a PNG."""
+def plot_losses(path: Path, result: TrainingResult, title: str) -> None:
+    """Loss of every batch, each epoch's mean and the whole dataset's, to a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
+    losses = result.batch_losses
     per_epoch = len(losses[0])
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = range(1, per_epoch * len(losses) + 1)
     ax.plot(steps, [v for epoch in losses for v in epoch], lw=1, label="batch loss")
     ax.plot([per_epoch * (e + 1) for e in range(len(losses))],
             [statistics.mean(epoch) for epoch in losses], "o-", label="epoch mean")
+    ax.plot([0, len(steps)], [result.loss_before, result.loss_after], "s", color="black",
+            label="whole dataset, before and after")
     ax.set_xlabel("batch")
     ax.set_ylabel("MSE loss")
     ax.set_yscale("log")
@@ -213,7 +218,22 @@ def check_gradients(model: DistPipeline, context_id: int, inputs: torch.Tensor,
     return worst
 
 
-def run_master(world_size: int, args: argparse.Namespace) -> tuple[list[list[float]], float]:
+def evaluate(model: DistPipeline, dataset: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Mean loss of the model on the whole dataset (forward passes only, no context)."""
+    with torch.no_grad():
+        return statistics.mean(nn.functional.mse_loss(model(inputs), targets).item()
+                               for inputs, targets in dataset)
+
+
+@dataclass
+class TrainingResult:
+    batch_losses: list[list[float]]  # per epoch, per batch
+    loss_before: float  # on the whole dataset
+    loss_after: float
+    grad_check: float  # largest difference to local autograd, first batch
+
+
+def run_master(world_size: int, args: argparse.Namespace) -> TrainingResult:
     workers = ("worker1" if world_size > 2 else "worker0", f"worker{world_size - 1}")
     print(f"[driver] stage 1 on {workers[0]}, stage 2 on {workers[1]}; "
           f"{args.micro_batches} micro-batches per batch", flush=True)
@@ -221,6 +241,8 @@ def run_master(world_size: int, args: argparse.Namespace) -> tuple[list[list[flo
     loss_fn = nn.MSELoss()
     opt = DistributedOptimizer(optim.SGD, model.parameter_rrefs(), lr=LR, momentum=0.9)
     dataset = make_dataset(args.batches, args.batch_size)
+    loss_before = evaluate(model, dataset)
+    print(f"[driver] loss on the whole dataset before training: {loss_before:.4f}", flush=True)
     losses: list[list[float]] = []
     grad_check = float("nan")
     for epoch in range(1, args.epochs + 1):
@@ -228,41 +250,47 @@ def run_master(world_size: int, args: argparse.Namespace) -> tuple[list[list[flo
         epoch_losses: list[float] = []
         for inputs, targets in dataset:
             with dist_autograd.context() as context_id:
+                # Forward: micro-batches through both stages, in flight at once.
                 outputs = model(inputs)
                 loss = loss_fn(outputs, targets)
+                # Backward: through stage 2, then stage 1, on their workers.
                 dist_autograd.backward(context_id, [loss])
                 if epoch == 1 and not epoch_losses:
                     grad_check = check_gradients(model, context_id, inputs, targets)
+                    print(f"[driver] first batch: distributed gradients match local "
+                          f"autograd (largest difference {grad_check:.1e})", flush=True)
+                # Step: each stage's worker updates its own parameters.
                 opt.step(context_id)
             epoch_losses.append(loss.item())
             bar.update(len(epoch_losses), statistics.mean(epoch_losses))
         bar.close()
         losses.append(epoch_losses)
-    print(f"[driver] first batch: distributed gradients match local autograd (largest "
-          f"difference {grad_check:.1e})", flush=True)
-    return losses, grad_check
+    loss_after = evaluate(model, dataset)
+    print(f"[driver] loss on the whole dataset after training: {loss_after:.4f}", flush=True)
+    return TrainingResult(losses, loss_before, loss_after, grad_check)
 
 
-def summarize(world_size: int, args: argparse.Namespace, losses: list[list[float]],
-              grad_check: float) -> None:
-    """Check that the loss went down, write the plot, print the OK line."""
-    first, last = statistics.mean(losses[0]), statistics.mean(losses[-1])
-    plot_losses(args.plot, losses, f"pipeline.py: 2 stages, {args.micro_batches} "
+def summarize(world_size: int, args: argparse.Namespace, result: TrainingResult) -> None:
+    """Write the plot, check that the loss went down, print the OK line."""
+    plot_losses(args.plot, result, f"pipeline.py: 2 stages, {args.micro_batches} "
                                    f"micro-batches, {world_size} ranks")
+    first, last = result.loss_before, result.loss_after
     if not last < first:
         raise SystemExit(f"FAIL pipeline: the loss did not decrease ({first:.4f} -> "
                          f"{last:.4f}); plot in {args.plot}")
+    epoch_means = [statistics.mean(epoch) for epoch in result.batch_losses]
     print(f"OK pipeline: world_size={world_size} epochs={args.epochs} loss {first:.4f} -> "
-          f"{last:.4f} (mean of the first and of the last epoch) "
-          f"grad_check_max_diff={grad_check:.1e} plot={args.plot}", flush=True)
+          f"{last:.4f} (the whole dataset, before -> after training) epoch_loss "
+          f"{epoch_means[0]:.4f} -> {epoch_means[-1]:.4f} "
+          f"grad_check_max_diff={result.grad_check:.1e} plot={args.plot}", flush=True)
 
 
 def run_worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size)
     if rank == 0:
-        losses, grad_check = run_master(world_size, args)
+        result = run_master(world_size, args)
         rpc.shutdown()
-        summarize(world_size, args, losses, grad_check)
+        summarize(world_size, args, result)
     else:
         rpc.shutdown()  # the other ranks only serve: the driver drives the stages
 

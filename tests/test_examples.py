@@ -95,6 +95,8 @@ def test_rl_agent(nprocs):
     assert f"world_size={nprocs} observers={nprocs - 1} episodes=40 " in line
     first, last = numbers(line, r" reward (-?\d+\.\d+) -> (-?\d+\.\d+) ")
     assert last > first
+    before, after = numbers(line, r" toward_target (\d\.\d+) -> (\d\.\d+)")
+    assert after > before
     assert "[agent] episode  40  last reward" in proc.stdout
 
 
@@ -107,6 +109,8 @@ def test_pipeline(nprocs, epochs, tmp_path):
     assert f"world_size={nprocs} epochs={epochs} " in line
     first, last = numbers(line, r" loss (\d+\.\d+) -> (\d+\.\d+) ")
     assert last < first
+    first_epoch, last_epoch = numbers(line, r" epoch_loss (\d+\.\d+) -> (\d+\.\d+) ")
+    assert last_epoch < first_epoch
     (diff,) = numbers(line, r" grad_check_max_diff=(\S+)")
     assert diff < 1e-5
     assert line.endswith(f"plot={plot}")
