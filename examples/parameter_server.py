@@ -121,8 +121,13 @@ class ParameterServer(nn.Module):
         return self.model.embedding(ids)
 
     def dense_parameters(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The linear layer's parameters themselves: the reply carries their gradients back."""
-        return self.model.fc.weight, self.model.fc.bias
+        """The linear layer's weights, as tensors whose gradients flow back to them here.
+
+        Views, not the ``nn.Parameter`` objects: torch's RPC pickles a Parameter as a new,
+        detached Parameter, whose gradient would stay on the trainer.
+        """
+        fc = self.model.fc
+        return fc.weight.view_as(fc.weight), fc.bias.view_as(fc.bias)
 
     def get_param_rrefs(self) -> list[rpc.RRef]:
         """RRefs of every parameter, for the trainers' DistributedOptimizer."""
