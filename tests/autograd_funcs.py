@@ -130,3 +130,17 @@ def context_gradients(context_id):
     """On a remote rank: its gradients in the context, as a list of (value, grad)."""
     grads = dist_autograd.get_gradients(context_id)
     return [(t.detach().clone(), g.clone()) for t, g in grads.items()]
+
+
+PARAM = torch.nn.Parameter(torch.linspace(1.0, 2.0, 3))
+
+
+def get_param():
+    """Returns a Parameter itself (torch RPC sends it detached: a new leaf on the caller)."""
+    return PARAM
+
+
+def param_gradient(context_id):
+    from mpidag import autograd as dist_autograd
+
+    return dist_autograd.get_gradients(context_id).get(PARAM)

@@ -163,6 +163,18 @@ def test_parameters_of_a_remote_module(rpc_world):
         close(remote_grads[name], p.grad)
 
 
+def test_a_returned_parameter_is_a_new_leaf_as_in_torch(rpc_world):
+    """torch pickles an nn.Parameter as its detached data: the caller gets a new leaf
+    Parameter whose gradient stays in the caller's context; the callee's gets none."""
+    with dist_autograd.context() as context_id:
+        p = rpc.rpc_sync(rpc_world.next, af.get_param)
+        assert isinstance(p, torch.nn.Parameter) and p.is_leaf and p.requires_grad
+        dist_autograd.backward(context_id, [(2 * p).sum()])
+        grads = dist_autograd.get_gradients(context_id)
+        assert rpc.rpc_sync(rpc_world.next, af.param_gradient, args=(context_id,)) is None
+    close(grads[p], torch.full((3,), 2.0))
+
+
 def test_end_to_end_remote_leaves_and_rref_backward(rpc_world):
     """The design document's end-to-end example, plus RRef.backward both ways."""
     owner = rpc_world.next

@@ -84,6 +84,17 @@ def test_requires_grad_and_parameters_survive():
     (gp, gx, gy), _, _ = roundtrip((p, x, torch.ones(2)))
     assert isinstance(gp, torch.nn.Parameter) and gp.requires_grad
     assert gx.requires_grad and gx.is_leaf and not gy.requires_grad
+    frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    (gf,), _, _ = roundtrip((frozen,))
+    assert isinstance(gf, torch.nn.Parameter) and not gf.requires_grad
+
+
+def test_parameters_travel_detached_like_torch_pickles_them():
+    """torch's Parameter.__reduce_ex__ sends `.data`: no autograd edge leaves with it."""
+    p = torch.nn.Parameter(torch.randn(2, 2))
+    _, tensors = frames.dumps({"p": p, "again": p})
+    assert len(tensors) == 1 and not tensors[0].requires_grad
+    assert tensors[0].data_ptr() == p.data_ptr()  # the same memory, not a copy
 
 
 def test_no_tensor_message_is_header_plus_pickle():

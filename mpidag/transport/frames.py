@@ -59,7 +59,7 @@ _NUMPY_DTYPES = frozenset(
 _DEVICE_TYPES = ["cpu", "cuda"]
 #: dtype code, ndim, flags, device type, device index, inline offset (-1: own frame), nbytes
 _SPEC = struct.Struct("<BBBBhqq")
-_REQUIRES_GRAD, _PARAMETER = 1, 2
+_REQUIRES_GRAD = 1
 
 
 @dataclass(slots=True)
@@ -70,7 +70,6 @@ class TensorSpec:
     shape: tuple[int, ...]
     device: str  # where it must land on the receiver ("cpu", "cuda:1")
     requires_grad: bool
-    is_parameter: bool
     inline_offset: int  # offset in frame 0, or -1 for a frame of its own
     nbytes: int
 
@@ -82,8 +81,7 @@ class TensorSpec:
         device = _DEVICE_TYPES[dev_type]
         if dev_index >= 0:
             device = f"{device}:{dev_index}"
-        spec = cls(DTYPES[code], shape, device, bool(flags & _REQUIRES_GRAD),
-                   bool(flags & _PARAMETER), offset, nbytes)
+        spec = cls(DTYPES[code], shape, device, bool(flags & _REQUIRES_GRAD), offset, nbytes)
         return spec, pos + 8 * ndim
 
 
@@ -109,11 +107,20 @@ def _from_table(index: int) -> torch.Tensor:
     return _local.table[index]
 
 
+def _parameter_from_table(index: int, requires_grad: bool) -> torch.nn.Parameter:
+    """Unpickling hook: a new ``nn.Parameter`` around the ``index``-th received tensor."""
+    return torch.nn.Parameter(_local.table[index], requires_grad=requires_grad)
+
+
 class _TensorPickler(pickle.Pickler):
     """Pickler that moves every tensor into ``self.tensors`` and pickles its index.
 
     Only tensors reach Python code (through ``dispatch_table``), so pickling costs the same
     as plain ``pickle.dumps`` for everything else. One instance per thread is reused.
+
+    An ``nn.Parameter`` travels as torch's own pickling sends it: its data, detached, and
+    its ``requires_grad`` flag; it arrives as a new leaf ``Parameter`` (so distributed
+    autograd records no send function for it, exactly as in torch RPC).
     """
 
     def __init__(self) -> None:
@@ -121,13 +128,17 @@ class _TensorPickler(pickle.Pickler):
         super().__init__(self.buffer, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors: list[torch.Tensor] = []
         self.busy = False
-        reduce = self._reduce_tensor
-        self.dispatch_table = {torch.Tensor: reduce, torch.nn.Parameter: reduce}
+        self.dispatch_table = {torch.Tensor: self._reduce_tensor,
+                               torch.nn.Parameter: self._reduce_parameter}
 
     def _reduce_tensor(self, tensor: torch.Tensor) -> tuple:
         # the memo maps a tensor seen twice to one entry, so it arrives once
         self.tensors.append(tensor)
         return _from_table, (len(self.tensors) - 1,)
+
+    def _reduce_parameter(self, param: torch.nn.Parameter) -> tuple:
+        self.tensors.append(param.detach())
+        return _parameter_from_table, (len(self.tensors) - 1, param.requires_grad)
 
 
 def dumps(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
@@ -210,8 +221,7 @@ def pack_spec(tensor: torch.Tensor, device: str, inline_offset: int) -> bytes:
     """The wire spec of ``tensor`` landing on ``device`` (struct-packed, no pickle)."""
     code = _dtype_code(tensor)
     shape = tensor.shape
-    flags = (_REQUIRES_GRAD if tensor.requires_grad else 0) | (
-        _PARAMETER if type(tensor) is torch.nn.Parameter else 0)
+    flags = _REQUIRES_GRAD if tensor.requires_grad else 0
     dev_type, dev_index = _device_code(device)
     return _SPEC.pack(code, len(shape), flags, dev_type, dev_index, inline_offset,
                       tensor.nbytes) + struct.pack(f"<{len(shape)}q", *shape)
@@ -221,7 +231,7 @@ def make_spec(tensor: torch.Tensor, device: str, inline_offset: int) -> TensorSp
     """The :class:`TensorSpec` of ``tensor`` landing on ``device``."""
     _dtype_code(tensor)
     return TensorSpec(tensor.dtype, tuple(tensor.shape), device, tensor.requires_grad,
-                      type(tensor) is torch.nn.Parameter, inline_offset, tensor.nbytes)
+                      inline_offset, tensor.nbytes)
 
 
 def _copy_into(frame: bytearray, start: int, tensor: torch.Tensor) -> None:
@@ -310,9 +320,7 @@ def inline_tensor(frame: bytearray, inline_start: int, spec: TensorSpec) -> torc
 
 
 def finish_tensor(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
-    """Restore the received tensor's autograd flag and parameter class."""
-    if spec.is_parameter:
-        return torch.nn.Parameter(t, requires_grad=spec.requires_grad)
+    """Restore the received tensor's autograd flag."""
     if spec.requires_grad and (t.is_floating_point() or t.is_complex()):
         t.requires_grad_(True)
     return t
