@@ -140,6 +140,16 @@ def get_param():
     return PARAM
 
 
+def param_rref():
+    """An RRef of the Parameter itself (torch: a tensor-typed RRef, fetched attached)."""
+    return rpc.RRef(PARAM)
+
+
+def is_parameter_leaf(x):
+    """On the callee: what a Parameter argument arrived as."""
+    return isinstance(x, torch.nn.Parameter) and x.is_leaf
+
+
 def param_gradient(context_id):
     from mpidag import autograd as dist_autograd
 

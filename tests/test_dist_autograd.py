@@ -163,16 +163,30 @@ def test_parameters_of_a_remote_module(rpc_world):
         close(remote_grads[name], p.grad)
 
 
-def test_a_returned_parameter_is_a_new_leaf_as_in_torch(rpc_world):
-    """torch pickles an nn.Parameter as its detached data: the caller gets a new leaf
-    Parameter whose gradient stays in the caller's context; the callee's gets none."""
+def test_parameters_travel_as_in_torch(rpc_world):
+    """torch pickles the arguments and results of Python functions, and an nn.Parameter
+    pickles as its detached data (a new leaf on arrival, gradients stay there); builtin ops
+    and tensor-typed RRefs travel as TorchScript values, the Parameter attached."""
+    nxt = rpc_world.next
+    mine = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 3))
     with dist_autograd.context() as context_id:
-        p = rpc.rpc_sync(rpc_world.next, af.get_param)
+        # the result of a Python function: a new leaf here; no gradient for the callee's
+        p = rpc.rpc_sync(nxt, af.get_param)
         assert isinstance(p, torch.nn.Parameter) and p.is_leaf and p.requires_grad
-        dist_autograd.backward(context_id, [(2 * p).sum()])
+        # an argument of a Python function: a new leaf there; no gradient back for `mine`
+        assert rpc.rpc_sync(nxt, af.is_parameter_leaf, args=(mine,))
+        y = rpc.rpc_sync(nxt, af.my_add, args=(mine, p.detach()))
+        # an argument of a builtin op: attached, its gradient comes back for `mine`
+        z = rpc.rpc_sync(nxt, torch.mul, args=(mine, 3.0))
+        # to_here() of RRef(parameter) on the owner: attached, the owner's gets a gradient
+        fetched = rpc.rpc_sync(nxt, af.param_rref).to_here()
+        assert not fetched.is_leaf and type(fetched) is torch.Tensor
+        dist_autograd.backward(context_id, [(2 * p).sum() + y.sum() + z.sum() + fetched.sum()])
         grads = dist_autograd.get_gradients(context_id)
-        assert rpc.rpc_sync(rpc_world.next, af.param_gradient, args=(context_id,)) is None
+        theirs = rpc.rpc_sync(nxt, af.param_gradient, args=(context_id,))
     close(grads[p], torch.full((3,), 2.0))
+    close(grads[mine], torch.full((3,), 3.0))  # from torch.mul only, not from my_add
+    close(theirs, torch.ones(3))  # from to_here only, not from get_param
 
 
 def test_end_to_end_remote_leaves_and_rref_backward(rpc_world):

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch.autograd.profiler import record_function
+from torch.jit._builtins import _find_builtin
 
 from mpidag._ids import IdGenerator
 from mpidag._profiling import profiling
@@ -85,6 +86,25 @@ class _PendingCall:
     @property
     def what(self) -> str:
         return describe(self.func, self.args)
+
+
+def detaches_parameters(func: Any, args: tuple) -> bool:
+    """torch's rule for the ``nn.Parameter`` objects a call carries (arguments and result).
+
+    torch pickles the arguments and results of Python functions, and ``Parameter`` pickles
+    as its detached data (a new leaf on arrival); torch builtin ops (``torch.add``) travel
+    as TorchScript values, parameters attached. mpidag's internal functions (``remote``,
+    ``to_here``) apply the rule of the user's call they carry (``_mpidag_detaches``).
+
+    Example::
+
+        >>> detaches_parameters(my_python_function, ()), detaches_parameters(torch.add, ())
+        (True, False)
+    """
+    custom = getattr(func, "_mpidag_detaches", None)
+    if custom is not None:
+        return custom(*args)
+    return _find_builtin(func) is None
 
 
 def describe(func: Any, args: tuple | None = None) -> str:
@@ -185,16 +205,21 @@ class RpcAgent:
         """The rank the message being pickled in this thread goes to (``None``: none)."""
         return getattr(self._pickling, "dst", None)
 
-    def dumps_for(self, dst: int, obj: Any) -> tuple[bytes, list[torch.Tensor]]:
+    def dumps_for(self, dst: int, obj: Any, call: tuple[Any, tuple] | None = None
+                  ) -> tuple[bytes, list[torch.Tensor]]:
         """Pickle ``obj`` for rank ``dst``; objects whose pickling depends on the
         destination (RRefs) read it with :meth:`pickling_for` and may register undo actions
-        in :meth:`on_pickling_failure`, run if pickling fails."""
+        in :meth:`on_pickling_failure`, run if pickling fails. ``call``: the ``(func, args)``
+        whose arguments or result this is (how parameters travel, see
+        :func:`detaches_parameters`)."""
         previous = getattr(self._pickling, "dst", None)
         undo_before = getattr(self._pickling, "undo", None)
         self._pickling.dst = dst
         self._pickling.undo = []
         try:
-            return dumps(obj)
+            if call is None:
+                return dumps(obj)
+            return dumps(obj, lambda: detaches_parameters(*call))
         except BaseException:
             for action in reversed(self._pickling.undo):
                 action()
@@ -253,7 +278,7 @@ class RpcAgent:
         if not self.running:
             raise RPCError("the RPC agent is shut down; call mpidag.rpc.init_rpc again first")
         try:
-            payload, tensors = self.dumps_for(dst, (func, args, kwargs))
+            payload, tensors = self.dumps_for(dst, (func, args, kwargs), (func, args))
         except Exception as exc:
             raise SerializationError(
                 f"could not pickle the call of {describe(func)} for {self.workers[dst].name}: "
@@ -469,7 +494,7 @@ class RpcAgent:
 
     def _reply_value(self, env: Envelope, value: Any, call: tuple | None = None) -> None:
         try:
-            payload, tensors = self.dumps_for(env.src, value)
+            payload, tensors = self.dumps_for(env.src, value, call)
             message_id = 0
             if env.context_id and tensors:
                 autograd = self._autograd()

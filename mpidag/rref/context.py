@@ -32,6 +32,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from mpidag.errors import frameless
 from mpidag.rpc.agent import RpcFuture
 
@@ -58,6 +60,10 @@ class OwnerRecord:
     deleted: set[int] = field(default_factory=set)  # for idempotence
     local_handles: int = 0  # Python RRef objects for this value on the owner
     created: bool = False  # the value (or the creation error) is set
+    #: how ``to_here()`` sends parameters in the value, by torch's rule: a Python object
+    #: is pickled (parameters detached); a tensor from ``RRef(tensor)`` or a builtin op's
+    #: ``remote()`` travels as a TorchScript value (attached)
+    detach_parameters: bool = True
 
 
 @dataclass(slots=True)
@@ -131,11 +137,13 @@ class RRefContext:
             rec = self.owner_record(rref_id)
             rec.value.set_result(value)
             rec.created = True
+            rec.detach_parameters = not isinstance(value, torch.Tensor)
             rec.local_handles += 1
         return rref_id
 
     def finish_creation(self, rref_id: int, value: Any = None,
-                        error: BaseException | None = None) -> None:
+                        error: BaseException | None = None,
+                        detach_parameters: bool = True) -> None:
         if error is not None:
             error = frameless(error, self.agent.where())
         with self.lock:
@@ -143,6 +151,7 @@ class RRefContext:
             if rec.created:
                 return
             rec.created = True
+            rec.detach_parameters = detach_parameters
             fut = rec.value
             self._maybe_free(rec)
         if error is None:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from mpidag.errors import RPCError, detached_copy, future_error
+from mpidag.rpc.agent import detaches_parameters
 from mpidag.rpc.api import _check_call, _to_rank, current_agent
 from mpidag.rpc.functions import async_execution
 from mpidag.rpc.options import UNSET_RPC_TIMEOUT, WorkerInfo
@@ -263,7 +264,14 @@ def _describe_remote(func: Callable, *_: Any) -> str:
     return f"remote({describe(func)})"
 
 
+def _fetch_detaches(rref_id: int) -> bool:
+    """On the owner: how ``to_here()`` sends the value's parameters (torch's rule)."""
+    rec = RRefContext.of(current_agent()).owners.get(rref_id)
+    return True if rec is None else rec.detach_parameters
+
+
 _fetch._mpidag_describe = lambda rref_id: f"RRef(0x{rref_id:x}).to_here()"
+_fetch._mpidag_detaches = _fetch_detaches
 
 
 def _backward_on_owner(rref_id: int, context_id: int, retain_graph: bool) -> None:
@@ -294,10 +302,12 @@ def _make_value(rref_id: int, func: Callable, args: tuple, kwargs: dict) -> None
     except Exception as exc:
         ctx.finish_creation(rref_id, error=exc)
         raise  # the caller of remote() learns of it too
-    ctx.finish_creation(rref_id, value=value)
+    ctx.finish_creation(rref_id, value=value, detach_parameters=detaches_parameters(func, args))
 
 
 _make_value._mpidag_describe = lambda rref_id, func, *_: _describe_remote(func)
+_make_value._mpidag_detaches = lambda rref_id, func, args, kwargs: detaches_parameters(func,
+                                                                                      args)
 
 
 def _run_on_owner(rref_id: int, creator_fork: int, func: Callable, args: tuple,
@@ -305,6 +315,10 @@ def _run_on_owner(rref_id: int, creator_fork: int, func: Callable, args: tuple,
     """On the owner: count the creator's fork, then make the value."""
     RRefContext.of(current_agent()).register_fork(rref_id, creator_fork)
     _make_value(rref_id, func, args, kwargs)
+
+
+_run_on_owner._mpidag_detaches = lambda rref_id, fork, func, args, kwargs: \
+    detaches_parameters(func, args)
 
 
 def remote(to: str | WorkerInfo | int, func: Callable, args: tuple | None = None,

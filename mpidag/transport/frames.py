@@ -18,6 +18,7 @@ import io
 import pickle
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,9 +119,12 @@ class _TensorPickler(pickle.Pickler):
     Only tensors reach Python code (through ``dispatch_table``), so pickling costs the same
     as plain ``pickle.dumps`` for everything else. One instance per thread is reused.
 
-    An ``nn.Parameter`` travels as torch's own pickling sends it: its data, detached, and
-    its ``requires_grad`` flag; it arrives as a new leaf ``Parameter`` (so distributed
-    autograd records no send function for it, exactly as in torch RPC).
+    ``nn.Parameter``: where ``detach_rule()`` says so (torch's rule for what its RPC
+    pickles: the arguments and results of Python functions), it travels as torch's own
+    pickling sends it: its data, detached, and its ``requires_grad`` flag, arriving as a new
+    leaf ``Parameter`` (distributed autograd records no send function for it). Otherwise (a
+    torch builtin op's arguments, an RRef's tensor value: torch sends those as TorchScript
+    values) it travels as the tensor it is, autograd history and all.
     """
 
     def __init__(self) -> None:
@@ -128,6 +132,8 @@ class _TensorPickler(pickle.Pickler):
         super().__init__(self.buffer, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors: list[torch.Tensor] = []
         self.busy = False
+        self.detach_rule: Callable[[], bool] = _always
+        self.detach_answer: bool | None = None  # the rule's answer, asked once per message
         self.dispatch_table = {torch.Tensor: self._reduce_tensor,
                                torch.nn.Parameter: self._reduce_parameter}
 
@@ -137,12 +143,24 @@ class _TensorPickler(pickle.Pickler):
         return _from_table, (len(self.tensors) - 1,)
 
     def _reduce_parameter(self, param: torch.nn.Parameter) -> tuple:
+        if self.detach_answer is None:
+            self.detach_answer = bool(self.detach_rule())
+        if not self.detach_answer:
+            return self._reduce_tensor(param)
         self.tensors.append(param.detach())
         return _parameter_from_table, (len(self.tensors) - 1, param.requires_grad)
 
 
-def dumps(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
+def _always() -> bool:
+    return True
+
+
+def dumps(obj: Any, detach_parameters: Callable[[], bool] = _always
+          ) -> tuple[bytes, list[torch.Tensor]]:
     """Pickle ``obj`` with its tensors taken out; returns ``(payload, tensors)``.
+
+    ``detach_parameters()`` (asked once, at the first ``nn.Parameter``) tells how
+    parameters travel: see :class:`_TensorPickler`.
 
     Example::
 
@@ -160,12 +178,14 @@ def dumps(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
     buffer.truncate()
     pickler.tensors = tensors = []
     pickler.busy = True
+    pickler.detach_rule, pickler.detach_answer = detach_parameters, None
     try:
         pickler.dump(obj)
         return buffer.getvalue(), tensors
     finally:
         pickler.clear_memo()
         pickler.tensors = []
+        pickler.detach_rule = _always
         pickler.busy = False
 
 
