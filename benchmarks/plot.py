@@ -1,10 +1,12 @@
-"""Plot the benchmark results: ``results/rpc.json`` and ``results/autograd.json`` as PNGs.
+"""Plot the benchmark results ``results/{rpc,autograd,optim}.json`` as PNGs.
 
-One panel per benchmark row, three bars per panel on a log scale, each bar labelled with its
-value: raw mpi4py, torch.distributed.rpc and mpidag for RPC; one rank with
-``loss.backward()``, torch.distributed.autograd and mpidag for distributed autograd::
+One panel per benchmark row, one bar per implementation on a log scale, each labelled with
+its value: raw mpi4py, torch.distributed.rpc and mpidag for RPC; one rank with
+``loss.backward()``, a hand-written raw mpi4py split, torch.distributed.autograd and mpidag
+for distributed autograd; torch's DistributedOptimizer and mpidag's with one global lock and
+with per-parameter locks for the parameter server::
 
-    python benchmarks/plot.py                      # both files that exist
+    python benchmarks/plot.py                      # every results file that exists
     python benchmarks/plot.py --json PATH --out PATH
 """
 
@@ -30,10 +32,26 @@ IMPLS: list[tuple[str, str, str]] = [
     ("mpidag", "mpidag.rpc", "#0077bb"),
 ]
 AUTOGRAD_IMPLS: list[tuple[str, str, str]] = [
-    ("local", "one rank, loss.backward()", "#7f7f7f"),
+    ("local", "one rank, loss.backward()", "#bbbbbb"),
+    ("mpi4py", "the same split by hand, raw mpi4py", "#7f7f7f"),
     ("torch_rpc", "torch.distributed.autograd (TensorPipe)", "#ee7733"),
     ("mpidag", "mpidag.autograd", "#0077bb"),
 ]
+OPTIM_IMPLS: list[tuple[str, str, str]] = [
+    ("torch_rpc", "torch DistributedOptimizer (TensorPipe)", "#ee7733"),
+    ("mpidag_global_lock", "mpidag, one global lock per rank (torch's scheme)", "#77aadd"),
+    ("mpidag", "mpidag, per-parameter locks", "#0077bb"),
+]
+#: results file stem -> (implementations, figure title)
+KINDS: dict[str, tuple[list[tuple[str, str, str]], str]] = {
+    "rpc": (IMPLS, "RPC between 2 MPI ranks on one host"),
+    "autograd": (AUTOGRAD_IMPLS, "Forward + distributed backward per iteration, 2 MPI ranks"),
+    "optim": (OPTIM_IMPLS, "Parameter server (1 server, 2 trainers, 3 MPI ranks): steps/s"),
+}
+#: ratio keys of a row and how to label them
+RATIOS = [("mpidag_vs_local", "mpidag/local"), ("mpidag_vs_mpi4py", "mpidag/mpi4py"),
+          ("mpidag_vs_torch", "mpidag/torch"),
+          ("parameter_vs_global_lock", "per-parameter/global lock")]
 
 
 def format_value(value: float, unit: str) -> str:
@@ -88,19 +106,18 @@ def plot_row(ax: Any, name: str, entry: dict[str, Any],
     ax.set_xticklabels([key for key, _, _ in impls], fontsize=8.5)
     ax.tick_params(axis="y", labelsize=8)
     ax.grid(axis="y", which="major", alpha=0.3)
-    ratios = [f"mpidag/{other} = {entry[key]:.2f}x"
-              for key, other in (("mpidag_vs_local", "local"), ("mpidag_vs_torch", "torch"))
+    ratios = [f"{label} = {entry[key]:.2f}x" for key, label in RATIOS
               if entry.get(key) is not None]
     if ratios:
         ax.text(0.98, 0.98, "\n".join(ratios), transform=ax.transAxes,
                 ha="right", va="top", fontsize=8, color="#0077bb")
 
 
-def plot(report: dict[str, Any], out: Path) -> None:
-    """Write the figure for ``report`` (the parsed JSON) to ``out``."""
+def plot(report: dict[str, Any], out: Path, kind: str = "rpc") -> None:
+    """Write the figure for ``report`` (the parsed JSON of results/<kind>.json) to ``out``."""
     rows = list(report["rows"].items())
-    autograd = any("local" in entry for _, entry in rows)
-    impls = AUTOGRAD_IMPLS if autograd else IMPLS
+    impls, what = KINDS[kind]
+    wide_legend = kind != "rpc"
     ncols = min(4, len(rows))
     nrows = math.ceil(len(rows) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 4.4 * nrows), squeeze=False)
@@ -110,9 +127,9 @@ def plot(report: dict[str, Any], out: Path) -> None:
     for ax in flat[len(rows):]:
         ax.axis("off")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c, ec="black", lw=0.5) for _, _, c in impls]
-    if autograd:
-        fig.legend(handles, [label for _, label, _ in impls], loc="lower center", ncol=3,
-                   fontsize=9, frameon=False)
+    if wide_legend:
+        fig.legend(handles, [label for _, label, _ in impls], loc="lower center",
+                   ncol=min(len(impls), max(2, ncols)), fontsize=9, frameon=False)
     else:
         fig.legend(handles, [label for _, label, _ in impls], loc="lower right",
                    bbox_to_anchor=(0.98, 0.08), fontsize=10, frameon=False)
@@ -121,10 +138,8 @@ def plot(report: dict[str, Any], out: Path) -> None:
     machine = (f"{m.get('cores', '?')} cores {m.get('cpu', '')}, torch {m.get('torch', '?')}, "
                f"mpi4py {m.get('mpi4py', '?')}, {mpi}")
     quick = "  [--quick]" if report.get("quick") else ""
-    what = ("Forward + distributed backward per iteration, 2 MPI ranks" if autograd
-            else "RPC between 2 MPI ranks on one host")
     fig.suptitle(f"{what} — {report.get('date', '')}{quick}\n{machine}", fontsize=11)
-    fig.tight_layout(rect=(0, 0.06 if autograd else 0, 1, 0.9 if autograd else 0.95))
+    fig.tight_layout(rect=(0, 0.06 if wide_legend else 0, 1, 0.9 if wide_legend else 0.95))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -140,9 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         pairs = [(args.json, args.out or args.json.with_suffix(".png"))]
     else:
         pairs = [(RESULTS_DIR / f"{n}.json", RESULTS_DIR / f"{n}.png")
-                 for n in ("rpc", "autograd") if (RESULTS_DIR / f"{n}.json").exists()]
+                 for n in KINDS if (RESULTS_DIR / f"{n}.json").exists()]
     for src, out in pairs:
-        plot(json.loads(src.read_text()), out)
+        kind = next((k for k in KINDS if src.stem.startswith(k)), "rpc")
+        plot(json.loads(src.read_text()), out, kind)
         print(f"wrote {out}")
     return 0
 
