@@ -11,9 +11,15 @@ Installed with mpidag, so any pytest run where mpidag is importable has them::
         out = rpc.rpc_sync(rpc_world.next, torch.add, args=(torch.ones(2), 1), timeout=10)
         assert torch.equal(out, torch.full((2,), 2.0))
 
-``rpc_world`` calls ``init_rpc()`` once per test module and, at the end of the module,
-checks that no RRef, pending fork, call or distributed autograd context is left on any rank
-(:func:`mpidag.testing.assert_no_leaks`), then shuts RPC down.
+``rpc_world`` calls ``init_rpc()`` once per test session and, at its end, checks that no
+RRef, pending fork, call or distributed autograd context is left on any rank
+(:func:`mpidag.testing.assert_no_leaks`), then shuts RPC down. For a leak check after every
+module instead (RPC restarted per module), set the scope in the pytest configuration::
+
+    [tool.pytest.ini_options]          # pyproject.toml; or pytest.ini / setup.cfg [tool:pytest]
+    mpidag_rpc_scope = "module"        # "session" (default), "package" or "module"
+
+or on the command line: ``--mpidag-rpc-scope=module``.
 """
 
 from __future__ import annotations
@@ -24,6 +30,24 @@ from dataclasses import dataclass
 import pytest
 
 __all__ = ["RpcWorld", "rpc_world"]
+
+_SCOPES = ("session", "package", "module")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """The scope of ``rpc_world``: ini ``mpidag_rpc_scope``, or ``--mpidag-rpc-scope``."""
+    parser.addini("mpidag_rpc_scope", f"scope of the rpc_world fixture: one of {_SCOPES}",
+                  default="session")
+    parser.getgroup("mpidag").addoption(
+        "--mpidag-rpc-scope", choices=_SCOPES, default=None,
+        help="scope of the rpc_world fixture (overrides the mpidag_rpc_scope ini value)")
+
+
+def _rpc_scope(fixture_name: str, config: pytest.Config) -> str:
+    scope = config.getoption("--mpidag-rpc-scope") or config.getini("mpidag_rpc_scope")
+    if scope not in _SCOPES:
+        raise pytest.UsageError(f"mpidag_rpc_scope = {scope!r}: use one of {_SCOPES}")
+    return scope
 
 
 @dataclass(frozen=True)
@@ -63,10 +87,10 @@ class RpcWorld:
         return get_worker_info(rank % self.size).name
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope=_rpc_scope)
 def rpc_world() -> Iterator[RpcWorld]:
-    """Module-scoped fixture: RPC started for the module's tests, an :class:`RpcWorld` as
-    its value, and a leak check on every rank at the end
+    """RPC started for the session's tests (or each module's: ``mpidag_rpc_scope``), an
+    :class:`RpcWorld` as its value, and a leak check on every rank at the end
     (:func:`mpidag.testing.assert_no_leaks`) before ``shutdown()``.
 
     Example::

@@ -8,11 +8,14 @@ import sys
 import textwrap
 
 
-def run_user_tests(tmp_path, source: str) -> subprocess.CompletedProcess:
+def run_user_tests(tmp_path, source: str, *more: str, files: dict[str, str] | None = None
+                   ) -> subprocess.CompletedProcess:
     (tmp_path / "test_user.py").write_text(textwrap.dedent(source))
+    for name, text in (files or {}).items():
+        (tmp_path / name).write_text(textwrap.dedent(text))
     return subprocess.run(
         [sys.executable, "-m", "mpidag.run", "-n", "2", "-m", "pytest", "-q",
-         "-p", "no:cacheprovider", "--with-mpi", "test_user.py"],
+         "-p", "no:cacheprovider", "--with-mpi", *more, "test_user.py", *(files or {})],
         capture_output=True, text=True, timeout=180, cwd=tmp_path,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
@@ -56,3 +59,31 @@ def test_leaks(rpc_world):
     assert result.returncode != 0, out
     assert out.count("mpidag left RRefs, calls or autograd contexts alive") >= 2, out
     assert "num_user_rrefs" in out and "num_owner_rrefs" in out
+
+
+def test_one_world_per_session_by_default_or_per_module_when_asked(tmp_path):
+    first = USER_PRELUDE + """
+import builtins
+
+def test_remember(rpc_world):
+    builtins.mpidag_seen_agent = rpc.api.current_agent()
+"""
+    second = """
+import builtins, pytest
+import mpidag.rpc as rpc
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+def test_compare(rpc_world):
+    same = rpc.api.current_agent() is builtins.mpidag_seen_agent
+    print(f"SAME-AGENT={same}")
+"""
+    for extra, expected in (((), "SAME-AGENT=True"),
+                            (("--mpidag-rpc-scope=module",), "SAME-AGENT=False")):
+        result = run_user_tests(tmp_path, first, "-s", *extra,
+                                files={"test_second.py": second})
+        out = result.stdout + result.stderr
+        assert result.returncode == 0, out
+        assert out.count(expected) == 2, out
+    result = run_user_tests(tmp_path, first, "--mpidag-rpc-scope=never")
+    assert result.returncode != 0 and "invalid choice" in result.stdout + result.stderr
