@@ -49,7 +49,9 @@ KINDS: dict[str, tuple[list[tuple[str, str, str]], str]] = {
     "optim": (OPTIM_IMPLS, "Parameter server (1 server, 2 trainers, 3 MPI ranks): steps/s"),
 }
 #: ratio keys of a row and how to label them
-RATIOS = [("mpidag_vs_local", "mpidag/local"), ("mpidag_vs_mpi4py", "mpidag/mpi4py"),
+RATIOS = [("mpidag_vs_local", "mpidag/local"),
+          ("mpidag_vs_local_interleaved", "mpidag/local, interleaved"),
+          ("mpidag_vs_mpi4py", "mpidag/mpi4py"),
           ("mpidag_vs_torch", "mpidag/torch"),
           ("parameter_vs_global_lock", "per-parameter/global lock")]
 
