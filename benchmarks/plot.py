@@ -141,7 +141,7 @@ def plot(report: dict[str, Any], out: Path, kind: str = "rpc") -> None:
                f"mpi4py {m.get('mpi4py', '?')}, {mpi}")
     quick = "  [--quick]" if report.get("quick") else ""
     fig.suptitle(f"{what} — {report.get('date', '')}{quick}\n{machine}", fontsize=11)
-    fig.tight_layout(rect=(0, 0.06 if wide_legend else 0, 1, 0.9 if wide_legend else 0.95))
+    fig.tight_layout(rect=(0, 0.11 if wide_legend else 0, 1, 0.9 if wide_legend else 0.95))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
