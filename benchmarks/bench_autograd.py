@@ -33,7 +33,6 @@ import os
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -47,9 +46,9 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 from bench_rpc import (  # noqa: E402 - after the path set-up
     Watchdog,
-    free_tcp_port,
     log,
     machine_info,
+    start_torch_rpc,
     timed_allreduce_min,
     timed_barrier,
 )
@@ -234,7 +233,6 @@ def measure(step: Callable[[], None], spec: dict[str, int]) -> list[float]:
 
 
 def start_rpc(key: str, comm: MPI.Comm) -> tuple[ModuleType, ModuleType]:
-    rank = comm.Get_rank()
     if key == "mpidag":
         import mpidag.autograd as dist_autograd
         import mpidag.rpc as rpc
@@ -244,12 +242,7 @@ def start_rpc(key: str, comm: MPI.Comm) -> tuple[ModuleType, ModuleType]:
     import torch.distributed.autograd as dist_autograd
     import torch.distributed.rpc as rpc
 
-    port = comm.bcast(free_tcp_port() if rank == 0 else None, root=0)
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
-                                           num_worker_threads=16, rpc_timeout=300)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
-        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    start_torch_rpc(comm, timeout=300)
     return rpc, dist_autograd
 
 

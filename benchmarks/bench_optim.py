@@ -33,7 +33,6 @@ import json
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -44,7 +43,7 @@ from mpi4py import MPI
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
-from bench_rpc import free_tcp_port, log, machine_info  # noqa: E402
+from bench_rpc import log, machine_info, start_torch_rpc  # noqa: E402
 
 DEFAULT_OUT = HERE / "results" / "optim.json"
 ROWS_, DIM, CLASSES, BATCH = 20_000, 64, 16, 256
@@ -110,7 +109,6 @@ def train(rpc: ModuleType, dist_autograd: ModuleType, optim_cls: type, model: st
 
 
 def start(key: str, comm: MPI.Comm) -> tuple[ModuleType, ModuleType, type]:
-    rank = comm.Get_rank()
     if key == "mpidag":
         import mpidag.autograd as dist_autograd
         import mpidag.rpc as rpc
@@ -122,13 +120,7 @@ def start(key: str, comm: MPI.Comm) -> tuple[ModuleType, ModuleType, type]:
     import torch.distributed.rpc as rpc
     from torch.distributed.optim import DistributedOptimizer
 
-    port = comm.bcast(free_tcp_port() if rank == 0 else None, root=0)
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
-                                           num_worker_threads=16, rpc_timeout=300)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore")
-        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=comm.Get_size(),
-                     rpc_backend_options=opts)
+    start_torch_rpc(comm, timeout=300)
     return rpc, dist_autograd, DistributedOptimizer
 
 

@@ -438,6 +438,25 @@ class _RpcImpl(Impl):
         return elapsed
 
 
+def start_torch_rpc(comm: MPI.Comm, transports: list[str] | None = None,
+                    timeout: float = RPC_TIMEOUT_S) -> None:
+    """``torch.distributed.rpc.init_rpc`` with TensorPipe on every rank of ``comm``, named
+    ``worker{rank}``; rank 0 picks a free port and MPI tells the others."""
+    import torch.distributed.rpc as rpc
+
+    rank = comm.Get_rank()
+    port = comm.bcast(free_tcp_port() if rank == 0 else None, root=0)
+    extra: dict[str, Any] = {"_transports": transports} if transports else {}
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
+                                           num_worker_threads=16, rpc_timeout=timeout, **extra)
+    with warnings.catch_warnings():
+        # init_rpc gathers device maps through a Gloo group and torch warns about its own
+        # internal use of the Backend as a ProcessGroup; it is noise here.
+        warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=comm.Get_size(),
+                     rpc_backend_options=opts)
+
+
 class TorchRPC(_RpcImpl):
     """``torch.distributed.rpc`` with TensorPipe; rendezvous on a port agreed through MPI."""
 
@@ -447,26 +466,7 @@ class TorchRPC(_RpcImpl):
         import torch.distributed.rpc as rpc
 
         self.rpc = rpc
-        port = self.comm.bcast(free_tcp_port() if self.rank == 0 else None, root=0)
-        extra: dict[str, Any] = {}
-        if self.cfg.torch_transports:
-            extra["_transports"] = self.cfg.torch_transports
-        opts = rpc.TensorPipeRpcBackendOptions(
-            init_method=f"tcp://127.0.0.1:{port}",
-            num_worker_threads=16,
-            rpc_timeout=RPC_TIMEOUT_S,
-            **extra,
-        )
-        with warnings.catch_warnings():
-            # init_rpc gathers device maps through a Gloo group and torch warns about its own
-            # internal use of the Backend as a ProcessGroup; it is noise here.
-            warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
-            rpc.init_rpc(
-                f"worker{self.rank}",
-                rank=self.rank,
-                world_size=self.comm.Get_size(),
-                rpc_backend_options=opts,
-            )
+        start_torch_rpc(self.comm, self.cfg.torch_transports)
 
 
 class MpidagRPC(_RpcImpl):
