@@ -75,9 +75,10 @@ def server_params(name: str, rref_cls: Any) -> list:
 
 
 def set_lock_mode(mode: str) -> str:
-    from mpidag.optim.optimizer import PARAMETER_LOCKS
+    from mpidag import _runtime
 
-    previous, PARAMETER_LOCKS.mode = PARAMETER_LOCKS.mode, mode
+    locks = _runtime.current().parameter_locks
+    previous, locks.mode = locks.mode, mode
     return previous
 
 

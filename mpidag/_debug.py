@@ -13,13 +13,11 @@ again, the agent's state: calls in flight with their age, the progress engine, R
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from mpidag.rpc.agent import RpcAgent
+from mpidag import _runtime
+from mpidag._runtime import Runtime
 
 __all__ = ["configure_logging", "state_report", "install_signal_dump"]
 
@@ -27,14 +25,14 @@ LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNI
           "error": logging.ERROR}
 
 
-def configure_logging(rank: int) -> None:
-    """Attach a rank-prefixed stderr handler to ``mpidag`` if ``MPIDAG_LOG`` asks for one.
+def configure_logging(rank: int, wanted: str | None) -> None:
+    """Attach a rank-prefixed stderr handler to ``mpidag`` for the level ``MPIDAG_LOG``
+    asked for (``wanted``, as read into the config at ``init_rpc``; ``None``: none).
 
     Example::
 
         $ MPIDAG_LOG=info python -m mpidag.run -n 2 prog.py
     """
-    wanted = os.environ.get("MPIDAG_LOG", "").strip().lower()
     if not wanted:
         return
     level = LEVELS.get(wanted)
@@ -53,17 +51,18 @@ def configure_logging(rank: int) -> None:
     logger.setLevel(level)
 
 
-def state_report(agent: RpcAgent) -> str:
-    """A readable snapshot of the agent: calls in flight, engine, RRefs.
+def state_report(runtime: Runtime) -> str:
+    """A readable snapshot of a session: calls in flight, engine, RRefs, autograd contexts.
 
     Example::
 
-        >>> print(state_report(mpidag.rpc.api.current_agent()))  # doctest: +SKIP
+        >>> print(state_report(mpidag._runtime.current()))  # doctest: +SKIP
         === mpidag state of worker0 (rank 0 of 2) ===
         calls in flight: 1
           0x17 tests.f.slow -> worker1, 3.2 s, timeout 60 s
     """
     now = time.monotonic()
+    agent = runtime.agent
     engine = agent.engine
     lines = [f"=== mpidag state of {agent.where()} ==="]
     pending = list(agent._pending.items())
@@ -77,9 +76,10 @@ def state_report(agent: RpcAgent) -> str:
                  f"{engine._waiters} idle pool threads={engine._idle} queued requests="
                  f"{len(engine._work)} running requests={engine._running_work}")
     lines.append(f"messages: sent={agent.sent} handled={agent.processed}")
-    ctx = getattr(agent, "rref_context", None)
-    if ctx is not None:
-        lines.append("rrefs: " + ", ".join(f"{k}={v}" for k, v in ctx.debug_info().items()))
+    lines.append("rrefs: " + ", ".join(f"{k}={v}" for k, v in
+                                       runtime.rrefs.debug_info().items()))
+    lines.append("autograd: " + ", ".join(f"{k}={v}" for k, v in
+                                          runtime.autograd.contexts.debug_info().items()))
     return "\n".join(lines)
 
 
@@ -101,10 +101,9 @@ def install_signal_dump() -> None:
     import faulthandler
 
     def report(signum, frame) -> None:
-        from mpidag.rpc import api
-
-        agent = api._agent
-        text = state_report(agent) if agent is not None else "=== mpidag: RPC not running ==="
+        runtime = _runtime.current_or_none()
+        text = state_report(runtime) if runtime is not None else \
+            "=== mpidag: RPC not running ==="
         sys.stderr.write(text + "\n")
         sys.stderr.flush()
 

@@ -101,10 +101,10 @@ def rpc_world() -> Iterator[RpcWorld]:
             assert rpc.rpc_sync(rpc_world.next, len, args=("abc",)) == 3
     """
     import mpidag.rpc as rpc
-    from mpidag import testing
+    from mpidag import _runtime, testing
 
     rpc.init_rpc()
-    agent = rpc.api.current_agent()
+    agent = _runtime.current().agent
     try:
         yield RpcWorld(agent.rank, agent.world_size)
         testing.assert_no_leaks()

@@ -27,6 +27,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from mpidag._config import LaunchConfig
+
 __all__ = ["build_command", "find_mpirun", "main", "srun_mpi_plugin"]
 
 #: ``MPI_Get_library_version`` words of MPIs that Slurm starts with ``--mpi=pmi2``
@@ -41,7 +43,7 @@ def find_mpirun() -> str:
         >>> find_mpirun()  # doctest: +SKIP
         '/work/main/.venv/bin/mpirun'
     """
-    override = os.environ.get("MPIDAG_MPIRUN")
+    override = LaunchConfig.from_env().mpirun
     if override:
         return override
     beside_python = Path(sys.executable).with_name("mpirun")
@@ -98,7 +100,7 @@ def srun_mpi_plugin(library_version: str | None = None) -> str:
         >>> srun_mpi_plugin("Open MPI v5.0.11, package: ...")
         'pmix'
     """
-    forced = os.environ.get("MPIDAG_SRUN_MPI")
+    forced = LaunchConfig.from_env().srun_mpi
     if forced:
         return forced
     if library_version is None:
@@ -150,8 +152,8 @@ def build_command(
         # --oversubscribe also turns off Open MPI's core binding, which costs latency and
         # throughput (measured: 20-36k vs 40-47k async calls/s on 2 ranks), so only ask for
         # it when there are more ranks than cores. MPIDAG_OVERSUBSCRIBE=1/0 forces it.
-        forced = os.environ.get("MPIDAG_OVERSUBSCRIBE")
-        if forced == "1" or (forced != "0" and nprocs > (os.cpu_count() or 1)):
+        forced = LaunchConfig.from_env().oversubscribe
+        if forced or (forced is None and nprocs > (os.cpu_count() or 1)):
             argv.append("--oversubscribe")
     argv += ["-n", str(nprocs), *extra, *python_argv]
     return argv, env

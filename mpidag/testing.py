@@ -24,8 +24,8 @@ import threading
 import time
 from collections.abc import Iterator
 
-from mpidag.rpc.api import current_agent
-from mpidag.rpc.messages import Kind
+from mpidag import _runtime
+from mpidag.agent.messages import Kind
 
 __all__ = ["quiesce", "settle", "leak_report", "assert_no_leaks", "delayed_control_messages"]
 
@@ -48,11 +48,11 @@ def quiesce(timeout: float = 60.0) -> None:
         >>> fut.done()
         True
     """
-    current_agent().wait_quiescent(timeout)
+    _runtime.current().agent.wait_quiescent(timeout)
 
 
 def _sum_over_ranks(values: list[int], timeout: float) -> list[int]:
-    agent = current_agent()
+    agent = _runtime.current().agent
     wait = agent.collective_waiter(timeout, "a rank did not reach the same mpidag.testing call")
     return agent.transport.allreduce_sum(values, wait)
 
@@ -89,12 +89,11 @@ def leak_report(timeout: float = 60.0) -> dict[int, dict[str, int]]:
         >>> testing.leak_report()             # every rank gets the same report
         {0: {'num_user_rrefs': 1}, 1: {'num_owner_rrefs': 1}}
     """
-    from mpidag.rpc.api import _get_debug_info
-
     settle(timeout)
-    agent = current_agent()
+    runtime = _runtime.current()
+    agent = runtime.agent
     k = len(LEAK_COUNTERS)
-    mine = _get_debug_info()
+    mine = runtime.debug_info()
     values = [0] * (agent.world_size * k)
     values[agent.rank * k:(agent.rank + 1) * k] = [int(mine.get(c, 0)) for c in LEAK_COUNTERS]
     totals = _sum_over_ranks(values, timeout)
@@ -190,7 +189,7 @@ def delayed_control_messages(max_delay: float = 0.01, seed: int = 0) -> Iterator
         ...     del rref
         >>> testing.assert_no_leaks()
     """
-    transport = current_agent().transport
+    transport = _runtime.current().transport
     sender = _DelayedSender(transport, max_delay, seed)
     transport.send_hook = sender.hook
     try:

@@ -64,9 +64,10 @@ def step_times(optimizer_rref):
 
 
 def set_lock_mode(mode):
-    from mpidag.optim.optimizer import PARAMETER_LOCKS
+    from mpidag import _runtime
 
-    previous, PARAMETER_LOCKS.mode = PARAMETER_LOCKS.mode, mode
+    locks = _runtime.current().parameter_locks
+    previous, locks.mode = locks.mode, mode
     return previous
 
 

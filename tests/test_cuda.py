@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import mpidag.rpc as rpc
+from mpidag._config import Config
 from mpidag.transport.mpi import detect_cuda_aware
 from tests import rpc_funcs as f
 
@@ -64,6 +65,6 @@ def test_unmapped_device_is_a_clear_error(gpu_world):
 
 def test_cuda_awareness_override(monkeypatch):
     monkeypatch.setenv("MPIDAG_CUDA_AWARE", "0")
-    assert detect_cuda_aware() is False
+    assert detect_cuda_aware(Config.from_env().cuda_aware) is False
     monkeypatch.setenv("MPIDAG_CUDA_AWARE", "1")
-    assert detect_cuda_aware() is True
+    assert detect_cuda_aware(Config.from_env().cuda_aware) is True

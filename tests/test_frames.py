@@ -31,7 +31,8 @@ def roundtrip(obj):
                    message_id=13)
     frame0, separate = frames.encode(env, ["cpu"] * len(tensors), data_tag=5)
     frame0 = bytearray(frame0)
-    out, tag, specs, inline_start = frames.decode_header(frame0)
+    out, header = frames.decode_header(frame0)
+    specs, inline_start = header.specs, header.inline_start
     assert (out.kind, out.request_id, out.context_id, out.message_id) == (1, 7, 11, 13)
     received = []
     sep = iter(separate)
@@ -45,7 +46,7 @@ def roundtrip(obj):
             t = torch.empty(spec.shape, dtype=spec.dtype)
             t.view(-1).view(torch.uint8).copy_(frames.byte_view(src))
         received.append(frames.finish_tensor(t, spec))
-    return frames.loads(out.payload, received), tag, specs
+    return frames.loads(out.payload, received), header.data_tag, specs
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -101,5 +102,5 @@ def test_no_tensor_message_is_header_plus_pickle():
     payload, tensors = frames.dumps(("hello", 3))
     frame0, separate = frames.encode(Envelope(kind=2, payload=payload), [], 0)
     assert not separate and len(frame0) == frames.HEADER.size + len(payload)
-    env, _, specs, _ = frames.decode_header(bytearray(frame0))
-    assert specs == [] and pickle.loads(env.payload) == ("hello", 3)
+    env, header = frames.decode_header(bytearray(frame0))
+    assert header.specs == [] and pickle.loads(env.payload) == ("hello", 3)

@@ -13,8 +13,8 @@ import itertools
 import pytest
 import torch
 
-from mpidag.autograd.context import RECV_NODE_TYPE, RecvRecord, RecvRPC
-from mpidag.autograd.graph import Plan, edge_of
+from mpidag.dist_autograd.context import RECV_NODE_TYPE, RecvRecord, RecvRPC
+from mpidag.dist_autograd.graph import Plan, edge_of
 
 
 def _received(anchor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

@@ -84,10 +84,11 @@ def test_srun_plugin_follows_the_mpi_library(monkeypatch):
 
 
 def test_cuda_awareness_detection_without_a_gpu(monkeypatch):
+    from mpidag._config import Config
     from mpidag.transport.mpi import detect_cuda_aware
 
     monkeypatch.delenv("MPIDAG_CUDA_AWARE", raising=False)
     if not torch.cuda.is_available():
-        assert detect_cuda_aware() is False  # host staging is the only safe choice
+        assert detect_cuda_aware(Config.from_env().cuda_aware) is False  # host staging
     monkeypatch.setenv("MPIDAG_CUDA_AWARE", "off")
-    assert detect_cuda_aware() is False
+    assert detect_cuda_aware(Config.from_env().cuda_aware) is False

@@ -23,6 +23,7 @@ def run_user_tests(tmp_path, source: str, *more: str, files: dict[str, str] | No
 
 USER_PRELUDE = """
 import pytest, torch
+import mpidag._runtime
 import mpidag.rpc as rpc
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -66,16 +67,17 @@ def test_one_world_per_session_by_default_or_per_module_when_asked(tmp_path):
 import builtins
 
 def test_remember(rpc_world):
-    builtins.mpidag_seen_agent = rpc.api.current_agent()
+    builtins.mpidag_seen_agent = mpidag._runtime.current()
 """
     second = """
 import builtins, pytest
+import mpidag._runtime
 import mpidag.rpc as rpc
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
 def test_compare(rpc_world):
-    same = rpc.api.current_agent() is builtins.mpidag_seen_agent
+    same = mpidag._runtime.current() is builtins.mpidag_seen_agent
     print(f"SAME-AGENT={same}")
 """
     for extra, expected in (((), "SAME-AGENT=True"),

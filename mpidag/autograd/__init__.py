@@ -15,7 +15,7 @@ Every RPC made inside the ``with`` block (``rpc_sync``, ``rpc_async``, ``remote`
 ``to_here``, RRef proxies, and calls nested in the remote functions) records a send
 function on the sender and a recv function on the receiver for its tensors that require
 grad. ``backward`` runs the FAST mode algorithm of PyTorch's design: see
-:mod:`mpidag.autograd.engine` and the design overview of the documentation (``docs/``).
+:mod:`mpidag.dist_autograd.engine` and the design overview of the documentation (``docs/``).
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
-from mpidag.autograd.context import ContextContainer, DistAutogradContext
-from mpidag.autograd.engine import (
+from mpidag import _runtime
+from mpidag.dist_autograd import (
+    ContextContainer,
+    DistAutogradContext,
     UnusedRPCGradientError,
     UnusedRPCWarning,
-    check_roots,
-    run_backward,
 )
 
 __all__ = [
@@ -45,9 +45,7 @@ __all__ = [
 
 
 def _container() -> ContextContainer:
-    from mpidag.rpc.api import current_agent
-
-    return ContextContainer.of(current_agent())
+    return _runtime.current().autograd.contexts
 
 
 def is_available() -> bool:
@@ -59,9 +57,11 @@ def is_available() -> bool:
         >>> dist_autograd.is_available()
         True
     """
-    from mpidag.rpc.api import is_available as rpc_available
-
-    return rpc_available()
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class context:  # noqa: N801 - torch's name
@@ -120,9 +120,7 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
         ...     loss = rpc.rpc_sync("worker1", torch.add, args=(t1, t2)).sum()
         ...     dist_autograd.backward(context_id, [loss])
     """
-    container = _container()
-    ctx = container.retrieve(context_id)
-    run_backward(container, ctx, check_roots(roots), bool(retain_graph))
+    _runtime.current().autograd.backward(context_id, roots, bool(retain_graph))
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:

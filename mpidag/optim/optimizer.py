@@ -19,85 +19,27 @@ momentum, Adam moments) is taken before any parameter lock.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
 import threading
 import time
-import weakref
 from collections import defaultdict
 from collections.abc import Iterable
-from contextlib import ExitStack, suppress
+from contextlib import suppress
 from typing import Any
 
 import torch
 
+from mpidag import _runtime
+from mpidag._locks import ParameterLocks
 from mpidag._profiling import span
+from mpidag.autograd import _retrieve_context, get_gradients
+from mpidag.errors import detached_copy, future_error
+from mpidag.rpc.api import rpc_async
+from mpidag.rpc.rref import RRef
 
 __all__ = ["DistributedOptimizer", "ParameterLocks"]
 
 log = logging.getLogger(__name__)
-
-
-class ParameterLocks:
-    """One lock per parameter tensor of this rank, and the global order to take them in.
-
-    Example::
-
-        >>> locks = ParameterLocks()
-        >>> with locks.holding([w, b]):      # w and b locked, in registration order
-        ...     w.add_(1)
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._entries: dict[int, tuple[int, threading.Lock]] = {}
-        self._order = itertools.count()
-        #: ``"parameter"`` (default) or ``"global"``: one lock for everything (torch's way,
-        #: kept for comparison; ``MPIDAG_OPTIM_LOCKS=global``)
-        self.mode = os.environ.get("MPIDAG_OPTIM_LOCKS", "parameter")
-        self._global = threading.Lock()
-
-    def _entry(self, param: torch.Tensor) -> tuple[int, threading.Lock]:
-        key = id(param)
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                entry = self._entries[key] = (next(self._order), threading.Lock())
-                weakref.finalize(param, self._forget, key, entry)
-        return entry
-
-    def _forget(self, key: int, entry: tuple[int, threading.Lock]) -> None:
-        with self._lock:
-            if self._entries.get(key) is entry:
-                del self._entries[key]
-
-    def register(self, params: Iterable[torch.Tensor]) -> None:
-        """Give each parameter its place in the lock order (first come, first placed)."""
-        for param in params:
-            self._entry(param)
-
-    def holding(self, params: Iterable[torch.Tensor]) -> ExitStack:
-        """A context manager that holds the locks of ``params`` (in the global order)."""
-        stack = ExitStack()
-        if self.mode == "global":
-            stack.enter_context(self._global)
-            return stack
-        entries = sorted({id(p): self._entry(p) for p in params}.values(), key=lambda e: e[0])
-        try:
-            for _, lock in entries:
-                stack.enter_context(lock)
-        except BaseException:
-            stack.close()
-            raise
-        return stack
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-#: the lock table of this process (parameters are per-process objects)
-PARAMETER_LOCKS = ParameterLocks()
 
 
 class _LocalOptimizer:
@@ -116,19 +58,18 @@ class _LocalOptimizer:
             self.params.extend(values)
             local_groups.append({**{k: v for k, v in group.items()
                                     if k not in ("params", "where")}, "params": values})
-        PARAMETER_LOCKS.register(self.params)
+        runtime = _runtime.current()
+        #: this session's lock table (parameters are objects of this process)
+        self.locks = runtime.parameter_locks
+        self.locks.register(self.params)
         self.optimizer = optimizer_class(local_groups, *args, **kwargs)
         self.lock = threading.Lock()  # this optimizer's own state
         #: (start, end) monotonic times of the locked part of recent steps (for tests)
         self.step_times: list[tuple[float, float]] = []
 
     def step(self, context_id: int) -> int:
-        from mpidag import autograd as dist_autograd
-        from mpidag.autograd.context import ContextContainer
-        from mpidag.rpc.api import current_agent
-
-        contexts = ContextContainer.of(current_agent()).contexts
-        grads = dist_autograd.get_gradients(context_id) if context_id in contexts else {}
+        contexts = _runtime.current().autograd.contexts.contexts
+        grads = get_gradients(context_id) if context_id in contexts else {}
         mine = [(p, grads.get(p)) for p in self.params]
         for index, (param, grad) in enumerate(mine):  # check all before changing anything
             if grad is not None and (grad.shape != param.shape or grad.dtype != param.dtype
@@ -138,7 +79,7 @@ class _LocalOptimizer:
                     f"{grad.dtype} on {grad.device}, but its parameter has "
                     f"{tuple(param.shape)}, {param.dtype} on {param.device}")
         with span(lambda: "mpidag.optim.step"), self.lock, \
-                PARAMETER_LOCKS.holding(self.params):
+                self.locks.holding(self.params):
             start = time.monotonic()
             for param, grad in mine:
                 param.grad = grad  # None: skipped by the optimizer, as in torch
@@ -167,8 +108,6 @@ def _check_parameter(value: Any, where: str) -> None:
 
 def _new_local_optimizer(optimizer_class: type, groups: list[dict[str, Any]], args: tuple,
                          kwargs: dict) -> Any:
-    from mpidag.rpc import RRef
-
     return RRef(_LocalOptimizer(optimizer_class, groups, args, kwargs))
 
 
@@ -210,8 +149,6 @@ class DistributedOptimizer:
 
     def __init__(self, optimizer_class: type, params_rref: list, *args: Any,
                  **kwargs: Any) -> None:
-        from mpidag.rpc import RRef, rpc_async
-
         if not (isinstance(optimizer_class, type)
                 and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got "
@@ -263,18 +200,13 @@ class DistributedOptimizer:
             ...     dist_autograd.backward(context_id, [loss])
             ...     dist_optim.step(context_id)             # every owner steps at once
         """
-        from mpidag import autograd as dist_autograd
-        from mpidag.rpc import rpc_async
-
-        dist_autograd._retrieve_context(context_id)  # a clear error for an unknown id
+        _retrieve_context(context_id)  # a clear error for an unknown id
         futures = [rpc_async(rref.owner(), _local_step, args=(rref, context_id))
                    for rref in self.remote_optimizers]
         _wait_for_all(futures, self._owners, "step")
 
 
 def _wait_for_all(futures: list, owners: list, what: str) -> list:
-    from mpidag.errors import detached_copy, future_error
-
     results, failed, done = [], [], []
     for fut, owner in zip(futures, owners, strict=True):
         with suppress(Exception):  # read below, as a value or as the stored error

@@ -8,6 +8,16 @@ Example::
     rpc.shutdown()
 """
 
+from mpidag.agent.options import (
+    DEFAULT_NUM_WORKER_THREADS,
+    DEFAULT_RPC_TIMEOUT_SEC,
+    DEFAULT_SHUTDOWN_TIMEOUT,
+    UNSET_RPC_TIMEOUT,
+    BackendType,
+    MPIRpcBackendOptions,
+    TensorPipeRpcBackendOptions,
+    WorkerInfo,
+)
 from mpidag.errors import RemoteTraceback, RPCError, RPCTimeoutError
 from mpidag.rpc import functions
 from mpidag.rpc.api import (
@@ -18,17 +28,7 @@ from mpidag.rpc.api import (
     rpc_sync,
     shutdown,
 )
-from mpidag.rpc.options import (
-    DEFAULT_NUM_WORKER_THREADS,
-    DEFAULT_RPC_TIMEOUT_SEC,
-    DEFAULT_SHUTDOWN_TIMEOUT,
-    UNSET_RPC_TIMEOUT,
-    BackendType,
-    MPIRpcBackendOptions,
-    TensorPipeRpcBackendOptions,
-    WorkerInfo,
-)
-from mpidag.rref.rref import RRef, remote  # noqa: E402  (rref builds on rpc.api)
+from mpidag.rpc.rref import RRef, remote
 
 __all__ = [
     "BackendType",

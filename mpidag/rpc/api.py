@@ -1,26 +1,35 @@
-"""Public RPC API, mirroring ``torch.distributed.rpc`` name for name."""
+"""Public RPC API, mirroring ``torch.distributed.rpc`` name for name.
+
+Every function here works on the current :class:`~mpidag._runtime.Runtime` (made by
+:func:`init_rpc`, ended by :func:`shutdown`); the ``RRef`` type and ``remote`` are in
+:mod:`mpidag.rpc.rref`.
+"""
 
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
+import os
 import sys
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from mpidag.errors import RPCError, RPCNotInitializedError, UnknownWorkerError
-from mpidag.rpc.agent import RpcAgent
-from mpidag.rpc.options import (
+from mpidag import _runtime
+from mpidag._config import Config
+from mpidag._debug import configure_logging, install_signal_dump
+from mpidag._runtime import Runtime
+from mpidag.agent.options import (
     DEFAULT_SHUTDOWN_TIMEOUT,
     UNSET_RPC_TIMEOUT,
     BackendType,
     MPIRpcBackendOptions,
     WorkerInfo,
 )
+from mpidag.errors import RPCError
+from mpidag.rpc.rref import RRef, check_call
 
 __all__ = [
     "init_rpc",
@@ -33,8 +42,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_agent: RpcAgent | None = None
-_init_lock = threading.Lock()
 _hooks_installed = False
 
 
@@ -51,16 +58,6 @@ def is_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def current_agent() -> RpcAgent:
-    """The agent made by :func:`init_rpc`; raises if RPC is not initialized."""
-    agent = _agent
-    if agent is None:
-        raise RPCNotInitializedError(
-            "RPC has not been initialized. Call mpidag.rpc.init_rpc first."
-        )
-    return agent
 
 
 def init_rpc(
@@ -94,71 +91,46 @@ def init_rpc(
             print(rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1)))
         rpc.shutdown()
     """
-    global _agent
-    with _init_lock:
-        if _agent is not None:
+    with _runtime.lifecycle_lock:
+        if _runtime.current_or_none() is not None:
             raise RPCError("RPC is already initialized; call mpidag.rpc.shutdown() first")
         from mpidag.transport.mpi import MPITransport
 
+        config = Config()
         problem = _check_init_arguments(name, backend, rank, world_size)
         options = None
         if problem is None:
             try:
+                config = Config.from_env()
                 options = MPIRpcBackendOptions.from_any(rpc_backend_options)
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError) as exc:  # ConfigError is a ValueError
                 problem = exc
-        transport = MPITransport()
-        my_rank, size = transport.rank, transport.size
-        from mpidag._debug import configure_logging
-
+        transport = MPITransport(cuda_aware=config.cuda_aware,
+                                 recv_cache_bytes=config.recv_cache_bytes)
         if problem is None:
             try:
-                configure_logging(my_rank)
+                configure_logging(transport.rank, config.log_level)
             except ValueError as exc:
                 problem = exc
-        if problem is None and rank not in (-1, None) and rank != my_rank:
-            problem = ValueError(
-                f"init_rpc(rank={rank!r}) but this process is MPI rank {my_rank} of {size}: "
-                f"ranks come from the MPI launcher; omit rank= or pass the MPI rank"
-            )
-        if problem is None and size == 1:
+        if problem is None and transport.size == 1:
             problem = _singleton_of_a_larger_launch()
-        if problem is None and world_size is not None and world_size != size:
-            problem = ValueError(
-                f"init_rpc(world_size={world_size!r}) but the MPI job has {size} ranks: "
-                f"launch with `python -m mpidag.run -n {world_size} ...` or omit world_size="
-            )
-        my_name = name if name is not None else f"worker{my_rank}"
-        maps = {k: {str(a): str(b) for a, b in v.items()}
-                for k, v in (options.device_maps if options else {}).items()}
-        gathered = transport.comm.allgather(
-            (my_name, None if problem is None else f"{type(problem).__name__}: {problem}", maps)
-        )
-        if problem is None:
-            problem = _check_gathered(gathered, my_rank)
-        if problem is not None:
-            transport.close(collective=True)
-            raise problem
-        workers = [WorkerInfo(n, r) for r, (n, _, _) in enumerate(gathered)]
-        device_maps = {
-            n: {peer: {torch.device(a): torch.device(b) for a, b in m.items()}
-                for peer, m in mp.items()}
-            for (n, _, mp) in gathered
-        }
-        agent = RpcAgent(transport, workers, options, device_maps)
-        _agent = agent  # before the threads start: a request may already be waiting
-        _freeze_heap()
-        agent.start()
+        runtime = Runtime.connect(transport, name=name, rank=rank, world_size=world_size,
+                                  options=options, config=config, rref_type=RRef,
+                                  problem=problem)
+        # current before serving starts: a request that is already waiting may run user
+        # code that calls the public API
+        _runtime.install(runtime)
+        if config.gc_freeze:
+            _freeze_heap()
+        runtime.serve()
         _install_process_hooks()
-        log.debug("RPC started on %s", agent.where())
+        log.debug("RPC started on %s", runtime.where())
 
 
 def _singleton_of_a_larger_launch() -> Exception | None:
     """An error when the launcher started several tasks but MPI put each in a world of its
     own (``srun --mpi=pmi2`` with Open MPI, or a launcher of another MPI than mpi4py's):
     every task would otherwise run alone as worker0 and "succeed"."""
-    import os
-
     for variable in ("SLURM_STEP_NUM_TASKS", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
         value = os.environ.get(variable, "")
         if value.isdigit() and int(value) > 1:
@@ -180,12 +152,8 @@ def _freeze_heap() -> None:
     Objects alive now are still freed by reference counting; only cycles among them are
     never collected. ``MPIDAG_GC_FREEZE=0`` turns this off.
     """
-    import gc
-    import os
-
-    if os.environ.get("MPIDAG_GC_FREEZE", "1") != "0":
-        gc.collect()
-        gc.freeze()
+    gc.collect()
+    gc.freeze()
 
 
 def _check_init_arguments(name, backend, rank, world_size) -> Exception | None:
@@ -201,25 +169,6 @@ def _check_init_arguments(name, backend, rank, world_size) -> Exception | None:
     return None
 
 
-def _check_gathered(gathered: list, my_rank: int) -> Exception | None:
-    failed = [(r, err) for r, (_, err, _) in enumerate(gathered) if err is not None]
-    if failed:
-        ranks = ", ".join(f"rank {r} ({err})" for r, err in failed)
-        return RPCError(f"init_rpc failed on {ranks}; no rank started RPC")
-    names = [n for n, _, _ in gathered]
-    if len(set(names)) != len(names):
-        dup = sorted({n for n in names if names.count(n) > 1})
-        return ValueError(f"worker names must be unique, but {dup} are used by several ranks: "
-                          f"{names}")
-    for rank, (_, _, maps) in enumerate(gathered):
-        unknown = sorted(set(maps) - set(names))
-        if unknown:
-            cls = UnknownWorkerError if rank == my_rank else RPCError
-            return cls(f"the device maps of rank {rank} name unknown workers {unknown}; "
-                       f"workers: {names}")
-    return None
-
-
 def _install_process_hooks() -> None:
     """At exit, shut down a forgotten agent; on an uncaught error, abort the job."""
     global _hooks_installed
@@ -227,31 +176,28 @@ def _install_process_hooks() -> None:
         return
     _hooks_installed = True
     atexit.register(_shutdown_at_exit)
-    from mpidag._debug import install_signal_dump
-
     install_signal_dump()  # `kill -USR1 <pid>`: thread stacks, calls in flight, RRefs
     previous = sys.excepthook
 
     def abort_on_uncaught(exc_type, exc, tb):
         previous(exc_type, exc, tb)
-        agent = _agent
-        import os
-
-        if agent is not None and os.environ.get("MPIDAG_ABORT_ON_ERROR", "1") != "0":
+        runtime = _runtime.current_or_none()
+        if runtime is not None and runtime.config.abort_on_error:
             sys.stderr.write(
-                f"mpidag: uncaught {exc_type.__name__} on {agent.where()}; aborting the MPI "
+                f"mpidag: uncaught {exc_type.__name__} on {runtime.where()}; aborting the MPI "
                 f"job so that the other ranks do not wait for this one forever\n"
             )
             sys.stderr.flush()
-            agent.transport.abort(1)
+            runtime.transport.abort(1)
 
     sys.excepthook = abort_on_uncaught
 
 
 def _shutdown_at_exit() -> None:
-    if _agent is not None:
+    runtime = _runtime.current_or_none()
+    if runtime is not None:
         log.warning("%s exits without mpidag.rpc.shutdown(); shutting down gracefully",
-                    _agent.where())
+                    runtime.where())
         shutdown(graceful=True)
 
 
@@ -270,37 +216,12 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
         >>> fut = rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 1))
         >>> rpc.shutdown()       # waits for fut's reply and for every rank
     """
-    global _agent
-    with _init_lock:
-        agent = current_agent()
+    with _runtime.lifecycle_lock:
+        runtime = _runtime.current()
         try:
-            if graceful:
-                deadline = time.monotonic() + timeout if timeout > 0 else None
-                agent.wait_quiescent(timeout)
-                for hook in agent.shutdown_hooks:  # e.g. release leftover user RRefs
-                    hook(agent)
-                # A second round on every rank, hooks or not: the number of collectives
-                # must not depend on what a rank used (only some ranks hold RRefs).
-                left = 0.0 if deadline is None else max(1e-3, deadline - time.monotonic())
-                agent.wait_quiescent(left)
-                _report_leaks(agent)
-        except BaseException:
-            agent.stop(graceful=False)
-            _agent = None
-            raise
-        agent.stop(graceful=graceful)
-        _agent = None
-
-
-def _report_leaks(agent: RpcAgent) -> None:
-    ctx = getattr(agent, "rref_context", None)
-    if ctx is None:
-        return
-    stuck = [rec for rec in ctx.owners.values() if rec.forks or rec.tombstones]
-    if stuck:
-        log.warning("%s: %d owner RRef(s) still have user forks after shutdown (a protocol "
-                    "message was lost?): %s", agent.where(), len(stuck),
-                    [f"0x{rec.rref_id:x}" for rec in stuck[:5]])
+            runtime.shutdown(graceful, timeout)
+        finally:
+            _runtime.uninstall(runtime)
 
 
 def _get_debug_info() -> dict[str, int]:
@@ -311,46 +232,7 @@ def _get_debug_info() -> dict[str, int]:
         >>> rpc.api._get_debug_info()["num_owner_rrefs"]
         0
     """
-    agent = current_agent()
-    info = {
-        "rank": agent.rank,
-        "num_pending_requests": len(agent._pending),
-        "thread_pool_size": agent.options.num_worker_threads,
-        "messages_sent": agent.sent,
-        "messages_processed": agent.processed,
-    }
-    ctx = getattr(agent, "rref_context", None)
-    if ctx is None:
-        from mpidag.rref.context import RRefContext
-
-        ctx = RRefContext.of(agent)
-    info.update(ctx.debug_info())
-    if agent.autograd is not None:
-        info.update(agent.autograd.debug_info())
-    return info
-
-
-def _to_rank(agent: RpcAgent, to: str | WorkerInfo | int) -> int:
-    if isinstance(to, str):
-        info = agent.by_name.get(to)
-        if info is None:
-            raise UnknownWorkerError(
-                f"unknown destination worker {to!r}; workers: {sorted(agent.by_name)}"
-            )
-        return info.id
-    if isinstance(to, WorkerInfo):
-        if not 0 <= to.id < agent.world_size or agent.workers[to.id] != to:
-            raise UnknownWorkerError(f"{to!r} is not a worker of this job; workers: "
-                                     f"{agent.workers}")
-        return to.id
-    if isinstance(to, int) and not isinstance(to, bool):
-        if not 0 <= to < agent.world_size:
-            raise UnknownWorkerError(
-                f"unknown destination rank {to!r}; ranks are 0..{agent.world_size - 1}"
-            )
-        return to
-    raise TypeError(f"`to` must be a worker name, a WorkerInfo or a rank, got "
-                    f"{type(to).__name__}")
+    return _runtime.current().debug_info()
 
 
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
@@ -361,18 +243,10 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
         >>> rpc.get_worker_info()
         WorkerInfo(id=0, name=worker0)
     """
-    agent = current_agent()
+    runtime = _runtime.current()
     if worker_name is None:
-        return agent.info
-    return agent.workers[_to_rank(agent, worker_name)]
-
-
-def _check_call(func: Callable, args: Any, kwargs: Any) -> tuple[tuple, dict]:
-    if not callable(func):
-        raise TypeError(f"function should be callable, got {type(func).__name__}")
-    args = tuple(args) if args else ()
-    kwargs = dict(kwargs) if kwargs else {}
-    return args, kwargs
+        return runtime.agent.info
+    return runtime.agent.workers[runtime.to_rank(worker_name)]
 
 
 def rpc_async(to: str | WorkerInfo | int, func: Callable, args: tuple | None = None,
@@ -389,9 +263,9 @@ def rpc_async(to: str | WorkerInfo | int, func: Callable, args: tuple | None = N
         >>> fut.wait()
         tensor([4., 4.])
     """
-    agent = current_agent()
-    args, kwargs = _check_call(func, args, kwargs)
-    return agent.call(_to_rank(agent, to), func, args, kwargs, timeout)
+    runtime = _runtime.current()
+    args, kwargs = check_call(func, args, kwargs)
+    return runtime.agent.call(runtime.to_rank(to), func, args, kwargs, timeout)
 
 
 def rpc_sync(to: str | WorkerInfo | int, func: Callable, args: tuple | None = None,
@@ -406,6 +280,7 @@ def rpc_sync(to: str | WorkerInfo | int, func: Callable, args: tuple | None = No
         >>> rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 3))
         tensor([4., 4.])
     """
-    agent = current_agent()
-    args, kwargs = _check_call(func, args, kwargs)
-    return agent.wait(agent.call(_to_rank(agent, to), func, args, kwargs, timeout), timeout)
+    runtime = _runtime.current()
+    args, kwargs = check_call(func, args, kwargs)
+    agent = runtime.agent
+    return agent.wait(agent.call(runtime.to_rank(to), func, args, kwargs, timeout), timeout)

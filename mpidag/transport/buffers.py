@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import mmap
-import os
 import threading
 import weakref
 
@@ -32,7 +31,8 @@ SIZE_CLASS = 2 << 20  # one x86 huge page
 class ReceiveBufferCache:
     """Hands out writable ``uint8`` tensors of exactly ``nbytes``, recycling their memory.
 
-    ``limit`` bounds the bytes kept in free blocks (``MPIDAG_RECV_CACHE_MB``, default 1024).
+    ``limit`` bounds the bytes kept in free blocks (``MPIDAG_RECV_CACHE_MB``, 1 GiB by
+    default).
 
     Example::
 
@@ -43,9 +43,7 @@ class ReceiveBufferCache:
         torch.Size([67108864])
     """
 
-    def __init__(self, limit: int | None = None) -> None:
-        if limit is None:
-            limit = int(float(os.environ.get("MPIDAG_RECV_CACHE_MB", "1024")) * (1 << 20))
+    def __init__(self, limit: int = 1 << 30) -> None:
         self.limit = limit
         # free blocks by size class, each an LRU (oldest first) keyed by id(block)
         self._free: dict[int, collections.OrderedDict[int, mmap.mmap]] = {}

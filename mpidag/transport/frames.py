@@ -9,7 +9,24 @@ Frame 0 layout (little endian)::
 
     HEADER | payload pickle | tensor specs (struct) | pad to 16 | inline tensors (16-aligned)
 
-This module does not import MPI; :mod:`mpidag.transport.mpi` moves the frames.
+A payload pickle larger than :data:`PAYLOAD_FRAME_LIMIT` does not go into frame 0: it
+travels as a frame of its own, the first one on the message's data tag (so frame 0 stays
+small and the payload is never copied into it); its 64-bit length is in the header, so any
+size arrives.
+
+What the pickler takes out of the pickle (into the tensor table, sent as raw bytes):
+
+* tensors, also subclasses of ``torch.Tensor`` (rebuilt as their class on arrival, with their
+  ``__dict__``, and still attached to the autograd graph on the sender, so distributed
+  autograd records them like plain tensors);
+* ``nn.Parameter``: see :class:`_TensorPickler`;
+* numpy arrays of the dtypes torch can hold (sent zero-copy, rebuilt as numpy arrays);
+* objects of types registered by the layers above in a :class:`Codecs` (RRefs): reduced by
+  their layer's function to a name and a state, rebuilt by the function registered for the
+  name on the receiving side.
+
+This module does not import MPI; :mod:`mpidag.transport.base` and its subclasses move the
+frames.
 """
 
 from __future__ import annotations
@@ -22,22 +39,31 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = [
     "HEADER",
     "INLINE_LIMIT",
+    "PAYLOAD_FRAME_LIMIT",
+    "Codecs",
     "Envelope",
+    "Header",
     "TensorSpec",
     "dumps",
     "loads",
     "byte_view",
 ]
 
-#: kind, flags, n_tensors, data_tag, request_id, context_id, message_id, payload, specs, inline
-HEADER = struct.Struct("<BBHIqqqIII")
+#: kind, flags, wire flags, n_tensors, data_tag, request_id, context_id, message_id,
+#: payload length (64 bits), specs length, inline length
+HEADER = struct.Struct("<BBBHIqqqQII")
 #: tensors are copied into frame 0 while the inline part stays below this many bytes
 INLINE_LIMIT = 32 * 1024
+#: a payload pickle above this many bytes travels as a frame of its own
+PAYLOAD_FRAME_LIMIT = 1 << 20
+#: wire flag: the payload is the first frame on the data tag, not part of frame 0
+WIRE_PAYLOAD_FRAME = 1
 ALIGN = 16
 
 
@@ -100,6 +126,38 @@ class Envelope:
     src: int = -1  # filled in by the transport on receipt
 
 
+class Codecs:
+    """Types that the layers above the transport pickle by their own rule.
+
+    ``register(cls, name, reduce, rebuild)``: an object of exactly ``cls`` is pickled as
+    ``(name, reduce(obj))``; on the receiving side ``rebuild(state)`` makes the object. Each
+    agent has one ``Codecs`` (its RRef layer registers the RRef type in it), so the objects
+    are rebuilt by the layer of the agent that receives them, with no global lookup.
+
+    Example::
+
+        >>> codecs = Codecs()
+        >>> codecs.register(Point, "point", lambda p: (p.x, p.y), lambda s: Point(*s))
+        >>> payload, tensors = dumps([Point(1, 2)], codecs=codecs)
+        >>> loads(payload, tensors, codecs)
+        [Point(x=1, y=2)]
+    """
+
+    __slots__ = ("reducers", "rebuilders")
+
+    def __init__(self) -> None:
+        self.reducers: dict[type, tuple[str, Callable[[Any], Any]]] = {}
+        self.rebuilders: dict[str, Callable[[Any], Any]] = {}
+
+    def register(self, cls: type, name: str, reduce: Callable[[Any], Any],
+                 rebuild: Callable[[Any], Any]) -> None:
+        if name in self.rebuilders:
+            raise ValueError(f"a codec named {name!r} is already registered")
+        self.reducers[cls] = (name, reduce)
+        self.rebuilders[name] = rebuild
+
+
+_NO_CODECS = Codecs()
 _local = threading.local()
 
 
@@ -108,16 +166,50 @@ def _from_table(index: int) -> torch.Tensor:
     return _local.table[index]
 
 
-def _parameter_from_table(index: int, requires_grad: bool) -> torch.nn.Parameter:
-    """Unpickling hook: a new ``nn.Parameter`` around the ``index``-th received tensor."""
-    return torch.nn.Parameter(_local.table[index], requires_grad=requires_grad)
+def _parameter_from_table(index: int, requires_grad: bool,
+                          cls: type = torch.nn.Parameter) -> torch.nn.Parameter:
+    """Unpickling hook: a new ``nn.Parameter`` (or subclass) around a received tensor."""
+    param = torch.nn.Parameter(_local.table[index], requires_grad=requires_grad)
+    return param if cls is torch.nn.Parameter else param.as_subclass(cls)
+
+
+def _subclass_from_table(index: int, cls: type, state: dict | None) -> torch.Tensor:
+    """Unpickling hook: a received tensor as an instance of its tensor subclass ``cls``
+    (an alias that stays attached to the received tensor's autograd node)."""
+    tensor = _local.table[index].as_subclass(cls)
+    if state:
+        tensor.__dict__.update(state)
+    return tensor
+
+
+def _numpy_from_table(index: int) -> np.ndarray:
+    """Unpickling hook: a received tensor as the numpy array it was sent as (no copy)."""
+    return _local.table[index].numpy()
+
+
+def _from_codec(name: str, state: Any) -> Any:
+    """Unpickling hook: an object pickled by a :class:`Codecs` rule."""
+    return _local.codecs.rebuilders[name](state)
+
+
+def _numpy_as_tensor(array: np.ndarray) -> torch.Tensor | None:
+    """The array as a tensor sharing its memory, or ``None`` when torch cannot hold it."""
+    if not array.dtype.isnative or array.dtype.hasobject or any(s < 0 for s in array.strides):
+        return None
+    try:
+        tensor = torch.from_numpy(array)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return tensor if tensor.dtype in DTYPE_CODE else None
 
 
 class _TensorPickler(pickle.Pickler):
-    """Pickler that moves every tensor into ``self.tensors`` and pickles its index.
+    """Pickler that moves tensors (and numpy arrays) into ``self.tensors`` and pickles their
+    index, and pickles registered types by their :class:`Codecs` rule.
 
-    Only tensors reach Python code (through ``dispatch_table``), so pickling costs the same
-    as plain ``pickle.dumps`` for everything else. One instance per thread is reused.
+    ``reducer_override`` is only consulted for objects that are not builtin scalars or
+    containers, so everything else pickles at the speed of plain ``pickle.dumps``. One
+    instance per thread is reused.
 
     ``nn.Parameter``: where ``detach_rule()`` says so (torch's rule for what its RPC
     pickles: the arguments and results of Python functions), it travels as torch's own
@@ -134,33 +226,58 @@ class _TensorPickler(pickle.Pickler):
         self.busy = False
         self.detach_rule: Callable[[], bool] = _always
         self.detach_answer: bool | None = None  # the rule's answer, asked once per message
-        self.dispatch_table = {torch.Tensor: self._reduce_tensor,
-                               torch.nn.Parameter: self._reduce_parameter}
+        self.codecs = _NO_CODECS
 
-    def _reduce_tensor(self, tensor: torch.Tensor) -> tuple:
-        # the memo maps a tensor seen twice to one entry, so it arrives once
+    def reducer_override(self, obj: Any) -> Any:
+        cls = type(obj)
+        if cls is torch.Tensor:
+            return self._reduce_tensor(obj)
+        codec = self.codecs.reducers.get(cls)
+        if codec is not None:
+            return _from_codec, (codec[0], codec[1](obj))
+        if isinstance(obj, torch.Tensor):
+            if isinstance(obj, torch.nn.Parameter):
+                return self._reduce_parameter(obj)
+            state = getattr(obj, "__dict__", None) or None
+            return _subclass_from_table, (self._add(obj.as_subclass(torch.Tensor))[1][0],
+                                          cls, state)
+        if cls is np.ndarray:
+            tensor = _numpy_as_tensor(obj)
+            if tensor is not None:
+                return _numpy_from_table, self._add(tensor)[1]
+        return NotImplemented
+
+    def _add(self, tensor: torch.Tensor) -> tuple:
+        # the memo maps an object seen twice to one entry, so it arrives once
         self.tensors.append(tensor)
         return _from_table, (len(self.tensors) - 1,)
+
+    def _reduce_tensor(self, tensor: torch.Tensor) -> tuple:
+        return self._add(tensor)
 
     def _reduce_parameter(self, param: torch.nn.Parameter) -> tuple:
         if self.detach_answer is None:
             self.detach_answer = bool(self.detach_rule())
         if not self.detach_answer:
-            return self._reduce_tensor(param)
+            if type(param) is torch.nn.Parameter:
+                return self._add(param)
+            return _subclass_from_table, (self._add(param.as_subclass(torch.Tensor))[1][0],
+                                          type(param), None)
         self.tensors.append(param.detach())
-        return _parameter_from_table, (len(self.tensors) - 1, param.requires_grad)
+        return _parameter_from_table, (len(self.tensors) - 1, param.requires_grad, type(param))
 
 
 def _always() -> bool:
     return True
 
 
-def dumps(obj: Any, detach_parameters: Callable[[], bool] = _always
-          ) -> tuple[bytes, list[torch.Tensor]]:
+def dumps(obj: Any, detach_parameters: Callable[[], bool] = _always,
+          codecs: Codecs = _NO_CODECS) -> tuple[bytes, list[torch.Tensor]]:
     """Pickle ``obj`` with its tensors taken out; returns ``(payload, tensors)``.
 
     ``detach_parameters()`` (asked once, at the first ``nn.Parameter``) tells how
-    parameters travel: see :class:`_TensorPickler`.
+    parameters travel: see :class:`_TensorPickler`. ``codecs``: types pickled by the rules
+    of the layers above (see :class:`Codecs`).
 
     Example::
 
@@ -179,6 +296,7 @@ def dumps(obj: Any, detach_parameters: Callable[[], bool] = _always
     pickler.tensors = tensors = []
     pickler.busy = True
     pickler.detach_rule, pickler.detach_answer = detach_parameters, None
+    pickler.codecs = codecs
     try:
         pickler.dump(obj)
         return buffer.getvalue(), tensors
@@ -186,19 +304,22 @@ def dumps(obj: Any, detach_parameters: Callable[[], bool] = _always
         pickler.clear_memo()
         pickler.tensors = []
         pickler.detach_rule = _always
+        pickler.codecs = _NO_CODECS
         pickler.busy = False
+        if buffer.tell() > PAYLOAD_FRAME_LIMIT and getattr(_local, "pickler", None) is pickler:
+            _local.pickler = None  # do not keep a large buffer per thread
 
 
-def loads(payload: bytes | memoryview, tensors: list[torch.Tensor]) -> Any:
-    """Inverse of :func:`dumps`: unpickle ``payload``, putting ``tensors`` back in place."""
-    if not tensors:
-        return pickle.loads(payload)
-    previous = getattr(_local, "table", None)
-    _local.table = tensors
+def loads(payload: bytes | memoryview, tensors: list[torch.Tensor],
+          codecs: Codecs = _NO_CODECS) -> Any:
+    """Inverse of :func:`dumps`: unpickle ``payload``, putting ``tensors`` back in place and
+    rebuilding registered types with ``codecs``."""
+    previous = getattr(_local, "table", None), getattr(_local, "codecs", None)
+    _local.table, _local.codecs = tensors, codecs
     try:
         return pickle.loads(payload)
     finally:
-        _local.table = previous
+        _local.table, _local.codecs = previous
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -270,19 +391,30 @@ def _copy_into(frame: bytearray, start: int, tensor: torch.Tensor) -> None:
 
 
 def encode(env: Envelope, devices: list[str], data_tag: int
-           ) -> tuple[bytearray | bytes, list[torch.Tensor]]:
-    """Build frame 0 and the list of tensors sent as frames of their own.
-
-    ``devices[i]`` is where tensor ``i`` must land on the receiver.
+           ) -> tuple[bytearray | bytes, list[torch.Tensor | memoryview]]:
+    """Build frame 0 and the list of what follows as frames of their own, in order: the
+    payload (a ``memoryview``) when it is larger than :data:`PAYLOAD_FRAME_LIMIT`, then the
+    tensors that do not fit inline. ``devices[i]`` is where tensor ``i`` must land on the
+    receiver. Frames after frame 0 exist only with a ``data_tag`` (non-zero).
     """
     tensors = env.tensors
+    payload = env.payload
+    separate: list[torch.Tensor | memoryview] = []
+    wire = 0
+    if len(payload) > PAYLOAD_FRAME_LIMIT:
+        if not data_tag:
+            raise ValueError("a payload sent as its own frame needs a data tag")
+        wire = WIRE_PAYLOAD_FRAME
+        separate.append(memoryview(payload))
+        in_frame0 = b""
+    else:
+        in_frame0 = payload
     if not tensors:
-        header = HEADER.pack(env.kind, env.flags, 0, 0, env.request_id, env.context_id,
-                             env.message_id, len(env.payload), 0, 0)
-        return header + env.payload, []
+        header = HEADER.pack(env.kind, env.flags, wire, 0, data_tag, env.request_id,
+                             env.context_id, env.message_id, len(payload), 0, 0)
+        return header + in_frame0, separate
     packed: list[bytes] = []
     inline: list[tuple[int, torch.Tensor]] = []
-    separate: list[torch.Tensor] = []
     inline_total = 0
     for tensor, device in zip(tensors, devices, strict=True):
         nbytes = tensor.nbytes
@@ -296,32 +428,46 @@ def encode(env: Envelope, devices: list[str], data_tag: int
             packed.append(pack_spec(tensor, device, -1))
             separate.append(tensor)
     specs_blob = b"".join(packed)
-    head_len = HEADER.size + len(env.payload) + len(specs_blob)
+    head_len = HEADER.size + len(in_frame0) + len(specs_blob)
     inline_start = _align(head_len)
     frame = bytearray(inline_start + inline_total)
-    HEADER.pack_into(frame, 0, env.kind, env.flags, len(tensors), data_tag, env.request_id,
-                     env.context_id, env.message_id, len(env.payload), len(specs_blob),
-                     inline_total)
+    HEADER.pack_into(frame, 0, env.kind, env.flags, wire, len(tensors), data_tag,
+                     env.request_id, env.context_id, env.message_id, len(payload),
+                     len(specs_blob), inline_total)
     pos = HEADER.size
-    frame[pos:pos + len(env.payload)] = env.payload
-    pos += len(env.payload)
+    frame[pos:pos + len(in_frame0)] = in_frame0
+    pos += len(in_frame0)
     frame[pos:pos + len(specs_blob)] = specs_blob
     for offset, tensor in inline:
         _copy_into(frame, inline_start + offset, tensor)
     return frame, separate
 
 
-def decode_header(frame: bytearray | bytes) -> tuple[Envelope, int, list[TensorSpec], int]:
-    """Parse frame 0: returns ``(envelope without tensors, data_tag, specs, inline_start)``."""
-    (kind, flags, n_tensors, data_tag, request_id, context_id, message_id, payload_len,
+@dataclass(slots=True)
+class Header:
+    """What frame 0 says about a message, besides the envelope fields."""
+
+    data_tag: int
+    specs: list[TensorSpec]
+    inline_start: int
+    payload_length: int
+    payload_separate: bool  # the payload is the first frame on the data tag
+
+
+def decode_header(frame: bytearray | bytes) -> tuple[Envelope, Header]:
+    """Parse frame 0: returns the envelope (without tensors; without payload when that
+    travels as its own frame) and the :class:`Header` that says what follows."""
+    (kind, flags, wire, n_tensors, data_tag, request_id, context_id, message_id, payload_len,
      specs_len, _inline_len) = HEADER.unpack_from(frame, 0)
     view = memoryview(frame)
     pos = HEADER.size
-    payload = view[pos:pos + payload_len]
+    separate = bool(wire & WIRE_PAYLOAD_FRAME)
+    in_frame0 = 0 if separate else payload_len
+    payload = b"" if separate else view[pos:pos + payload_len]
     specs: list[TensorSpec] = []
     inline_start = 0
     if n_tensors:
-        pos += payload_len
+        pos += in_frame0
         end = pos + specs_len
         while pos < end:
             spec, pos = TensorSpec.unpack_from(view, pos)
@@ -329,7 +475,7 @@ def decode_header(frame: bytearray | bytes) -> tuple[Envelope, int, list[TensorS
         inline_start = _align(end)
     env = Envelope(kind=kind, request_id=request_id, flags=flags, context_id=context_id,
                    message_id=message_id, payload=payload)
-    return env, data_tag, specs, inline_start
+    return env, Header(data_tag, specs, inline_start, payload_len, separate)
 
 
 def inline_tensor(frame: bytearray, inline_start: int, spec: TensorSpec) -> torch.Tensor:

@@ -1,42 +1,40 @@
 """MPI point-to-point transport on a private duplicate of ``COMM_WORLD``.
 
 Every message starts with frame 0 on tag 0 (header, payload, tensor specs, small tensors
-inline). Larger tensors follow as frames of their own on a data tag that is unique per
-message and named in the header, so frames of messages sent concurrently by several threads
-never mix. The receiver takes frame 0 with a matched probe (``improbe``, safe with several
-threads), allocates each tensor once and receives straight into it. Frames above
-:data:`CHUNK` bytes go in chunks, so tensors over 2**31 bytes work on any MPI.
+inline). A large payload and larger tensors follow as frames of their own on a data tag
+that is unique per message and named in the header, so frames of messages sent
+concurrently by several threads never mix. The receiver takes frame 0 with a matched probe
+(``improbe``, safe with several threads), allocates each tensor once and receives straight
+into it. Frames above :data:`~mpidag.transport.base.CHUNK` bytes go in chunks, so frames
+over 2**31 bytes work on any MPI.
 
-CUDA tensors: with a CUDA-aware MPI (detected at start, or forced by ``MPIDAG_CUDA_AWARE=0/1``)
-device buffers are sent and received directly; otherwise they are staged through host memory.
-The wire format is the same either way, so the two ends decide independently.
+CUDA tensors: with a CUDA-aware MPI (detected at start, or forced by ``MPIDAG_CUDA_AWARE``)
+device buffers are sent and received directly; otherwise they are staged through host
+memory. The wire format is the same either way, so the two ends decide independently.
+
+This is the only module of mpidag that imports ``mpi4py.MPI``, and only when a transport
+is made (``init_rpc``), never at import time.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import ctypes
-import itertools
 import logging
-import os
 import threading
-import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from mpidag.transport import frames
-from mpidag.transport.buffers import ReceiveBufferCache
-from mpidag.transport.frames import Envelope, TensorSpec
+from mpidag._backoff import Backoff
+from mpidag.transport.base import CHUNK, FramedTransport
 
-__all__ = ["MPITransport", "CHUNK", "detect_cuda_aware"]
+__all__ = ["CHUNK", "HEADER_TAG", "MPITransport", "detect_cuda_aware"]
 
 log = logging.getLogger(__name__)
 
 HEADER_TAG = 0
-#: largest single MPI transfer of a tensor frame, in bytes (counts stay below 2**31)
-CHUNK = 1 << 30
 
 
 def _libmpi_paths() -> list[str]:
@@ -47,20 +45,19 @@ def _libmpi_paths() -> list[str]:
         return []
 
 
-def detect_cuda_aware() -> bool:
+def detect_cuda_aware(forced: bool | None = None) -> bool:
     """Whether the MPI library can send and receive CUDA device buffers.
 
-    ``MPIDAG_CUDA_AWARE=1`` or ``0`` decides; otherwise ask the library
-    (``MPIX_Query_cuda_support`` of Open MPI and MPICH); without CUDA, ``False``.
+    ``forced`` (``MPIDAG_CUDA_AWARE=1/0``, read at ``init_rpc``) decides; otherwise ask the
+    library (``MPIX_Query_cuda_support`` of Open MPI and MPICH); without CUDA, ``False``.
 
     Example::
 
         >>> detect_cuda_aware()  # on a machine without a GPU
         False
     """
-    forced = os.environ.get("MPIDAG_CUDA_AWARE")
     if forced is not None:
-        return forced.strip().lower() in ("1", "true", "yes", "on")
+        return forced
     if not torch.cuda.is_available():
         return False
     for path in _libmpi_paths():
@@ -74,11 +71,11 @@ def detect_cuda_aware() -> bool:
     return False
 
 
-class MPITransport:
-    """Moves :class:`~mpidag.transport.frames.Envelope` objects between ranks.
+class MPITransport(FramedTransport):
+    """Moves envelopes between the ranks of ``COMM_WORLD`` (or of ``base_comm``).
 
-    ``send`` may be called from any thread at once; ``poll`` by one thread at a time (the
-    progress engine's leader). Calls to the own rank never touch MPI.
+    Calls to the own rank never touch MPI. When the MPI library does not provide
+    ``MPI_THREAD_MULTIPLE``, one lock serializes the MPI calls.
 
     Example::
 
@@ -88,89 +85,37 @@ class MPITransport:
         b'hi'
     """
 
-    def __init__(self, base_comm=None) -> None:
+    def __init__(self, base_comm: Any = None, *, cuda_aware: bool | None = None,
+                 recv_cache_bytes: int = 1 << 30) -> None:
         from mpi4py import MPI
 
         self._MPI = MPI
         base = MPI.COMM_WORLD if base_comm is None else base_comm
         self.comm = base.Dup()
         self.comm.Set_name("mpidag")
-        self.rank: int = self.comm.Get_rank()
-        self.size: int = self.comm.Get_size()
+        tag_ub = self.comm.Get_attr(MPI.TAG_UB) or 32767
+        super().__init__(self.comm.Get_rank(), self.comm.Get_size(), int(tag_ub) - 1,
+                         recv_cache_bytes)
         self.thread_multiple = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
         self._mpi_lock: contextlib.AbstractContextManager = (
             contextlib.nullcontext() if self.thread_multiple else threading.RLock()
         )
-        tag_ub = self.comm.Get_attr(MPI.TAG_UB) or 32767
-        self._n_data_tags = int(tag_ub) - 1  # data tags are 1..tag_ub
-        self._tag_counter = itertools.count()
-        self._loopback: collections.deque[Envelope] = collections.deque()
         self._status = MPI.Status()
-        self.cuda_aware = detect_cuda_aware()
-        self.recv_cache = ReceiveBufferCache()
-        self.closed = False
-        #: test hook: ``hook(dst, envelope, devices)``; returning True means the hook took
-        #: the message and will call :meth:`send_now` itself (later: delays, reordering)
-        self.send_hook: Callable[[int, Envelope, list[str]], bool] | None = None
+        self.cuda_aware = detect_cuda_aware(cuda_aware)
 
-    # ------------------------------------------------------------------ sending
-    def send(self, dst: int, env: Envelope, devices: list[str]) -> None:
-        """Send ``env`` to rank ``dst``; ``devices[i]`` is where tensor ``i`` lands there."""
-        hook = self.send_hook
-        if hook is not None and hook(dst, env, devices):
-            return
-        self.send_now(dst, env, devices)
-
-    def send_now(self, dst: int, env: Envelope, devices: list[str]) -> None:
-        """:meth:`send` without the test hook."""
-        if dst == self.rank:
-            self._loopback.append(self._loopback_copy(env, devices))
-            return
-        data_tag = 1 + next(self._tag_counter) % self._n_data_tags if env.tensors else 0
-        frame0, separate = frames.encode(env, devices, data_tag)
-        MPI = self._MPI
+    # ------------------------------------------------------- moving bytes
+    def _send_frame0(self, dst: int, frame0: bytes | bytearray) -> None:
         with self._mpi_lock:
-            self.comm.Send([frame0, MPI.BYTE], dst, HEADER_TAG)
-        for tensor in separate:
-            self._send_tensor(tensor, dst, data_tag)
+            self.comm.Send([frame0, self._MPI.BYTE], dst, HEADER_TAG)
 
-    def _send_tensor(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        src = frames.byte_view(tensor)
-        if src.is_cuda:
-            if self.cuda_aware:
-                torch.cuda.current_stream(src.device).synchronize()
-            else:
-                src = src.cpu()
-        buf = src.numpy() if src.device.type == "cpu" else src
-        total = src.numel()
-        for start in range(0, total, CHUNK):
-            self._wait(self.comm.Isend(buf[start:start + CHUNK], dst, tag))
-
-    def _wait(self, request) -> None:
-        if self.thread_multiple:
-            request.Wait()
-            return
-        while True:
+    def _send_frame(self, dst: int, tag: int, buffer: Any) -> None:
+        BYTE = self._MPI.BYTE
+        for start in range(0, len(buffer), CHUNK):
             with self._mpi_lock:
-                if request.Test():
-                    return
-            time.sleep(0)
+                request = self.comm.Isend([buffer[start:start + CHUNK], BYTE], dst, tag)
+            self._wait(request)
 
-    def _loopback_copy(self, env: Envelope, devices: list[str]) -> Envelope:
-        tensors = []
-        for tensor, device in zip(env.tensors, devices, strict=True):
-            spec = frames.make_spec(tensor, device, -1)
-            copy = tensor.detach().to(device, copy=True)
-            tensors.append(frames.finish_tensor(copy, spec))
-        return Envelope(kind=env.kind, request_id=env.request_id, flags=env.flags,
-                        context_id=env.context_id, message_id=env.message_id,
-                        payload=bytes(env.payload), tensors=tensors, src=self.rank)
-
-    # ---------------------------------------------------------------- receiving
-    def poll(self) -> Envelope | None:
-        """Receive one message if one is waiting, else return ``None`` at once."""
-        if self._loopback:
-            return self._loopback.popleft()
+    def _probe(self) -> tuple[int, bytearray] | None:
         MPI = self._MPI
         status = self._status
         with self._mpi_lock:
@@ -179,47 +124,33 @@ class MPITransport:
                 return None
             frame0 = bytearray(status.Get_count(MPI.BYTE))
             message.Recv([frame0, MPI.BYTE])
-        src = status.Get_source()
-        env, data_tag, specs, inline_start = frames.decode_header(frame0)
-        env.src = src
-        if specs:
-            env.tensors = [self._receive_tensor(frame0, inline_start, spec, src, data_tag)
-                           for spec in specs]
-        return env
+        return status.Get_source(), frame0
 
-    def _receive_tensor(self, frame0: bytearray, inline_start: int, spec: TensorSpec,
-                        src: int, tag: int) -> torch.Tensor:
-        device = spec.device
-        on_gpu = device.startswith("cuda")
-        if on_gpu and not torch.cuda.is_available():
-            log.error("a CUDA tensor for %s arrived from rank %d but this rank has no GPU; "
-                      "keeping it on the CPU (set a device map for this peer)", device, src)
-            device, on_gpu = "cpu", False
-        if spec.nbytes == 0:
-            t = torch.empty(spec.shape, dtype=spec.dtype, device=device)
-        elif spec.inline_offset >= 0:
-            t = frames.inline_tensor(frame0, inline_start, spec)
-            if on_gpu:
-                t = t.to(device)
-        else:
-            if on_gpu and self.cuda_aware:
-                t = torch.empty(spec.shape, dtype=spec.dtype, device=device)
-                raw = buf = t.view(-1).view(torch.uint8)
-            else:
-                raw = self.recv_cache.empty(spec.nbytes)
-                buf = raw.numpy()
-            for start in range(0, spec.nbytes, CHUNK):
-                self._wait(self.comm.Irecv(buf[start:start + CHUNK], src, tag))
-            if not (on_gpu and self.cuda_aware):
-                t = raw.view(spec.dtype).view(spec.shape)
-                if on_gpu:
-                    t = t.to(device)
-        return frames.finish_tensor(t, spec)
+    def _recv_frame(self, src: int, tag: int, buffer: Any) -> None:
+        BYTE = self._MPI.BYTE
+        for start in range(0, len(buffer), CHUNK):
+            with self._mpi_lock:
+                request = self.comm.Irecv([buffer[start:start + CHUNK], BYTE], src, tag)
+            self._wait(request)
+
+    def _wait(self, request: Any) -> None:
+        if self.thread_multiple:
+            request.Wait()  # releases the GIL; other threads keep polling
+            return
+        backoff = Backoff(spin=1e-3, min_sleep=20e-6, max_sleep=1e-3)
+        while True:
+            with self._mpi_lock:
+                if request.Test():
+                    return
+            backoff.idle()
 
     # ------------------------------------------------------------- collectives
+    def allgather(self, obj: Any) -> list[Any]:
+        with self._mpi_lock:
+            return self.comm.allgather(obj)
+
     def allreduce_sum(self, values: list[int], wait: Callable[[Callable[[], bool]], None]
                       ) -> list[int]:
-        """Sum ``values`` over all ranks with a nonblocking reduction; ``wait(done)`` waits."""
         import numpy as np
 
         send = np.asarray(values, dtype=np.int64)
@@ -229,20 +160,17 @@ class MPITransport:
         wait(lambda: self._test(request))
         return recv.tolist()
 
-    def _test(self, request) -> bool:
+    def _test(self, request: Any) -> bool:
         with self._mpi_lock:
             return bool(request.Test())
 
     def abort(self, code: int = 1) -> None:
-        """Abort the whole MPI job (every rank) with ``code``."""
         self._MPI.COMM_WORLD.Abort(code)
 
     def close(self, collective: bool) -> None:
-        """Release the communicator (``collective``: every rank calls this now)."""
         if self.closed:
             return
-        self.closed = True
-        self.recv_cache.clear()
+        super().close(collective)
         if collective:
             with self._mpi_lock:
                 self.comm.Free()

@@ -40,9 +40,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from mpidag._backoff import Backoff
 from mpidag.transport.frames import Envelope
 
-__all__ = ["Backoff", "ProgressEngine"]
+__all__ = ["ProgressEngine"]
 
 log = logging.getLogger(__name__)
 
@@ -51,59 +52,6 @@ Work = Callable[[], None]
 #: ``active`` is true in a pool thread while it runs a work item
 _in_work = threading.local()
 _MAIN = threading.main_thread()
-
-
-#: seconds of idleness polled in a tight loop before yielding: covers a normal round trip
-PURE_SPIN = 50e-6
-
-
-class Backoff:
-    """Spin, then yield until ``spin`` seconds of idleness, then sleep ``min_sleep`` doubling
-    to ``max_sleep``.
-
-    Yielding (``os.sched_yield``) releases the GIL and the CPU to any runnable thread or
-    rank, so spinning stays polite when cores are oversubscribed.
-
-    Example::
-
-        >>> b = Backoff(spin=0.0, min_sleep=1e-5, max_sleep=1e-3)
-        >>> b.idle(); b.idle(); b.reset()
-    """
-
-    __slots__ = ("spin", "min_sleep", "max_sleep", "_since", "_sleep", "_nap")
-
-    def __init__(self, spin: float, min_sleep: float, max_sleep: float,
-                 nap: Callable[[float], None] = time.sleep) -> None:
-        self.spin = spin
-        self.min_sleep = min_sleep
-        self.max_sleep = max_sleep
-        self._nap = nap  # sleeps while another thread computes (may end early)
-        self._since = 0.0
-        self._sleep = 0.0
-
-    def reset(self) -> None:
-        self._since = 0.0
-
-    def idle(self, computing: bool = False) -> None:
-        """One empty poll. ``computing``: another thread of this process runs work now;
-        spinning would take the core (one per rank is common) from it, so sleep at once."""
-        now = time.perf_counter()
-        if not self._since:
-            self._since = now
-            self._sleep = self.min_sleep
-            return
-        idle_for = now - self._since
-        if computing:
-            self._nap(self._sleep)
-            self._sleep = min(self._sleep * 2, self.max_sleep)
-            return
-        if idle_for < PURE_SPIN:
-            return
-        if idle_for < self.spin:
-            os.sched_yield()
-            return
-        time.sleep(self._sleep)
-        self._sleep = min(self._sleep * 2, self.max_sleep)
 
 
 class ProgressEngine:
@@ -129,11 +77,10 @@ class ProgressEngine:
         on_idle: Callable[[], None],
         num_threads: int,
         *,
-        spin: float = float(os.environ.get("MPIDAG_POLL_SPIN_S", "50e-3")),
-        wait_spin: float = float(os.environ.get("MPIDAG_POLL_SPIN_S", "50e-3")),
+        spin: float = 50e-3,
         min_sleep: float = 50e-6,
         max_sleep: float = 1e-3,
-        sentinel_interval: float = float(os.environ.get("MPIDAG_SENTINEL_S", "1e-3")),
+        sentinel_interval: float = 1e-3,
         name: str = "mpidag",
     ) -> None:
         if num_threads < 1:
@@ -142,7 +89,6 @@ class ProgressEngine:
         self._dispatch = dispatch
         self._on_idle = on_idle
         self._spin = spin
-        self._wait_spin = wait_spin
         self._min_sleep = min_sleep
         self._max_sleep = max_sleep
         self._sentinel_interval = sentinel_interval
@@ -258,7 +204,7 @@ class ProgressEngine:
         _in_work.active = True
         try:
             work()
-        except Exception:
+        except BaseException:  # SystemExit too: a pool thread must never die of its work
             log.exception("work item failed")
         finally:
             _in_work.active = False
@@ -308,10 +254,15 @@ class ProgressEngine:
             self._pool_cv.notify()
 
     def _sentinel_main(self) -> None:
-        """Wake a pool thread to lead if the leadership stays vacant for a whole interval."""
+        """If the leadership stays vacant for a whole interval, wake an idle pool thread to
+        lead; if every pool thread is busy (all of them run requests, or wait for replies
+        or for their sends to complete), lead itself until one is free: progress never
+        depends on the size of the pool (two ranks with one pool thread each, both sending
+        a large reply that the other must receive, would otherwise wait forever)."""
         seen_vacant_epoch = -1
         while True:
             time.sleep(self._sentinel_interval)
+            lead = False
             with self._lock:
                 if self._stopping:
                     return
@@ -319,10 +270,40 @@ class ProgressEngine:
                     seen_vacant_epoch = -1
                     continue
                 if seen_vacant_epoch == self._vacancy_epoch:
-                    self._pool_cv.notify()
                     seen_vacant_epoch = -1
+                    if self._idle:
+                        self._pool_cv.notify()
+                    else:
+                        self._leader_busy = lead = True
                 else:
                     seen_vacant_epoch = self._vacancy_epoch
+            if lead:
+                self._lead_as_sentinel()
+
+    def _lead_as_sentinel(self) -> None:
+        """Lead until a pool thread is idle or a user thread waits; requests are queued."""
+        backoff = Backoff(self._spin, self._min_sleep, self._max_sleep, self._nap)
+        poll, dispatch = self._poll, self._dispatch
+        while True:
+            if self._idle or self._waiters or self._stopping:
+                with self._lock:
+                    self._vacate_locked()
+                return
+            try:
+                env = poll()
+            except Exception:
+                log.exception("transport poll failed")
+                env = None
+            self._on_idle()
+            if env is None:
+                backoff.idle(self._computing())
+                continue
+            backoff.reset()
+            work = self._dispatch_safely(dispatch, env)
+            env = None
+            if work is not None:
+                self.submit(work)
+                work = None
 
     @staticmethod
     def _dispatch_safely(dispatch: Callable[[Envelope], Work | None], env: Envelope
@@ -405,7 +386,7 @@ class ProgressEngine:
                     self._waiters -= 1
 
     def _lead_as_user(self, done: Callable[[], bool], deadline: float | None) -> bool:
-        backoff = Backoff(self._wait_spin, self._min_sleep, self._max_sleep, self._nap)
+        backoff = Backoff(self._spin, self._min_sleep, self._max_sleep, self._nap)
         poll, dispatch = self._poll, self._dispatch
         while not done():
             env = poll()

@@ -8,7 +8,18 @@ Data flow of ``rpc_sync(to, f, args)``::
                    -> f(*args) -> transport.send(RESULT or ERROR, request_id)
     caller leader: transport.poll -> dispatch -> pending[request_id].future.set_result
 
-One agent exists between ``init_rpc`` and ``shutdown``; all its state lives here.
+The agent owns the calls of one rank: pending calls, their futures and deadlines, the
+progress engine and the message counters of graceful shutdown. The layers above it own
+their own state and plug into the agent through four small interfaces:
+
+* :meth:`RpcAgent.register_handler`: named handlers for internal messages (RRef protocol
+  steps, gradients), run as calls, notifications or in-order control messages;
+* :attr:`RpcAgent.codecs`: pickling rules for their types (RRefs travel by their
+  protocol, rebuilt by the receiving agent's RRef layer);
+* :meth:`RpcAgent.set_observer`: a :class:`CallObserver` that sees every call, reply and
+  received message (distributed autograd records send/recv functions through it);
+* :meth:`RpcAgent.add_hooks`: work for the leader after each poll, "still busy" checks for
+  the termination test, and steps before a graceful shutdown.
 """
 
 from __future__ import annotations
@@ -24,8 +35,12 @@ import torch
 from torch.autograd.profiler import record_function
 from torch.jit._builtins import _find_builtin
 
+from mpidag._backoff import Backoff
+from mpidag._config import Config
 from mpidag._ids import IdGenerator
 from mpidag._profiling import profiling
+from mpidag.agent.messages import FLAG_HANDLER, Kind
+from mpidag.agent.options import MPIRpcBackendOptions, WorkerInfo
 from mpidag.errors import (
     RPCError,
     RPCTimeoutError,
@@ -36,13 +51,11 @@ from mpidag.errors import (
     pack_exception,
     unpack_exception,
 )
-from mpidag.rpc.messages import Kind
-from mpidag.rpc.options import MPIRpcBackendOptions, WorkerInfo
-from mpidag.transport.frames import Envelope, dumps, loads
-from mpidag.transport.mpi import MPITransport
+from mpidag.transport.base import Transport
+from mpidag.transport.frames import Codecs, Envelope, dumps, loads
 from mpidag.transport.progress import ProgressEngine
 
-__all__ = ["RpcAgent", "RpcFuture"]
+__all__ = ["CallObserver", "Handler", "RpcAgent", "RpcFuture"]
 
 log = logging.getLogger(__name__)
 
@@ -116,17 +129,105 @@ def describe(func: Any, args: tuple | None = None) -> str:
             return custom(*args)
         except Exception:
             pass
+    if isinstance(func, Handler):
+        return f"mpidag:{func.name}"
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None)
     module = getattr(func, "__module__", None)
     return f"{module}.{name}" if module and name else repr(func)
 
 
-class RpcAgent:
-    """Owns the transport, the progress engine and every in-flight call of this rank."""
+@dataclass(slots=True, eq=False)
+class Handler:
+    """An internal message handler registered by a layer above the agent.
 
-    def __init__(self, transport: MPITransport, workers: list[WorkerInfo],
+    ``fn(*args, **kwargs)`` runs on the receiving rank; for ``mode="call"`` its result (or,
+    with ``asynchronous``, the value of the ``torch.futures.Future`` it returns) is the
+    answer. ``describe(*args)`` names the call in errors and profiles; ``detaches(*args)``
+    applies torch's parameter rule of the user's call the message carries.
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    mode: str = "call"  # "call" (answered), "notify" (pool, no answer), "control" (leader)
+    asynchronous: bool = False
+    describe: Callable[..., str] | None = None
+    detaches: Callable[..., bool] | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("call", "notify", "control"):
+            raise ValueError(f"handler mode must be 'call', 'notify' or 'control', got "
+                             f"{self.mode!r}")
+
+    @property
+    def _mpidag_describe(self) -> Callable[..., str] | None:
+        return self.describe
+
+    @property
+    def _mpidag_detaches(self) -> Callable[..., bool] | None:
+        return self.detaches
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+class CallObserver:
+    """How a layer above sees the agent's messages (distributed autograd's interface).
+
+    The agent calls these from the threads that send and receive; this base class observes
+    nothing, and costs one method call per message.
+
+    Example::
+
+        >>> agent.set_observer(container)      # a ContextContainer records send/recv
+    """
+
+    def outgoing(self, dst: int, tensors: list[torch.Tensor],
+                 what: Callable[[], str]) -> tuple[int, int]:
+        """A request from this thread to ``dst`` is being sent: its header's
+        ``(context_id, message_id)``, ``(0, 0)`` outside any context."""
+        return 0, 0
+
+    def replying(self, context_id: int, dst: int, tensors: list[torch.Tensor],
+                 what: Callable[[], str]) -> int:
+        """A reply in ``context_id`` is being sent to ``dst``: its message id (0: none)."""
+        return 0
+
+    def sent(self, context_id: int, message_id: int) -> None:
+        """A message that got a message id left this rank."""
+
+    def received(self, env: Envelope, what: Callable[[], str]) -> Any:
+        """A message with a ``context_id`` arrived: record it (may replace ``env.tensors``);
+        returns the state to serve its call in (see :meth:`serving`), or ``None``."""
+        return None
+
+    def serving(self, state: Any, message_id: int, what: Callable[[], str]) -> Any:
+        """The call of a received message is about to run in ``state``; returns a token
+        for :meth:`served`."""
+        return None
+
+    def served(self, token: Any) -> None:
+        """The call that :meth:`serving` announced returned."""
+
+
+_NO_OBSERVER = CallObserver()
+
+
+class RpcAgent:
+    """Calls of one rank: pending futures, timeouts, serving requests, internal handlers.
+
+    Example::
+
+        >>> agent = RpcAgent(transport, workers, options, device_maps={}, config=Config())
+        >>> agent.start()
+        >>> agent.wait(agent.call(1, torch.add, (torch.ones(2), 1), {}, timeout=10), 10)
+        tensor([2., 2.])
+    """
+
+    def __init__(self, transport: Transport, workers: list[WorkerInfo],
                  options: MPIRpcBackendOptions,
-                 device_maps: dict[str, dict[str, dict[torch.device, torch.device]]]) -> None:
+                 device_maps: dict[str, dict[str, dict[torch.device, torch.device]]],
+                 config: Config | None = None) -> None:
+        config = config or Config()
         self.transport = transport
         self.rank = transport.rank
         self.world_size = transport.size
@@ -145,21 +246,83 @@ class RpcAgent:
         self._count_lock = threading.Lock()
         self.running = True
         self._pickling = threading.local()
-        #: called as hook(agent) before a graceful shutdown's final quiescence (RRefs)
-        self.shutdown_hooks: list[Callable[[RpcAgent], None]] = []
-        #: distributed autograd contexts (a ``ContextContainer``), made on first use
-        self.autograd: Any = None
-        #: called by the leader after each poll, while it has something queued
-        self.tick_hooks: list[Callable[[], None]] = []
+        self.config = config
+        #: pickling rules of the layers above (RRefs); handlers travel by name
+        self.codecs = Codecs()
+        self._handlers: dict[str, Handler] = {}
+        self.codecs.register(Handler, "handler", lambda h: h.name, self._handler_named)
+        self.observer: CallObserver = _NO_OBSERVER
+        #: called as hook() before a graceful shutdown's final quiescence (RRefs)
+        self._shutdown_hooks: list[Callable[[], None]] = []
+        #: called by the leader after each poll
+        self._tick_hooks: list[Callable[[], None]] = []
         #: extra "this rank is not idle" conditions for the quiescence test
-        self.busy_checks: list[Callable[[], bool]] = []
+        self._busy_checks: list[Callable[[], bool]] = []
+        max_sleep = options.max_sleep if options.max_sleep is not None else config.backoff_max
         self.engine = ProgressEngine(
             transport.poll, self._dispatch, self._tick, options.num_worker_threads,
-            max_sleep=options.max_sleep, name=f"mpidag-r{self.rank}",
+            spin=config.poll_spin, max_sleep=max_sleep,
+            sentinel_interval=config.sentinel_interval, name=f"mpidag-r{self.rank}",
         )
 
     def start(self) -> None:
         self.engine.start()
+
+    # ------------------------------------------------------ what layers plug in
+    def register_handler(self, name: str, fn: Callable[..., Any], *, mode: str = "call",
+                         asynchronous: bool = False,
+                         describe: Callable[..., str] | None = None,
+                         detaches: Callable[..., bool] | None = None) -> Handler:
+        """Register ``fn`` as the handler of internal messages named ``name``.
+
+        ``mode``: ``"call"`` (answered with its result; ``asynchronous``: it returns a
+        ``torch.futures.Future`` whose value is the answer), ``"notify"`` (run on a pool
+        thread, no answer) or ``"control"`` (run at once by the receiving leader, in
+        arrival order: only short, non-blocking protocol steps). Returns the
+        :class:`Handler` to pass to :meth:`call` or :meth:`notify` as the function.
+
+        Example::
+
+            >>> fetch = agent.register_handler("rref.fetch", self._fetch, asynchronous=True)
+            >>> agent.wait(agent.call(owner, fetch, (rref_id,), {}, timeout), timeout)
+        """
+        if name in self._handlers:
+            raise ValueError(f"a handler named {name!r} is already registered")
+        handler = Handler(name, fn, mode, asynchronous, describe, detaches)
+        self._handlers[name] = handler
+        return handler
+
+    def _handler_named(self, name: str) -> Handler:
+        handler = self._handlers.get(name)
+        if handler is None:
+            raise RPCError(f"{self.where()} has no internal handler {name!r} (known: "
+                           f"{sorted(self._handlers)}): do the ranks run different mpidag "
+                           f"versions?")
+        return handler
+
+    def set_observer(self, observer: CallObserver) -> None:
+        """Let ``observer`` see every call, reply and received message (one observer)."""
+        if self.observer is not _NO_OBSERVER and observer is not self.observer:
+            raise RuntimeError("the agent already has a call observer")
+        self.observer = observer
+
+    def add_hooks(self, *, tick: Callable[[], None] | None = None,
+                  busy: Callable[[], bool] | None = None,
+                  before_shutdown: Callable[[], None] | None = None) -> None:
+        """``tick()``: run by the leader after each poll (cheap, non-blocking);
+        ``busy()``: true while this rank still has work the termination test must wait for;
+        ``before_shutdown()``: run between the two quiescence rounds of a graceful
+        shutdown."""
+        if tick is not None:
+            self._tick_hooks.append(tick)
+        if busy is not None:
+            self._busy_checks.append(busy)
+        if before_shutdown is not None:
+            self._shutdown_hooks.append(before_shutdown)
+
+    def run_shutdown_hooks(self) -> None:
+        for hook in self._shutdown_hooks:
+            hook()
 
     # ------------------------------------------------------------- addressing
     def where(self) -> str:
@@ -218,8 +381,8 @@ class RpcAgent:
         self._pickling.undo = []
         try:
             if call is None:
-                return dumps(obj)
-            return dumps(obj, lambda: detaches_parameters(*call))
+                return dumps(obj, codecs=self.codecs)
+            return dumps(obj, lambda: detaches_parameters(*call), self.codecs)
         except BaseException:
             for action in reversed(self._pickling.undo):
                 action()
@@ -273,54 +436,63 @@ class RpcAgent:
         span._call_end_callbacks_on_future(future)
         return future
 
-    def _call(self, dst: int, func: Callable, args: tuple, kwargs: dict, timeout: float,
-              record: bool) -> RpcFuture:
-        if not self.running:
-            raise RPCError("the RPC agent is shut down; call mpidag.rpc.init_rpc again first")
+    def _encode_call(self, dst: int, func: Callable, args: tuple, kwargs: dict
+                     ) -> tuple[bytes, list[torch.Tensor], int]:
+        """``(payload, tensors, flags)`` of a call of ``func`` (a :class:`Handler`: by name)."""
         try:
+            if isinstance(func, Handler):
+                payload, tensors = self.dumps_for(dst, (func.name, args, kwargs), (func, args))
+                return payload, tensors, FLAG_HANDLER
             payload, tensors = self.dumps_for(dst, (func, args, kwargs), (func, args))
+            return payload, tensors, 0
         except Exception as exc:
             raise SerializationError(
                 f"could not pickle the call of {describe(func)} for {self.workers[dst].name}: "
                 f"{exc}. Arguments and the function must be picklable (define functions at "
                 f"module level; no lambdas, locks, open files or generators)."
             ) from exc
+
+    def _call(self, dst: int, func: Callable, args: tuple, kwargs: dict, timeout: float,
+              record: bool) -> RpcFuture:
+        if not self.running:
+            raise RPCError("the RPC agent is shut down; call mpidag.rpc.init_rpc again first")
+        payload, tensors, flags = self._encode_call(dst, func, args, kwargs)
         context_id = message_id = 0
-        autograd = self.autograd
-        if record and autograd is not None:
-            ctx = autograd.current()
-            if ctx is not None:
-                context_id, message_id = autograd.record_send(
-                    ctx, dst, tensors,
-                    lambda: f"the arguments of {describe(func, args)} sent to "
-                            f"{self.workers[dst].name}")
+        if record:
+            context_id, message_id = self.observer.outgoing(
+                dst, tensors, lambda: f"the arguments of {describe(func, args)} sent to "
+                                      f"{self.workers[dst].name}")
         request_id = self.ids.next()
         future = RpcFuture()
         future._engine = self.engine
         seconds = self.resolve_timeout(timeout)
         deadline = time.monotonic() + seconds if seconds > 0 else 0.0
         self._pending[request_id] = _PendingCall(future, dst, deadline, func, seconds, args)
-        env = Envelope(kind=Kind.CALL, request_id=request_id, payload=payload, tensors=tensors,
-                       context_id=context_id, message_id=message_id)
+        env = Envelope(kind=Kind.CALL, request_id=request_id, flags=flags, payload=payload,
+                       tensors=tensors, context_id=context_id, message_id=message_id)
         try:
             self._send(dst, env, reply=False)
         except BaseException:
             self._pending.pop(request_id, None)
             raise
         if message_id:
-            autograd.prepare_send(context_id, message_id)  # while the callee works
+            self.observer.sent(context_id, message_id)  # while the callee works
         return future
 
-    def notify(self, dst: int, func: Callable, args: tuple = (), kwargs: dict | None = None,
-               *, control: bool = False) -> None:
-        """Run ``func(*args, **kwargs)`` on ``dst`` with no answer.
+    def notify(self, dst: int, func: Callable, args: tuple = (),
+               kwargs: dict | None = None) -> None:
+        """Run ``func(*args, **kwargs)`` on ``dst`` with no answer; a :class:`Handler` of
+        mode ``"control"`` runs on the receiving leader at once, in arrival order.
 
-        ``control``: run it on the receiving leader at once, in arrival order; only for
-        short, non-blocking internal protocol steps.
+        Example::
+
+            >>> agent.notify(owner, user_delete, (rref_id, fork_id))
         """
-        payload, tensors = self.dumps_for(dst, (func, args, kwargs or {}))
-        kind = Kind.CONTROL if control else Kind.NOTIFY
-        self._send(dst, Envelope(kind=kind, payload=payload, tensors=tensors), reply=False)
+        payload, tensors, flags = self._encode_call(dst, func, args, kwargs or {})
+        kind = Kind.CONTROL if isinstance(func, Handler) and func.mode == "control" \
+            else Kind.NOTIFY
+        self._send(dst, Envelope(kind=kind, flags=flags, payload=payload, tensors=tensors),
+                   reply=False)
 
     def wait(self, future: RpcFuture, timeout: float) -> Any:
         """Wait for ``future`` driving progress; raise its error or a timeout."""
@@ -351,7 +523,7 @@ class RpcAgent:
 
     def _tick(self) -> None:
         """Called by the leader after each poll: hooks, then expire calls past deadline."""
-        for hook in self.tick_hooks:
+        for hook in self._tick_hooks:
             hook()
         now = time.monotonic()
         if now < self._next_expiry_scan or not self._pending:
@@ -392,9 +564,9 @@ class RpcAgent:
             if env.kind == Kind.RESULT:
                 try:
                     if env.message_id:
-                        self._record_recv(env, lambda: f"the result of {call.what} from "
-                                                       f"{self.workers[env.src].name}")
-                    value = loads(env.payload, env.tensors)
+                        self.observer.received(env, lambda: f"the result of {call.what} from "
+                                                            f"{self.workers[env.src].name}")
+                    value = loads(env.payload, env.tensors, self.codecs)
                 except Exception as exc:
                     call.future.set_exception(SerializationError(
                         f"could not unpickle the result of {call.what} from "
@@ -409,7 +581,7 @@ class RpcAgent:
 
     def _unpack_call(self, env: Envelope) -> tuple[Callable, tuple, dict]:
         try:
-            func, args, kwargs = loads(env.payload, env.tensors)
+            func, args, kwargs = loads(env.payload, env.tensors, self.codecs)
         except Exception as exc:
             detail = (f"could not unpickle a call from {self.workers[env.src].name} on "
                       f"{self.where()}: {exc}. The function and the classes of its arguments "
@@ -419,56 +591,48 @@ class RpcAgent:
                 raise type(exc)(detail) from exc
             except TypeError:  # an exception type whose __init__ takes other arguments
                 raise SerializationError(detail) from exc
+        if env.flags & FLAG_HANDLER:
+            func = self._handler_named(func)
         return func, args or (), kwargs or {}
 
-    def _autograd(self) -> Any:
-        if self.autograd is None:
-            from mpidag.autograd.context import ContextContainer
-
-            ContextContainer.of(self)
-        return self.autograd
-
-    def _record_recv(self, env: Envelope, what: Callable[[], str]) -> Any:
-        """The local context of an incoming message (made if new), its received tensors
-        that require grad passed through a recv function (``env.tensors`` replaced)."""
-        autograd = self._autograd()
-        ctx = autograd.incoming(env.context_id, env.src)
-        if ctx is not None and env.message_id:
-            env.tensors = autograd.record_recv(ctx, env.message_id, env.src, env.tensors, what)
-        return ctx
-
     def _serve_call(self, env: Envelope) -> None:
-        """Run an incoming CALL and answer it; a profiler range while a profiler runs."""
-        ctx = None
+        """Run an incoming CALL and answer it; a profiler range while a profiler runs.
+
+        Any exception of the function, ``SystemExit`` and other ``BaseException`` types
+        included, is the answer (with its type); the serving thread goes on serving.
+        """
+        state = None
         span = None
+        asynchronous = False
+        src_name = self.workers[env.src].name
         try:
             if env.context_id:
-                ctx = self._record_recv(env, lambda: f"the arguments of a call from "
-                                                     f"{self.workers[env.src].name}")
+                state = self.observer.received(
+                    env, lambda: f"the arguments of a call from {src_name}")
             func, args, kwargs = self._unpack_call(env)
             if profiling():
                 span = record_function(f"mpidag.rpc.serve#{describe(func, args)}"
-                                       f"({self.workers[env.src].name} -> {self.info.name})")
+                                       f"({src_name} -> {self.info.name})")
                 span.__enter__()
-            wrapped = getattr(func, "_wrapped_async_rpc_function", None)
-            if ctx is None:
+            if isinstance(func, Handler):
+                asynchronous = func.asynchronous
+            else:
+                asynchronous = getattr(func, "_wrapped_async_rpc_function", None) is not None
+            if state is None:
                 result = func(*args, **kwargs)
             else:
-                if env.message_id:
-                    self.autograd.describe_recv(ctx, env.message_id, lambda: (
-                        f"the arguments of {describe(func, args)} from "
-                        f"{self.workers[env.src].name}"))
-                previous = self.autograd.enter(ctx)
+                token = self.observer.serving(state, env.message_id, lambda: (
+                    f"the arguments of {describe(func, args)} from {src_name}"))
                 try:
                     result = func(*args, **kwargs)
                 finally:
-                    self.autograd.leave(previous)
-        except Exception as exc:
+                    self.observer.served(token)
+        except BaseException as exc:  # noqa: BLE001 - the caller gets it, with its type
             self._reply_error(env, exc)
             if span is not None:
                 span.__exit__(None, None, None)
             return
-        if wrapped is not None:
+        if asynchronous:
             if not isinstance(result, torch._C.Future):
                 self._reply_error(env, TypeError(
                     f"{describe(func)} is decorated with @async_execution and must return a "
@@ -497,11 +661,10 @@ class RpcAgent:
             payload, tensors = self.dumps_for(env.src, value, call)
             message_id = 0
             if env.context_id and tensors:
-                autograd = self._autograd()
-                message_id = autograd.record_send(
-                    autograd.contexts.get(env.context_id), env.src, tensors,
+                message_id = self.observer.replying(
+                    env.context_id, env.src, tensors,
                     lambda: f"the result of {describe(*call) if call else 'a call'} sent to "
-                            f"{self.workers[env.src].name}")[1]
+                            f"{self.workers[env.src].name}")
             reply = Envelope(kind=Kind.RESULT, request_id=env.request_id, payload=payload,
                              tensors=tensors, context_id=env.context_id if message_id else 0,
                              message_id=message_id)
@@ -518,7 +681,7 @@ class RpcAgent:
         finally:
             self._mark_processed()
         if message_id:
-            self.autograd.prepare_send(env.context_id, message_id)
+            self.observer.sent(env.context_id, message_id)
 
     def _reply_error(self, env: Envelope, exc: BaseException) -> None:
         payload = pack_exception(exc, self.where())
@@ -532,7 +695,7 @@ class RpcAgent:
         try:
             func, args, kwargs = self._unpack_call(env)
             func(*args, **kwargs)
-        except Exception:
+        except BaseException:  # noqa: BLE001 - nobody to answer: log it and go on serving
             log.exception("notification from rank %d failed on %s", env.src, self.where())
         finally:
             self._mark_processed()
@@ -540,7 +703,7 @@ class RpcAgent:
     # ---------------------------------------------------------------- shutdown
     def counters(self) -> tuple[int, int, int]:
         busy = int(self.engine.busy or bool(self._pending)
-                   or any(check() for check in self.busy_checks))
+                   or any(check() for check in self._busy_checks))
         with self._count_lock:  # no allocation under this lock: a GC could run here
             sent = self.sent
             processed = self.processed
@@ -580,7 +743,7 @@ class RpcAgent:
                 _wait(done)
 
         def _wait(done: Callable[[], bool]) -> None:
-            sleep = 20e-6
+            backoff = Backoff(spin=0.0, min_sleep=20e-6, max_sleep=10e-3)
             while not done():
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
@@ -591,8 +754,7 @@ class RpcAgent:
                     log.warning("%s: waiting %.0f s for all ranks to finish (%s)",
                                 self.where(), now - start, hint)
                     state["next_report"] = now + 30.0
-                time.sleep(sleep)
-                sleep = min(sleep * 2, 10e-3)
+                backoff.idle()
 
         return wait
 

@@ -5,10 +5,11 @@ got ``y`` back::
 
     A: plan the local graph from the roots and every send function of the context
        -> run the regions the roots alone feed (native engine) -> the recv function of y
-       is complete: call _on_gradients(context, pass, message id of y, grad y) on B
+       is complete: call the handler "autograd.gradients"(context, pass, message id of y,
+       grad y) on B
     B: first event of this pass: plan from all of B's send functions -> the send function
        of y got its gradient: run its region -> the recv function of x is complete:
-       call _on_gradients(..., message id of x, grad x) on A
+       call "autograd.gradients"(..., message id of x, grad x) on A
     A: the send function of x got its gradient: run its region; leaves accumulate into
        the context -> answer B's call -> B has nothing left: answer A's first call -> done
 
@@ -32,16 +33,17 @@ from typing import Any
 import torch
 
 from mpidag._profiling import span
-from mpidag.autograd.context import (
+from mpidag.agent.agent import RpcAgent
+from mpidag.dist_autograd.context import (
     RECV_NODE_TYPE,
     ContextContainer,
     DistAutogradContext,
 )
-from mpidag.autograd.graph import Plan, edge_of
+from mpidag.dist_autograd.graph import Plan, edge_of
 from mpidag.errors import detached_copy, frameless, future_error
-from mpidag.rpc.functions import async_execution
 
-__all__ = ["PassState", "UnusedRPCGradientError", "UnusedRPCWarning", "run_backward"]
+__all__ = ["DistAutograd", "PassState", "UnusedRPCGradientError", "UnusedRPCWarning",
+           "check_roots"]
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +89,10 @@ class UnusedRPCWarning(UserWarning):
 class PassState:
     """One rank's share of one backward pass (``pass_id``) of a context."""
 
-    def __init__(self, container: ContextContainer, ctx: DistAutogradContext, pass_id: int,
+    def __init__(self, autograd: DistAutograd, ctx: DistAutogradContext, pass_id: int,
                  retain_graph: bool, root: bool) -> None:
-        self.container = container
-        self.agent = container.agent
+        self.autograd = autograd
+        self.agent = autograd.agent
         self.ctx = ctx
         self.pass_id = pass_id
         self.retain_graph = retain_graph
@@ -193,7 +195,7 @@ class PassState:
             self.deficit += 1
         try:
             fut = self.agent.call(
-                peer, _on_gradients,
+                peer, self.autograd.gradients_handler,
                 (self.ctx.context_id, self.pass_id, message_id, grads, self.retain_graph), {},
                 timeout=0, record=False)
         except BaseException:
@@ -248,30 +250,6 @@ def _merge(into: Report, other: Report) -> None:
             into[rank] = entry
 
 
-@async_execution
-def _on_gradients(context_id: int, pass_id: int, message_id: int,
-                  grads: list[torch.Tensor | None], retain_graph: bool) -> torch.futures.Future:
-    """On the rank of a send function: its gradients arrived; answered per the protocol."""
-    from mpidag.rpc.api import current_agent
-
-    container = ContextContainer.of(current_agent())
-    reply: torch.futures.Future = torch.futures.Future()
-    ctx = container.contexts.get(context_id)
-    if ctx is None:
-        reply.set_exception(RuntimeError(
-            f"the backward pass reached {container.agent.where()}, which has no autograd "
-            f"context {context_id} (already released: did the `with context()` block end "
-            f"before backward() returned?)"))
-        return reply
-    with ctx.lock:
-        state = ctx.passes.get(pass_id)
-        if state is None:
-            state = ctx.passes[pass_id] = PassState(container, ctx, pass_id, retain_graph,
-                                                    root=False)
-    state.post(("grads", message_id, grads, reply))
-    return reply
-
-
 def check_roots(roots: Any) -> list[torch.Tensor]:
     """The roots as a list, or a clear error naming the bad one."""
     if isinstance(roots, torch.Tensor):
@@ -292,29 +270,73 @@ def check_roots(roots: Any) -> list[torch.Tensor]:
     return list(roots)
 
 
-def run_backward(container: ContextContainer, ctx: DistAutogradContext,
-                 roots: list[torch.Tensor], retain_graph: bool) -> None:
-    """Run the distributed backward pass from ``roots``; return when it is done everywhere."""
-    agent = container.agent
-    edges = [edge_of(r) for r in roots]
-    grads = [torch.ones_like(r, memory_format=torch.preserve_format) for r in roots]
-    pass_id = agent.ids.next()
-    state = PassState(container, ctx, pass_id, retain_graph, root=True)
-    done: torch.futures.Future = torch.futures.Future()
-    state.parent = done
-    with ctx.lock:
-        ctx.passes[pass_id] = state
-    try:
-        with span(lambda: "mpidag.autograd.backward"):
-            state.post(("root", edges, grads))
-            agent.engine.wait_until(done.done, None)
-    finally:
+class DistAutograd:
+    """Distributed autograd of one rank: its contexts and its backward passes.
+
+    Made with the agent it works through; registers the ``autograd.gradients`` handler (a
+    gradient message: a call, answered by the Dijkstra-Scholten rule above) and, through its
+    :class:`ContextContainer`, the ``autograd.release`` handler and the call observer.
+
+    Example::
+
+        >>> autograd = DistAutograd(agent)
+        >>> ctx = autograd.contexts.new_context()
+        >>> autograd.backward(ctx.context_id, [loss], retain_graph=False)
+    """
+
+    def __init__(self, agent: RpcAgent) -> None:
+        self.agent = agent
+        self.contexts = ContextContainer(agent)
+        self.gradients_handler = agent.register_handler(
+            "autograd.gradients", self._on_gradients, asynchronous=True,
+            describe=lambda context_id, *_: f"gradients of autograd context {context_id}")
+
+    def _on_gradients(self, context_id: int, pass_id: int, message_id: int,
+                      grads: list[torch.Tensor | None], retain_graph: bool
+                      ) -> torch.futures.Future:
+        """On the rank of a send function: its gradients arrived; answered per the protocol."""
+        reply: torch.futures.Future = torch.futures.Future()
+        ctx = self.contexts.contexts.get(context_id)
+        if ctx is None:
+            reply.set_exception(RuntimeError(
+                f"the backward pass reached {self.agent.where()}, which has no autograd "
+                f"context {context_id} (already released: did the `with context()` block end "
+                f"before backward() returned?)"))
+            return reply
         with ctx.lock:
-            ctx.passes.pop(pass_id, None)
-    error = future_error(done)
-    if error is not None:
-        raise detached_copy(error)
-    _check_report(done.value(), ctx.context_id)
+            state = ctx.passes.get(pass_id)
+            if state is None:
+                state = ctx.passes[pass_id] = PassState(self, ctx, pass_id, retain_graph,
+                                                        root=False)
+        state.post(("grads", message_id, grads, reply))
+        return reply
+
+    def backward(self, context_id: int, roots: list[torch.Tensor],
+                 retain_graph: bool = False) -> None:
+        """Run the distributed backward pass from ``roots``; return when it is done
+        everywhere (raises the first error of any rank, with its type)."""
+        ctx = self.contexts.retrieve(context_id)
+        roots = check_roots(roots)
+        agent = self.agent
+        edges = [edge_of(r) for r in roots]
+        grads = [torch.ones_like(r, memory_format=torch.preserve_format) for r in roots]
+        pass_id = agent.ids.next()
+        state = PassState(self, ctx, pass_id, bool(retain_graph), root=True)
+        done: torch.futures.Future = torch.futures.Future()
+        state.parent = done
+        with ctx.lock:
+            ctx.passes[pass_id] = state
+        try:
+            with span(lambda: "mpidag.autograd.backward"):
+                state.post(("root", edges, grads))
+                agent.engine.wait_until(done.done, None)
+        finally:
+            with ctx.lock:
+                ctx.passes.pop(pass_id, None)
+        error = future_error(done)
+        if error is not None:
+            raise detached_copy(error)
+        _check_report(done.value(), ctx.context_id)
 
 
 def _check_report(report: Report, context_id: int) -> None:

@@ -19,7 +19,7 @@ stop edge do not run in that call; every node runs in exactly one call.
 
 Leaves need no waiting: a leaf's gradient is a sum, so each region adds its part.
 
-This module knows nothing of RPC: :mod:`mpidag.autograd.engine` feeds it gradients and
+This module knows nothing of RPC: :mod:`mpidag.dist_autograd.engine` feeds it gradients and
 sends what it returns. It is tested on one process with sources that arrive in any order.
 
 Example::

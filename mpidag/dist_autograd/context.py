@@ -14,8 +14,11 @@ Recording, for every message of a context that carries tensors needing grad (req
   The received tensors are outputs of that node (not views, so in-place ops on them work).
 
 Leaving the ``with`` block releases the context here and, through the ranks it exchanged
-messages with, everywhere; ids of released contexts are remembered, so a late message does
-not bring one back.
+messages with, everywhere (the ``autograd.release`` control handler); ids of released
+contexts are remembered, so a late message does not bring one back.
+
+The container sees the agent's messages as its :class:`~mpidag.agent.agent.CallObserver`:
+that is the whole interface between the RPC agent and distributed autograd.
 """
 
 from __future__ import annotations
@@ -30,11 +33,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd.graph import GradientEdge
 
-from mpidag.autograd.graph import Reach, edge_of
+from mpidag.agent.agent import CallObserver, RpcAgent
+from mpidag.dist_autograd.graph import Reach, edge_of
+from mpidag.transport.frames import Envelope
 
 if TYPE_CHECKING:
-    from mpidag.autograd.engine import PassState
-    from mpidag.rpc.agent import RpcAgent
+    from mpidag.dist_autograd.engine import PassState
 
 __all__ = [
     "ContextContainer",
@@ -255,8 +259,15 @@ class DistAutogradContext:
 _current = threading.local()
 
 
-class ContextContainer:
-    """All distributed autograd contexts of one rank (one per RPC agent)."""
+class ContextContainer(CallObserver):
+    """All distributed autograd contexts of one rank; the agent's call observer.
+
+    Example::
+
+        >>> container = ContextContainer(agent)     # registers itself in the agent
+        >>> ctx = container.new_context()
+        >>> previous = container.enter(ctx)         # this thread's RPCs now record
+    """
 
     def __init__(self, agent: RpcAgent) -> None:
         self.agent = agent
@@ -265,17 +276,39 @@ class ContextContainer:
         self.lock = threading.Lock()
         self._released: collections.deque[int] = collections.deque(maxlen=RELEASED_MEMORY)
         self._released_set: set[int] = set()
+        self._release_handler = agent.register_handler(
+            "autograd.release", self.release_id, mode="control")
+        agent.set_observer(self)
 
-    @classmethod
-    def of(cls, agent: RpcAgent) -> ContextContainer:
-        """The agent's container, made on first use."""
-        container = agent.autograd
-        if container is None:
-            with _make_lock:
-                container = agent.autograd
-                if container is None:
-                    container = agent.autograd = cls(agent)
-        return container
+    # ------------------------------------------------------ the agent's observer
+    def outgoing(self, dst: int, tensors: list[torch.Tensor],
+                 what: Callable[[], str]) -> tuple[int, int]:
+        ctx = getattr(_current, "ctx", None)
+        if ctx is None or ctx.container is not self:
+            return 0, 0
+        return self.record_send(ctx, dst, tensors, what)
+
+    def replying(self, context_id: int, dst: int, tensors: list[torch.Tensor],
+                 what: Callable[[], str]) -> int:
+        return self.record_send(self.contexts.get(context_id), dst, tensors, what)[1]
+
+    def sent(self, context_id: int, message_id: int) -> None:
+        self.prepare_send(context_id, message_id)
+
+    def received(self, env: Envelope, what: Callable[[], str]) -> DistAutogradContext | None:
+        ctx = self.incoming(env.context_id, env.src)
+        if ctx is not None and env.message_id:
+            env.tensors = self.record_recv(ctx, env.message_id, env.src, env.tensors, what)
+        return ctx
+
+    def serving(self, state: DistAutogradContext, message_id: int,
+                what: Callable[[], str]) -> DistAutogradContext | None:
+        if message_id:
+            self.describe_recv(state, message_id, what)
+        return self.enter(state)
+
+    def served(self, token: DistAutogradContext | None) -> None:
+        self.leave(token)
 
     # -------------------------------------------------------------- lifetime
     def new_context(self) -> DistAutogradContext:
@@ -334,12 +367,13 @@ class ContextContainer:
         for peer in sorted(peers):
             if agent.running:
                 try:
-                    agent.notify(peer, _on_release, (ctx.context_id, self.rank), control=True)
+                    agent.notify(peer, self._release_handler, (ctx.context_id, self.rank))
                 except Exception:
                     log.exception("could not send the release of context %d to rank %d",
                                   ctx.context_id, peer)
 
     def release_id(self, context_id: int, from_rank: int) -> None:
+        """The context ended on ``from_rank`` (the ``autograd.release`` handler)."""
         ctx = self.contexts.get(context_id)
         if ctx is None:
             with self.lock:
@@ -445,13 +479,3 @@ class ContextContainer:
             "num_live_send_functions": _peek(_created_sends) - _peek(_freed_sends),
             "num_live_recv_functions": _peek(_created_recvs) - _peek(_freed_recvs),
         }
-
-
-_make_lock = threading.Lock()
-
-
-def _on_release(context_id: int, from_rank: int) -> None:
-    """CONTROL message: the context ended on ``from_rank``; end it here too."""
-    from mpidag.rpc.api import current_agent
-
-    ContextContainer.of(current_agent()).release_id(context_id, from_rank)

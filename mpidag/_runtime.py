@@ -1,0 +1,238 @@
+"""One RPC session of this rank: everything ``init_rpc`` starts and ``shutdown`` ends.
+
+:class:`Runtime` holds the layers of one session, each made with the one below it::
+
+    transport (MPI, or in-process)  ->  RpcAgent  ->  DistAutograd  ->  RRefContext
+                                                                    +  ParameterLocks
+
+The current runtime (:func:`current`) is the only module-level state of mpidag: the
+public facades (``mpidag.rpc``, ``.autograd``, ``.optim``, ``.testing``) look it up;
+the layers below it never do, they use the objects they were given. Several runtimes can
+live in one process (in-process worlds in tests); only the one made by ``init_rpc`` is
+current.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from mpidag._config import Config
+from mpidag._locks import ParameterLocks
+from mpidag.agent.agent import RpcAgent
+from mpidag.agent.options import MPIRpcBackendOptions, WorkerInfo
+from mpidag.dist_autograd import DistAutograd
+from mpidag.errors import RPCError, RPCNotInitializedError, UnknownWorkerError
+from mpidag.rref.handle import RRefHandle
+from mpidag.rref.protocol import RRefContext
+from mpidag.transport.base import Transport
+
+__all__ = ["Runtime", "current", "current_or_none", "install", "uninstall"]
+
+log = logging.getLogger(__name__)
+
+
+class Runtime:
+    """The layers of one RPC session of this rank.
+
+    Made collectively by :meth:`connect` (every rank of the transport calls it), started
+    by :meth:`serve`, ended by :meth:`shutdown`.
+
+    Example::
+
+        >>> world = InProcWorld(2)                   # or MPITransport() under mpirun
+        >>> runtime = Runtime.connect(world.transports[rank])   # in one thread per rank
+        >>> runtime.serve()
+        >>> runtime.agent.workers
+        [WorkerInfo(id=0, name=worker0), WorkerInfo(id=1, name=worker1)]
+    """
+
+    def __init__(self, transport: Transport, workers: list[WorkerInfo],
+                 options: MPIRpcBackendOptions,
+                 device_maps: dict[str, dict[str, dict[torch.device, torch.device]]],
+                 config: Config, rref_type: type[RRefHandle] = RRefHandle) -> None:
+        self.config = config
+        self.transport = transport
+        self.options = options
+        self.agent = RpcAgent(transport, workers, options, device_maps, config)
+        self.autograd = DistAutograd(self.agent)
+        self.rrefs = RRefContext(self.agent, self.autograd, rref_type)
+        self.parameter_locks = ParameterLocks(config.optim_locks)
+
+    # ------------------------------------------------------------------ start
+    @classmethod
+    def connect(cls, transport: Transport, *, name: str | None = None, rank: int | None = -1,
+              world_size: int | None = None, options: MPIRpcBackendOptions | None = None,
+              config: Config | None = None, rref_type: type[RRefHandle] = RRefHandle,
+              problem: Exception | None = None) -> Runtime:
+        """Collective: agree on the workers with every rank; :meth:`serve` starts serving.
+
+        A ``problem`` found by the caller on this rank (a bad argument), or one found here
+        (``rank``/``world_size`` that do not match the transport, duplicate names, device
+        maps naming unknown workers), is raised on this rank and, as an ``RPCError`` naming
+        the rank, on every other one, so no rank waits for a rank that gave up.
+        """
+        my_rank, size = transport.rank, transport.size
+        if problem is None and rank not in (-1, None) and rank != my_rank:
+            problem = ValueError(
+                f"init_rpc(rank={rank!r}) but this process is MPI rank {my_rank} of {size}: "
+                f"ranks come from the MPI launcher; omit rank= or pass the MPI rank")
+        if problem is None and world_size is not None and world_size != size:
+            problem = ValueError(
+                f"init_rpc(world_size={world_size!r}) but the MPI job has {size} ranks: "
+                f"launch with `python -m mpidag.run -n {world_size} ...` or omit world_size=")
+        options = options or MPIRpcBackendOptions()
+        my_name = name if name is not None else f"worker{my_rank}"
+        maps = {k: {str(a): str(b) for a, b in v.items()} for k, v in options.device_maps.items()}
+        gathered = transport.allgather(
+            (my_name, None if problem is None else f"{type(problem).__name__}: {problem}", maps))
+        if problem is None:
+            problem = _check_gathered(gathered, my_rank)
+        if problem is not None:
+            transport.close(collective=True)
+            raise problem
+        workers = [WorkerInfo(n, r) for r, (n, _, _) in enumerate(gathered)]
+        device_maps = {
+            n: {peer: {torch.device(a): torch.device(b) for a, b in m.items()}
+                for peer, m in mp.items()}
+            for (n, _, mp) in gathered
+        }
+        return cls(transport, workers, options, device_maps, config or Config(), rref_type)
+
+    def serve(self) -> None:
+        """Start the progress engine: from now on this rank receives and serves calls."""
+        self.agent.start()
+
+    # --------------------------------------------------------------- shutdown
+    def shutdown(self, graceful: bool = True, timeout: float = 0) -> None:
+        """Stop this rank's session.
+
+        ``graceful`` (collective): return when every rank is here and no call, reply or
+        internal message is in flight anywhere (two quiescence rounds, with the RRef
+        layer's release of leftover user RRefs between them, on every rank). Past
+        ``timeout`` seconds (0: none) the session stops locally and ``RPCTimeoutError`` is
+        raised.
+        """
+        agent = self.agent
+        try:
+            if graceful:
+                deadline = time.monotonic() + timeout if timeout > 0 else None
+                agent.wait_quiescent(timeout)
+                agent.run_shutdown_hooks()  # e.g. release leftover user RRefs
+                # A second round on every rank, hooks or not: the number of collectives
+                # must not depend on what a rank used (only some ranks hold RRefs).
+                left = 0.0 if deadline is None else max(1e-3, deadline - time.monotonic())
+                agent.wait_quiescent(left)
+                stuck = self.rrefs.stuck_owners()
+                if stuck:
+                    log.warning("%s: %d owner RRef(s) still have user forks after shutdown "
+                                "(a protocol message was lost?): %s", agent.where(),
+                                len(stuck), [f"0x{i:x}" for i in stuck[:5]])
+        except BaseException:
+            agent.stop(graceful=False)
+            raise
+        agent.stop(graceful=graceful)
+
+    # ---------------------------------------------------------------- queries
+    def where(self) -> str:
+        return self.agent.where()
+
+    def to_rank(self, to: str | WorkerInfo | int) -> int:
+        """The rank of a worker name, ``WorkerInfo`` or rank; a clear error if unknown."""
+        agent = self.agent
+        if isinstance(to, str):
+            info = agent.by_name.get(to)
+            if info is None:
+                raise UnknownWorkerError(
+                    f"unknown destination worker {to!r}; workers: {sorted(agent.by_name)}")
+            return info.id
+        if isinstance(to, WorkerInfo):
+            if not 0 <= to.id < agent.world_size or agent.workers[to.id] != to:
+                raise UnknownWorkerError(f"{to!r} is not a worker of this job; workers: "
+                                         f"{agent.workers}")
+            return to.id
+        if isinstance(to, int) and not isinstance(to, bool):
+            if not 0 <= to < agent.world_size:
+                raise UnknownWorkerError(
+                    f"unknown destination rank {to!r}; ranks are 0..{agent.world_size - 1}")
+            return to
+        raise TypeError(f"`to` must be a worker name, a WorkerInfo or a rank, got "
+                        f"{type(to).__name__}")
+
+    def debug_info(self) -> dict[str, Any]:
+        """Counters of the agent, the RRefs and the autograd contexts (torch's names)."""
+        agent = self.agent
+        info: dict[str, Any] = {
+            "rank": agent.rank,
+            "num_pending_requests": len(agent._pending),
+            "thread_pool_size": self.options.num_worker_threads,
+            "messages_sent": agent.sent,
+            "messages_processed": agent.processed,
+        }
+        info.update(self.rrefs.debug_info())
+        info.update(self.autograd.contexts.debug_info())
+        return info
+
+
+def _check_gathered(gathered: list, my_rank: int) -> Exception | None:
+    failed = [(r, err) for r, (_, err, _) in enumerate(gathered) if err is not None]
+    if failed:
+        ranks = ", ".join(f"rank {r} ({err})" for r, err in failed)
+        return RPCError(f"init_rpc failed on {ranks}; no rank started RPC")
+    names = [n for n, _, _ in gathered]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        return ValueError(f"worker names must be unique, but {dup} are used by several ranks: "
+                          f"{names}")
+    for rank, (_, _, maps) in enumerate(gathered):
+        unknown = sorted(set(maps) - set(names))
+        if unknown:
+            cls = UnknownWorkerError if rank == my_rank else RPCError
+            return cls(f"the device maps of rank {rank} name unknown workers {unknown}; "
+                       f"workers: {names}")
+    return None
+
+
+# ---------------------------------------------------------- the current runtime
+_current: Runtime | None = None
+#: held while a runtime is being installed or removed (init_rpc / shutdown)
+lifecycle_lock = threading.Lock()
+
+
+def current() -> Runtime:
+    """The runtime made by ``init_rpc``; raises if RPC is not initialized.
+
+    Example::
+
+        >>> current().agent.where()
+        'worker0 (rank 0 of 2)'
+    """
+    runtime = _current
+    if runtime is None:
+        raise RPCNotInitializedError(
+            "RPC has not been initialized. Call mpidag.rpc.init_rpc first.")
+    return runtime
+
+
+def current_or_none() -> Runtime | None:
+    """The runtime made by ``init_rpc``, or ``None``."""
+    return _current
+
+
+def install(runtime: Runtime) -> None:
+    """Make ``runtime`` the current one (``init_rpc``)."""
+    global _current
+    if _current is not None:
+        raise RPCError("RPC is already initialized; call mpidag.rpc.shutdown() first")
+    _current = runtime
+
+
+def uninstall(runtime: Runtime) -> None:
+    """Forget ``runtime`` (``shutdown``)."""
+    global _current
+    if _current is runtime:
+        _current = None

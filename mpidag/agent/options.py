@@ -1,0 +1,181 @@
+"""Backend options, backend types and ``WorkerInfo``, mirroring ``torch.distributed.rpc``."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "BackendType",
+    "DEFAULT_NUM_WORKER_THREADS",
+    "DEFAULT_RPC_TIMEOUT_SEC",
+    "DEFAULT_SHUTDOWN_TIMEOUT",
+    "UNSET_RPC_TIMEOUT",
+    "MPIRpcBackendOptions",
+    "TensorPipeRpcBackendOptions",
+    "WorkerInfo",
+]
+
+DEFAULT_RPC_TIMEOUT_SEC = 60.0
+DEFAULT_SHUTDOWN_TIMEOUT = 0
+UNSET_RPC_TIMEOUT = -1.0
+DEFAULT_NUM_WORKER_THREADS = 16
+
+DeviceLike = int | str | torch.device
+
+
+class BackendType(enum.Enum):
+    """RPC backends. ``TENSORPIPE`` is accepted for torch programs and runs on MPI.
+
+    Example::
+
+        >>> rpc.init_rpc("worker0", backend=rpc.BackendType.TENSORPIPE)   # runs on MPI
+    """
+
+    MPI = "MPI"
+    TENSORPIPE = "TENSORPIPE"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """A worker of the job: its ``name`` and ``id`` (its MPI rank).
+
+    Example::
+
+        >>> info = mpidag.rpc.get_worker_info("worker1")
+        >>> info.id, info.name
+        (1, 'worker1')
+    """
+
+    name: str
+    id: int
+
+    def __repr__(self) -> str:
+        return f"WorkerInfo(id={self.id}, name={self.name})"
+
+
+def _device(d: DeviceLike) -> torch.device:
+    if isinstance(d, int):
+        return torch.device("cuda", d)
+    dev = torch.device(d)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", 0)
+    return dev
+
+
+class MPIRpcBackendOptions:
+    """Options of the MPI RPC backend; same arguments as ``TensorPipeRpcBackendOptions``.
+
+    Args:
+        num_worker_threads: threads that run incoming requests (default 16).
+        rpc_timeout: default timeout of calls in seconds (default 60; 0 means none).
+        init_method: accepted for torch compatibility and ignored (MPI bootstraps the job).
+        device_maps: ``{worker_name: {local_device: remote_device}}`` for CUDA tensors.
+        devices: local devices this worker uses (checked against the device maps).
+        max_sleep: longest idle sleep of the progress loop, seconds; bounds the idle CPU
+            use. ``None`` (default): ``MPIDAG_BACKOFF_MAX`` as read at ``init_rpc``, else
+            1e-3.
+
+    Example::
+
+        >>> opts = MPIRpcBackendOptions(num_worker_threads=8, rpc_timeout=20)
+        >>> opts.set_device_map("worker1", {0: 1})
+        >>> mpidag.rpc.init_rpc("worker0", rpc_backend_options=opts)
+    """
+
+    def __init__(
+        self,
+        *,
+        num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS,
+        rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC,
+        init_method: str = "env://",
+        device_maps: Mapping[str, Mapping[DeviceLike, DeviceLike]] | None = None,
+        devices: list[DeviceLike] | None = None,
+        max_sleep: float | None = None,
+        _transports: list | None = None,
+        _channels: list | None = None,
+    ) -> None:
+        if not isinstance(num_worker_threads, int) or num_worker_threads < 1:
+            raise ValueError(
+                f"num_worker_threads must be a positive int, got {num_worker_threads!r}"
+            )
+        if rpc_timeout < 0:
+            raise ValueError(f"rpc_timeout must be >= 0 seconds (0: no timeout), got "
+                             f"{rpc_timeout!r}")
+        self.num_worker_threads = num_worker_threads
+        self.rpc_timeout = float(rpc_timeout)
+        self.init_method = init_method
+        self.device_maps: dict[str, dict[torch.device, torch.device]] = {}
+        for name, mapping in (device_maps or {}).items():
+            self.set_device_map(name, mapping)
+        self.devices = [_device(d) for d in devices or []]
+        if max_sleep is not None and not max_sleep >= 0:
+            raise ValueError(f"max_sleep must be >= 0 seconds, got {max_sleep!r}")
+        self.max_sleep = max_sleep
+
+    def set_device_map(self, to: str, device_map: Mapping[DeviceLike, DeviceLike]) -> None:
+        """Map local devices to devices of worker ``to`` for tensors sent there.
+
+        Replies from ``to`` use the inverse map, as in torch. Two local devices may not map
+        to the same remote device (``ValueError``).
+
+        Example::
+
+            >>> opts = MPIRpcBackendOptions()
+            >>> opts.set_device_map("worker1", {"cuda:0": "cuda:1"})   # or {0: 1}
+            >>> opts.device_maps
+            {'worker1': {device(type='cuda', index=0): device(type='cuda', index=1)}}
+        """
+        mapping = {_device(k): _device(v) for k, v in device_map.items()}
+        targets = list(mapping.values())
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"device map for {to!r} maps two local devices to the same remote "
+                             f"device: {device_map!r}")
+        self.device_maps.setdefault(to, {}).update(mapping)
+
+    def set_devices(self, devices: list[DeviceLike]) -> None:
+        """Set the local devices this worker uses.
+
+        Example::
+
+            >>> opts.set_devices(["cuda:0", 1])
+            >>> opts.devices
+            [device(type='cuda', index=0), device(type='cuda', index=1)]
+        """
+        self.devices = [_device(d) for d in devices]
+
+    @classmethod
+    def from_any(cls, options: Any) -> MPIRpcBackendOptions:
+        """Accept ours, torch's ``TensorPipeRpcBackendOptions``, or ``None``.
+
+        Example::
+
+            >>> import torch.distributed.rpc as torch_rpc
+            >>> opts = MPIRpcBackendOptions.from_any(
+            ...     torch_rpc.TensorPipeRpcBackendOptions(num_worker_threads=8))
+            >>> opts.num_worker_threads, opts.rpc_timeout
+            (8, 60.0)
+        """
+        if options is None:
+            return cls()
+        if isinstance(options, cls):
+            return options
+        if hasattr(options, "num_worker_threads") and hasattr(options, "rpc_timeout"):
+            return cls(
+                num_worker_threads=int(options.num_worker_threads),
+                rpc_timeout=float(options.rpc_timeout),
+                device_maps=dict(getattr(options, "device_maps", {}) or {}),
+                devices=list(getattr(options, "devices", []) or []),
+            )
+        raise TypeError(
+            f"rpc_backend_options must be mpidag.rpc.MPIRpcBackendOptions (or torch's "
+            f"TensorPipeRpcBackendOptions), got {type(options).__name__}"
+        )
+
+
+#: torch programs construct this name; it is the same options class here
+TensorPipeRpcBackendOptions = MPIRpcBackendOptions

@@ -1,0 +1,71 @@
+"""``RRef`` and ``remote()``, mirroring ``torch.distributed.rpc``.
+
+The behaviour of a reference is in :class:`~mpidag.rref.handle.RRefHandle` and its
+protocol in :mod:`mpidag.rref.protocol`; this module adds what needs the current session:
+``RRef(value)`` and ``remote()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from mpidag import _runtime
+from mpidag.agent.options import UNSET_RPC_TIMEOUT, WorkerInfo
+from mpidag.rref.handle import RRefHandle
+
+__all__ = ["RRef", "check_call", "remote"]
+
+
+class RRef(RRefHandle):
+    """A reference to a value that lives on one worker (its owner).
+
+    ``RRef(value)`` wraps a local value: this worker is the owner. Remote references come
+    from :func:`remote` or arrive as arguments and results of RPCs. The owner frees the
+    value when no reference to it is left on any worker.
+
+    Example::
+
+        >>> rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
+        >>> rref.owner_name(), rref.is_owner()
+        ('worker1', False)
+        >>> rref.to_here()
+        tensor([2., 2.])
+        >>> rpc.RRef(torch.zeros(2)).local_value()
+        tensor([0., 0.])
+    """
+
+    __slots__ = ()
+
+    def __init__(self, value: Any, type_hint: type | None = None) -> None:
+        rrefs = _runtime.current().rrefs
+        self._ctx = rrefs
+        self._owner = rrefs.rank
+        self._fork_id = None
+        self._rref_id = rrefs.create_local_record(value)
+
+
+def check_call(func: Callable, args: Any, kwargs: Any) -> tuple[tuple, dict]:
+    """The ``args`` and ``kwargs`` of a call as a tuple and a dict; a clear error when
+    ``func`` cannot be called."""
+    if not callable(func):
+        raise TypeError(f"function should be callable, got {type(func).__name__}")
+    return (tuple(args) if args else ()), (dict(kwargs) if kwargs else {})
+
+
+def remote(to: str | WorkerInfo | int, func: Callable, args: tuple | None = None,
+           kwargs: dict | None = None, timeout: float = UNSET_RPC_TIMEOUT) -> RRef:
+    """Run ``func(*args, **kwargs)`` on worker ``to`` and return an ``RRef`` to the result.
+
+    Returns at once; the value is made on ``to`` in the background. An error raised by
+    ``func`` surfaces on ``to_here()`` and on the proxies, with its type.
+
+    Example::
+
+        >>> rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 3))
+        >>> rref.to_here()
+        tensor([4., 4.])
+    """
+    runtime = _runtime.current()
+    args, kwargs = check_call(func, args, kwargs)
+    return runtime.rrefs.remote(runtime.to_rank(to), func, args, kwargs, timeout)
