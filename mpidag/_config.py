@@ -71,11 +71,11 @@ def _seconds(name: str, text: str) -> float:
     return value
 
 
-def _choice(choices: tuple[str, ...]) -> Callable[[str, str], str]:
+def _choice(choices: tuple[str, ...], what: str) -> Callable[[str, str], str]:
     def parse(name: str, text: str) -> str:
         value = text.strip().lower()
         if value not in choices:
-            raise ConfigError(f"{name}={text!r} is not one of {list(choices)}")
+            raise ConfigError(f"{name}={text!r} is not {what}; use one of {list(choices)}")
         return value
     return parse
 
@@ -98,7 +98,7 @@ def _text(name: str, text: str) -> str:
 
 #: field name -> (variable, parser); fields not set in the environment keep their default
 _JOB_VARIABLES: dict[str, tuple[str, Callable[[str, str], Any]]] = {
-    "log_level": ("MPIDAG_LOG", _choice(LOG_LEVELS)),
+    "log_level": ("MPIDAG_LOG", _choice(LOG_LEVELS, "a log level")),
     "gc_freeze": ("MPIDAG_GC_FREEZE", _flag),
     "abort_on_error": ("MPIDAG_ABORT_ON_ERROR", _flag),
     "backoff_max": ("MPIDAG_BACKOFF_MAX", _seconds),
@@ -106,7 +106,7 @@ _JOB_VARIABLES: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "sentinel_interval": ("MPIDAG_SENTINEL_S", _seconds),
     "cuda_aware": ("MPIDAG_CUDA_AWARE", _flag),
     "recv_cache_bytes": ("MPIDAG_RECV_CACHE_MB", _megabytes),
-    "optim_locks": ("MPIDAG_OPTIM_LOCKS", _choice(OPTIM_LOCK_MODES)),
+    "optim_locks": ("MPIDAG_OPTIM_LOCKS", _choice(OPTIM_LOCK_MODES, "a lock mode")),
 }
 
 _LAUNCH_VARIABLES: dict[str, tuple[str, Callable[[str, str], Any]]] = {

@@ -18,6 +18,8 @@ __all__ = [
     "UnknownWorkerError",
     "WorkerDiedError",
     "SerializationError",
+    "RemoteBaseException",
+    "storable",
     "pack_exception",
     "unpack_exception",
     "detached_copy",
@@ -99,6 +101,37 @@ class SerializationError(TypeError, RPCError):
         Traceback (most recent call last):
         SerializationError: could not pickle the call of ... for worker1: ...
     """
+
+
+class RemoteBaseException(RPCError):
+    """Carries a ``BaseException`` that is not an ``Exception`` (``SystemExit``,
+    ``KeyboardInterrupt``, ...) raised by a remote function: a ``torch.futures.Future`` can
+    only hold an ``Exception``. ``rpc_sync`` and the future's ``wait()`` raise the carried
+    exception itself, with its type; ``torch.futures.wait_all`` and ``value()`` raise this.
+
+    Example::
+
+        >>> rpc.rpc_sync("worker1", sys.exit, args=(3,))
+        Traceback (most recent call last):
+        SystemExit: 3
+        >>> rpc.rpc_async("worker1", sys.exit, args=(3,)).value()   # once done
+        Traceback (most recent call last):
+        RemoteBaseException: the remote function raised SystemExit: 3
+    """
+
+    def __init__(self, exception: BaseException) -> None:
+        super().__init__(f"the remote function raised {type(exception).__name__}: "
+                         f"{exception}")
+        self.exception = exception
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.exception,)
+
+
+def storable(exc: BaseException) -> Exception:
+    """``exc`` as something a ``torch.futures.Future`` can hold (see
+    :class:`RemoteBaseException`)."""
+    return exc if isinstance(exc, Exception) else RemoteBaseException(exc)
 
 
 class RemoteTraceback(Exception):

@@ -154,3 +154,22 @@ def param_gradient(context_id):
     from mpidag import autograd as dist_autograd
 
     return dist_autograd.get_gradients(context_id).get(PARAM)
+
+
+class TaggedTensor(torch.Tensor):
+    """A tensor subclass with an attribute of its own (as users write for units, masks...)."""
+
+
+def tagged(t, tag):
+    out = t.as_subclass(TaggedTensor)
+    out.tag = tag
+    return out
+
+
+def scale_tagged(t, factor):
+    """On the callee: check the argument arrived as the subclass with its attribute, and
+    return a subclass instance computed from it (gradients must flow both ways)."""
+    if type(t) is not TaggedTensor or getattr(t, "tag", None) != "metres":
+        raise TypeError(f"expected a TaggedTensor tagged 'metres', got {type(t).__name__} "
+                        f"{getattr(t, '__dict__', {})}")
+    return tagged(t * factor, "scaled")

@@ -96,3 +96,31 @@ def big_tensor_check(t):
 
 def make_big(nbytes):
     return torch.arange(nbytes // 4, dtype=torch.int32)
+
+
+class Interrupted(BaseException):
+    """A BaseException that is not an Exception (as KeyboardInterrupt, GeneratorExit)."""
+
+
+def raise_system_exit(code):
+    raise SystemExit(code)
+
+
+def raise_base_exception(msg):
+    raise Interrupted(msg)
+
+
+def payload_digest(obj):
+    """What a large payload looks like on arrival: its type, length and sampled bytes."""
+    import numpy as np
+
+    view = np.frombuffer(memoryview(obj).cast("B"), dtype=np.uint8)
+    return type(obj).__name__, view.size, int(view[:: 1 << 20].astype(np.int64).sum()), \
+        int(view[-1])
+
+
+def make_large_payload(kind, nbytes):
+    import numpy as np
+
+    values = np.resize(np.arange(251, dtype=np.uint8), nbytes)  # 0..250 repeated
+    return values.tobytes() if kind == "bytes" else values

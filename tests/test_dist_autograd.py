@@ -43,6 +43,24 @@ def test_design_document_example(rpc_world):
     assert t1.grad is None and t4.grad is None  # gradients live in the context only
 
 
+def test_tensor_subclass_travels_as_tensor_and_gets_gradients(rpc_world):
+    """A torch.Tensor subclass (not an nn.Parameter) arrives as its class with its
+    attributes, and takes part in distributed autograd both ways (before: it was pickled
+    with its bytes, got no send function, and no gradient reached x)."""
+    x, w = _seeded(rpc_world.rank, (5,), (5,))
+    with dist_autograd.context() as context_id:
+        sent = af.tagged(x * w, "metres")
+        back = rpc.rpc_sync(rpc_world.next, af.scale_tagged, args=(sent, 3.0), timeout=20)
+        assert type(back) is af.TaggedTensor and back.tag == "scaled"
+        loss = (back * x).sum()
+        dist_autograd.backward(context_id, [loss])
+        grads = dist_autograd.get_gradients(context_id)
+    local = (af.scale_tagged(af.tagged(x * w, "metres"), 3.0) * x).sum()
+    ex, ew = torch.autograd.grad(local, [x, w])
+    close(grads[x], ex)
+    close(grads[w], ew)
+
+
 def test_every_rpc_path_records(rpc_world):
     """rpc_async, remote + to_here, and the proxies of an RRef."""
     x, w = _seeded(rpc_world.rank, (4,), (4,))

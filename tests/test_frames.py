@@ -2,6 +2,7 @@
 
 import pickle
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,3 +105,43 @@ def test_no_tensor_message_is_header_plus_pickle():
     assert not separate and len(frame0) == frames.HEADER.size + len(payload)
     env, header = frames.decode_header(bytearray(frame0))
     assert header.specs == [] and pickle.loads(env.payload) == ("hello", 3)
+
+
+class Celsius(torch.Tensor):
+    """A tensor subclass with state of its own."""
+
+
+def test_tensor_subclass_travels_out_of_band_and_arrives_as_its_class():
+    t = torch.arange(4.0).as_subclass(Celsius)
+    t.note = "room"
+    payload, tensors = frames.dumps({"t": t})
+    assert len(tensors) == 1 and type(tensors[0]) is torch.Tensor  # its bytes: not pickled
+    assert tensors[0].data_ptr() == t.data_ptr()
+    back = frames.loads(payload, [tensors[0].clone()])["t"]
+    assert type(back) is Celsius and back.note == "room" and torch.equal(back, t)
+
+
+def test_numpy_arrays_travel_out_of_band_other_arrays_in_the_pickle():
+    plain = np.arange(10, dtype=np.float32)[::3]  # strided: sent as its values
+    objects = np.array([{"a": 1}, None], dtype=object)
+    swapped = np.arange(3, dtype=">i4")  # not native byte order: pickled
+    payload, tensors = frames.dumps([plain, objects, swapped])
+    assert len(tensors) == 1 and tensors[0].numel() == plain.size
+    got = frames.loads(payload, [tensors[0].contiguous()])
+    assert isinstance(got[0], np.ndarray) and np.array_equal(got[0], plain)
+    assert got[1][0] == {"a": 1} and np.array_equal(got[2], swapped)
+
+
+def test_large_payload_is_a_frame_of_its_own_with_a_64_bit_length():
+    payload = bytes(frames.PAYLOAD_FRAME_LIMIT + 1)
+    frame0, separate = frames.encode(Envelope(kind=2, payload=payload), [], data_tag=3)
+    assert len(frame0) == frames.HEADER.size  # the payload is not copied into frame 0
+    assert len(separate) == 1 and separate[0].nbytes == len(payload)
+    env, header = frames.decode_header(bytearray(frame0))
+    assert header.payload_separate and header.payload_length == len(payload)
+    assert header.data_tag == 3 and env.payload == b""
+    # lengths past 4 GiB fit the header (a 32-bit field raised struct.error before)
+    huge = frames.HEADER.pack(2, 0, frames.WIRE_PAYLOAD_FRAME, 0, 3, 0, 0, 0, 5 << 30, 0, 0)
+    assert frames.decode_header(bytearray(huge))[1].payload_length == 5 << 30
+    with pytest.raises(ValueError, match="data tag"):
+        frames.encode(Envelope(kind=2, payload=payload), [], data_tag=0)

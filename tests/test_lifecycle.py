@@ -106,6 +106,61 @@ else:
     assert "NO-ERROR" not in out
 
 
+@pytest.mark.parametrize("variable", ["MPIDAG_BACKOFF_MAX=fast", "MPIDAG_GC_FREEZE=maybe",
+                                      "MPIDAG_LOG=loud"])
+def test_bad_setting_fails_on_every_rank_without_hanging(job, variable):
+    """Every MPIDAG_* variable is read once, at init_rpc; a bad value is a ValueError naming
+    the variable on the rank that has it, an RPCError naming that rank elsewhere."""
+    name, value = variable.split("=")
+    result = job(PRELUDE + f"""
+import os
+from mpi4py import MPI
+r = MPI.COMM_WORLD.Get_rank()
+if r == 1:
+    os.environ[{name!r}] = {value!r}      # after import: nothing is read before init_rpc
+try:
+    rpc.init_rpc()
+except ValueError as e:
+    print("RANK", r, "VALUE-ERROR", e)
+except RPCError as e:
+    print("RANK", r, "RPC-ERROR", e)
+else:
+    print("RANK", r, "NO-ERROR")
+""", timeout=60)
+    out = ok(result)
+    assert f"RANK 1 VALUE-ERROR {name}={value!r}" in out, out
+    assert "RANK 0 RPC-ERROR init_rpc failed on rank 1" in out
+    assert "NO-ERROR" not in out
+
+
+def test_one_pool_thread_and_large_replies_both_ways_do_not_deadlock(job):
+    """Both ranks have one pool thread, and each asks the other for a large tensor while no
+    user thread waits: each pool thread serves the request and blocks sending its large
+    reply, which only the other rank's (busy) pool thread could receive. The sentinel must
+    take over the progress (before: both ranks waited forever)."""
+    out = ok(job(PRELUDE + """
+def big(n):
+    return torch.arange(n, dtype=torch.float32)
+
+opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=1)
+rpc.init_rpc(rpc_backend_options=opts)
+me = rpc.get_worker_info().id
+n = 16 << 20                                   # 64 MiB: far above any eager limit
+fut = rpc.rpc_async(1 - me, big, args=(n,), timeout=0)
+deadline = time.monotonic() + 30
+while not fut.done() and time.monotonic() < deadline:
+    time.sleep(0.05)                           # this thread does not drive progress
+print("RANK", me, "DONE" if fut.done() else "STUCK")
+if fut.done():
+    value = fut.wait()
+    assert value.numel() == n and float(value[-1]) == n - 1
+    rpc.shutdown()
+else:
+    rpc.shutdown(graceful=False)
+""", timeout=120))
+    assert out.count("DONE") == 2, out
+
+
 def test_duplicate_worker_names_rejected(job):
     out = ok(job(PRELUDE + """
 try:

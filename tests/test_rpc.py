@@ -95,6 +95,34 @@ def test_tensor_larger_than_2gib(rpc_world):
     assert back.numel() == nbytes // 4 and int(back[-1]) == nbytes // 4 - 1
 
 
+@pytest.mark.parametrize("kind", ["bytes", "numpy"])
+def test_non_tensor_payload_larger_than_2gib(rpc_world, kind):
+    """bytes go in the pickle (the payload travels as its own chunked frame); numpy arrays
+    travel out of band like tensors (no copy into the pickle)."""
+    if rpc_world.rank != 0:
+        return
+    nbytes = (1 << 31) + (1 << 20) + 7  # past the int32 count limit of MPI 3 calls
+    payload = f.make_large_payload(kind, nbytes)
+    expected = f.payload_digest(payload)
+    got = rpc.rpc_sync(rpc_world.next, f.payload_digest, args=(payload,), timeout=300)
+    del payload
+    assert got == (("bytes" if kind == "bytes" else "ndarray"), *expected[1:])
+
+
+def test_base_exceptions_reach_the_caller_and_the_rank_keeps_serving(rpc_world):
+    """SystemExit and other BaseExceptions of a remote function are the call's answer,
+    with their type; the serving thread survives (before: it died, the call hung)."""
+    with pytest.raises(SystemExit) as info:
+        rpc.rpc_sync(rpc_world.next, f.raise_system_exit, args=(3,), timeout=20)
+    assert info.value.code == 3
+    with pytest.raises(f.Interrupted, match="stop here"):
+        rpc.rpc_async(rpc_world.next, f.raise_base_exception, args=("stop here",),
+                      timeout=20).wait()
+    # every pool thread of the callee still serves: more concurrent calls than threads
+    futs = [rpc.rpc_async(rpc_world.next, f.add, args=(i, 1), timeout=20) for i in range(40)]
+    assert [fut.wait() for fut in futs] == list(range(1, 41))
+
+
 def test_calls_to_self(rpc_world):
     t = torch.randn(3)
     out = rpc.rpc_sync(rpc_world.name, f.identity, args=(t,), timeout=10)

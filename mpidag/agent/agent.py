@@ -42,6 +42,7 @@ from mpidag._profiling import profiling
 from mpidag.agent.messages import FLAG_HANDLER, Kind
 from mpidag.agent.options import MPIRpcBackendOptions, WorkerInfo
 from mpidag.errors import (
+    RemoteBaseException,
     RPCError,
     RPCTimeoutError,
     SerializationError,
@@ -49,6 +50,7 @@ from mpidag.errors import (
     detached_copy,
     future_error,
     pack_exception,
+    storable,
     unpack_exception,
 )
 from mpidag.transport.base import Transport
@@ -78,7 +80,10 @@ class RpcFuture(torch.futures.Future):
         try:
             return super().wait()
         except BaseException as stored:
-            fresh = detached_copy(stored)
+            if isinstance(stored, RemoteBaseException):  # SystemExit & co., with their type
+                fresh = detached_copy(stored.exception)
+            else:
+                fresh = detached_copy(stored)
             stored.__traceback__ = None
             del stored
         try:
@@ -369,7 +374,7 @@ class RpcAgent:
         return getattr(self._pickling, "dst", None)
 
     def dumps_for(self, dst: int, obj: Any, call: tuple[Any, tuple] | None = None
-                  ) -> tuple[bytes, list[torch.Tensor]]:
+                  ) -> tuple[bytes | memoryview, list[torch.Tensor]]:
         """Pickle ``obj`` for rank ``dst``; objects whose pickling depends on the
         destination (RRefs) read it with :meth:`pickling_for` and may register undo actions
         in :meth:`on_pickling_failure`, run if pickling fails. ``call``: the ``(func, args)``
@@ -437,7 +442,7 @@ class RpcAgent:
         return future
 
     def _encode_call(self, dst: int, func: Callable, args: tuple, kwargs: dict
-                     ) -> tuple[bytes, list[torch.Tensor], int]:
+                     ) -> tuple[bytes | memoryview, list[torch.Tensor], int]:
         """``(payload, tensors, flags)`` of a call of ``func`` (a :class:`Handler`: by name)."""
         try:
             if isinstance(func, Handler):
@@ -574,7 +579,7 @@ class RpcAgent:
                 else:
                     call.future.set_result(value)
             else:
-                call.future.set_exception(unpack_exception(bytes(env.payload)))
+                call.future.set_exception(storable(unpack_exception(bytes(env.payload))))
             self.engine.wake_waiters()
         finally:
             self._mark_processed()

@@ -272,8 +272,9 @@ def _always() -> bool:
 
 
 def dumps(obj: Any, detach_parameters: Callable[[], bool] = _always,
-          codecs: Codecs = _NO_CODECS) -> tuple[bytes, list[torch.Tensor]]:
-    """Pickle ``obj`` with its tensors taken out; returns ``(payload, tensors)``.
+          codecs: Codecs = _NO_CODECS) -> tuple[bytes | memoryview, list[torch.Tensor]]:
+    """Pickle ``obj`` with its tensors taken out; returns ``(payload, tensors)`` (a pickle
+    over :data:`PAYLOAD_FRAME_LIMIT` is a ``memoryview`` of the pickler's buffer, no copy).
 
     ``detach_parameters()`` (asked once, at the first ``nn.Parameter``) tells how
     parameters travel: see :class:`_TensorPickler`. ``codecs``: types pickled by the rules
@@ -299,15 +300,18 @@ def dumps(obj: Any, detach_parameters: Callable[[], bool] = _always,
     pickler.codecs = codecs
     try:
         pickler.dump(obj)
-        return buffer.getvalue(), tensors
+        if buffer.tell() <= PAYLOAD_FRAME_LIMIT:
+            return buffer.getvalue(), tensors
+        # a large pickle: hand out the buffer itself (no copy) and retire this pickler
+        if getattr(_local, "pickler", None) is pickler:
+            _local.pickler = None
+        return buffer.getbuffer(), tensors
     finally:
         pickler.clear_memo()
         pickler.tensors = []
         pickler.detach_rule = _always
         pickler.codecs = _NO_CODECS
         pickler.busy = False
-        if buffer.tell() > PAYLOAD_FRAME_LIMIT and getattr(_local, "pickler", None) is pickler:
-            _local.pickler = None  # do not keep a large buffer per thread
 
 
 def loads(payload: bytes | memoryview, tensors: list[torch.Tensor],

@@ -1,0 +1,238 @@
+"""The agent, RRef and autograd protocols over the in-process transport (no mpirun).
+
+Each test starts a world of ranks as threads of this process (the same runtimes, framing
+and protocols as under MPI, with queues in place of MPI) and checks real values: results,
+remote errors, RRef lifetimes and gradients against plain local autograd. The whole file
+runs in seconds; the MPI transport keeps its own multi-rank tests.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gc
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from mpidag._config import Config
+from mpidag._runtime import Runtime
+from mpidag.errors import RemoteTraceback
+from mpidag.testing import _DelayedSender
+from mpidag.transport import frames
+from mpidag.transport.frames import Envelope
+from mpidag.transport.inproc import InProcWorld
+from tests import autograd_funcs as af
+from tests import rpc_funcs as rf
+
+TIMEOUT = 20.0
+#: no gc.freeze, short spins: many runtimes share this process and its two cores
+CONFIG = Config(gc_freeze=False, poll_spin=2e-3)
+
+
+def on_every_rank(world_size: int, fn: Callable[[int], object]) -> list:
+    """Run ``fn(rank)`` in one thread per rank (collectives need every rank at once)."""
+    with concurrent.futures.ThreadPoolExecutor(world_size) as pool:
+        return list(pool.map(fn, range(world_size), timeout=120))
+
+
+def start_world(world_size: int, num_worker_threads: int = 4) -> list[Runtime]:
+    from mpidag.agent.options import MPIRpcBackendOptions
+
+    world = InProcWorld(world_size)
+    options = MPIRpcBackendOptions(num_worker_threads=num_worker_threads, rpc_timeout=TIMEOUT)
+    runtimes = on_every_rank(world_size, lambda r: Runtime.connect(
+        world.transports[r], options=options, config=CONFIG))
+    for runtime in runtimes:
+        runtime.serve()
+    return runtimes
+
+
+def quiesce(runtimes: list[Runtime]) -> None:
+    on_every_rank(len(runtimes), lambda r: runtimes[r].agent.wait_quiescent(TIMEOUT))
+
+
+def settle(runtimes: list[Runtime]) -> None:
+    """Free RRef handles held by garbage cycles and drain the protocol messages."""
+    for _ in range(3):
+        gc.collect()
+        quiesce(runtimes)
+
+
+@pytest.fixture(params=[2, 3], ids=["2ranks", "3ranks"])
+def world(request) -> Iterator[list[Runtime]]:
+    runtimes = start_world(request.param)
+    yield runtimes
+    on_every_rank(len(runtimes), lambda r: runtimes[r].shutdown(graceful=True,
+                                                                 timeout=TIMEOUT))
+
+
+def call(runtime: Runtime, dst: int, func, *args, **kwargs):
+    agent = runtime.agent
+    return agent.wait(agent.call(dst, func, args, kwargs, TIMEOUT), TIMEOUT)
+
+
+# --------------------------------------------------------------------------- transport
+
+def test_transport_moves_frames_tensors_numpy_and_large_payloads():
+    world = InProcWorld(2)
+    t0, t1 = world.transports
+    big = torch.arange(20_000, dtype=torch.float64)            # its own frame
+    small = torch.ones(3, requires_grad=True)                   # inline
+    array = np.arange(12, dtype=np.int16).reshape(3, 4)[:, ::2]  # out of band, strided
+    blob = bytes(range(256)) * (frames.PAYLOAD_FRAME_LIMIT // 256 + 10)  # payload frame
+    payload, tensors = frames.dumps({"big": big, "small": small, "array": array, "blob": blob})
+    assert len(tensors) == 3 and len(payload) > frames.PAYLOAD_FRAME_LIMIT
+    t0.send(1, Envelope(kind=1, request_id=9, payload=payload, tensors=tensors),
+            ["cpu"] * len(tensors))
+    env = t1.poll()
+    assert env is not None and env.src == 0 and env.request_id == 9 and t1.poll() is None
+    got = frames.loads(env.payload, env.tensors)
+    assert torch.equal(got["big"], big) and got["big"].data_ptr() != big.data_ptr()
+    assert got["small"].requires_grad and torch.equal(got["small"], small.detach())
+    assert isinstance(got["array"], np.ndarray) and np.array_equal(got["array"], array)
+    assert got["blob"] == blob
+
+
+def test_collectives_of_an_in_process_world():
+    world = InProcWorld(3)
+    gathered = on_every_rank(3, lambda r: world.transports[r].allgather(r * 10))
+    assert gathered == [[0, 10, 20]] * 3
+
+    def reduce(r: int) -> list[int]:
+        def wait(done):
+            while not done():
+                time.sleep(1e-4)
+        return world.transports[r].allreduce_sum([r, 1], wait)
+
+    assert on_every_rank(3, reduce) == [[3, 3]] * 3
+
+
+# ------------------------------------------------------------------------------- agent
+
+def test_calls_results_and_remote_errors(world):
+    last = len(world) - 1
+    assert call(world[0], last, rf.add, torch.ones(2), 3).tolist() == [4.0, 4.0]
+    assert call(world[last], 0, rf.add, "a", b="b") == "ab"
+    with pytest.raises(ValueError, match="from rank 0") as info:
+        call(world[0], 1, rf.raise_value_error, "from rank 0")
+    assert isinstance(info.value.__cause__, RemoteTraceback)
+    assert "worker1" in info.value.__cause__.text
+
+
+def test_base_exceptions_are_answers_and_the_pool_survives():
+    runtimes = start_world(2, num_worker_threads=1)
+    try:
+        with pytest.raises(SystemExit):
+            call(runtimes[0], 1, rf.raise_system_exit, 2)
+        with pytest.raises(rf.Interrupted):
+            call(runtimes[0], 1, rf.raise_base_exception, "x")
+        assert call(runtimes[0], 1, rf.add, 1, 1) == 2  # the only pool thread still serves
+    finally:
+        on_every_rank(2, lambda r: runtimes[r].shutdown(timeout=TIMEOUT))
+
+
+def test_internal_messages_name_handlers_not_functions(world):
+    agent = world[0].agent
+    payload, _, flags = agent._encode_call(1, world[0].rrefs._fetch, (7,), {})
+    assert flags and b"rref.fetch" in payload and b"_on_fetch" not in payload
+
+
+# -------------------------------------------------------------------------------- RRef
+
+def fetch_from(rref):
+    """Runs on another rank: fetches through that rank's own RRef layer."""
+    return rref.to_here() + 1
+
+
+def test_rref_create_fork_fetch_and_free(world):
+    owner = len(world) - 1
+    rrefs = world[0].rrefs
+    handle = rrefs.remote(owner, torch.add, (torch.ones(2), 1), {}, TIMEOUT)
+    assert not handle.is_owner() and handle.owner().id == owner
+    assert handle.to_here().tolist() == [2.0, 2.0]
+    # forked to every rank (the owner included) as an argument
+    for rank in range(len(world)):
+        assert call(world[0], rank, fetch_from, handle).tolist() == [3.0, 3.0]
+    assert handle.rpc_sync().sum().item() == 4.0                  # proxy on the owner
+    assert handle.remote().mul(2).to_here().tolist() == [4.0, 4.0]
+    assert world[owner].rrefs.debug_info()["num_owner_rrefs"] >= 1
+    del handle
+    settle(world)
+    for runtime in world:
+        info = runtime.rrefs.debug_info()
+        assert info["num_owner_rrefs"] == 0 and info["num_user_rrefs"] == 0, info
+
+
+def test_rref_protocol_with_delayed_reordered_control_messages(world):
+    senders = [_DelayedSender(rt.transport, max_delay=0.005, seed=rt.agent.rank)
+               for rt in world]
+    for rt, sender in zip(world, senders, strict=True):
+        rt.transport.send_hook = sender.hook
+    try:
+        handles = [world[r].rrefs.remote((r + 1) % len(world), torch.ones, (r + 1,), {},
+                                         TIMEOUT) for r in range(len(world))]
+        for r, handle in enumerate(handles):
+            nxt = (r + 2) % len(world)
+            assert call(world[r], nxt, fetch_from, handle).sum().item() == 2 * (r + 1)
+        del handles, handle
+        settle(world)
+    finally:
+        for rt, sender in zip(world, senders, strict=True):
+            rt.transport.send_hook = None
+            sender.stop()
+    settle(world)
+    assert sum(s.delayed for s in senders) > 0
+    for runtime in world:
+        info = runtime.rrefs.debug_info()
+        assert not any(info.values()), info
+
+
+# ---------------------------------------------------------------------------- autograd
+
+def test_distributed_backward_matches_local_autograd(world):
+    rt = world[0]
+    contexts = rt.autograd.contexts
+    x = torch.rand(4, requires_grad=True)
+    w = torch.rand(4, requires_grad=True)
+    ctx = contexts.new_context()
+    previous = contexts.enter(ctx)
+    try:
+        y = call(rt, 1, af.mul_sin, x, w)                    # recorded: send + recv
+        handle = rt.rrefs.remote(len(world) - 1, af.square, (x,), {}, TIMEOUT)
+        loss = (y * handle.to_here()).sum()
+    finally:
+        contexts.leave(previous)
+    rt.autograd.backward(ctx.context_id, [loss])
+    grads = ctx.gradients.snapshot()
+    ex, ew = torch.autograd.grad((af.mul_sin(x, w) * af.square(x)).sum(), [x, w])
+    torch.testing.assert_close(grads[x], ex)
+    torch.testing.assert_close(grads[w], ew)
+    assert x.grad is None
+    contexts.release(ctx)
+    del handle, y, loss
+    settle(world)
+    for runtime in world:
+        info = runtime.autograd.contexts.debug_info()
+        assert info["num_autograd_contexts"] == 0 and info["num_live_send_functions"] == 0, \
+            info
+
+
+def test_tensor_subclass_takes_part_in_distributed_autograd(world):
+    rt = world[0]
+    contexts = rt.autograd.contexts
+    x = torch.rand(3, requires_grad=True)
+    ctx = contexts.new_context()
+    previous = contexts.enter(ctx)
+    try:
+        back = call(rt, 1, af.scale_tagged, af.tagged(x * 2, "metres"), 3.0)
+    finally:
+        contexts.leave(previous)
+    assert type(back) is af.TaggedTensor and back.tag == "scaled"
+    rt.autograd.backward(ctx.context_id, [(back * x).sum()])
+    (expected,) = torch.autograd.grad((af.scale_tagged(af.tagged(x * 2, "metres"), 3.0)
+                                       * x).sum(), [x])
+    torch.testing.assert_close(ctx.gradients.snapshot()[x], expected)
+    contexts.release(ctx)
