@@ -79,7 +79,7 @@ def state_report(runtime: Runtime) -> str:
     lines.append("rrefs: " + ", ".join(f"{k}={v}" for k, v in
                                        runtime.rrefs.debug_info().items()))
     lines.append("autograd: " + ", ".join(f"{k}={v}" for k, v in
-                                          runtime.autograd.contexts.debug_info().items()))
+                                          runtime.autograd.container.debug_info().items()))
     return "\n".join(lines)
 
 

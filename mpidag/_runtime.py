@@ -5,11 +5,12 @@
     transport (MPI, or in-process)  ->  RpcAgent  ->  DistAutograd  ->  RRefContext
                                                                     +  ParameterLocks
 
-The current runtime (:func:`current`) is the only module-level state of mpidag: the
+The current runtime (:func:`current`) is the only module-level state of a session: the
 public facades (``mpidag.rpc``, ``.autograd``, ``.optim``, ``.testing``) look it up;
-the layers below it never do, they use the objects they were given. Several runtimes can
-live in one process (in-process worlds in tests); only the one made by ``init_rpc`` is
-current.
+the layers below it never do, they use the objects they were given. (Other module-level
+data is per thread, such as the reusable pickler and the autograd context a thread is in,
+or process-wide caches and debug counters.) Several runtimes can live in one process
+(in-process worlds in tests); only the one made by ``init_rpc`` is current.
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ class Runtime:
             "messages_processed": agent.processed,
         }
         info.update(self.rrefs.debug_info())
-        info.update(self.autograd.contexts.debug_info())
+        info.update(self.autograd.container.debug_info())
         return info
 
 

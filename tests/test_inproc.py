@@ -194,7 +194,7 @@ def test_rref_protocol_with_delayed_reordered_control_messages(world):
 
 def test_distributed_backward_matches_local_autograd(world):
     rt = world[0]
-    contexts = rt.autograd.contexts
+    contexts = rt.autograd.container
     x = torch.rand(4, requires_grad=True)
     w = torch.rand(4, requires_grad=True)
     ctx = contexts.new_context()
@@ -215,14 +215,14 @@ def test_distributed_backward_matches_local_autograd(world):
     del handle, y, loss
     settle(world)
     for runtime in world:
-        info = runtime.autograd.contexts.debug_info()
+        info = runtime.autograd.container.debug_info()
         assert info["num_autograd_contexts"] == 0 and info["num_live_send_functions"] == 0, \
             info
 
 
 def test_tensor_subclass_takes_part_in_distributed_autograd(world):
     rt = world[0]
-    contexts = rt.autograd.contexts
+    contexts = rt.autograd.container
     x = torch.rand(3, requires_grad=True)
     ctx = contexts.new_context()
     previous = contexts.enter(ctx)

@@ -179,12 +179,15 @@ class CallObserver:
     """How a layer above sees the agent's messages (distributed autograd's interface).
 
     The agent calls these from the threads that send and receive; this base class observes
-    nothing, and costs one method call per message.
+    nothing. ``active`` is false while the observer has nothing to record in outgoing
+    requests (no context on this rank): the agent then skips :meth:`outgoing` altogether.
 
     Example::
 
         >>> agent.set_observer(container)      # a ContextContainer records send/recv
     """
+
+    active = False
 
     def outgoing(self, dst: int, tensors: list[torch.Tensor],
                  what: Callable[[], str]) -> tuple[int, int]:
@@ -259,8 +262,8 @@ class RpcAgent:
         self.observer: CallObserver = _NO_OBSERVER
         #: called as hook() before a graceful shutdown's final quiescence (RRefs)
         self._shutdown_hooks: list[Callable[[], None]] = []
-        #: called by the leader after each poll
-        self._tick_hooks: list[Callable[[], None]] = []
+        #: (queue, hook): the leader calls hook() after a poll while the queue is not empty
+        self._tick_hooks: list[tuple[Any, Callable[[], None]]] = []
         #: extra "this rank is not idle" conditions for the quiescence test
         self._busy_checks: list[Callable[[], bool]] = []
         max_sleep = options.max_sleep if options.max_sleep is not None else config.backoff_max
@@ -311,15 +314,23 @@ class RpcAgent:
             raise RuntimeError("the agent already has a call observer")
         self.observer = observer
 
-    def add_hooks(self, *, tick: Callable[[], None] | None = None,
+    def add_hooks(self, *, tick: Callable[[], None] | None = None, tick_queue: Any = None,
                   busy: Callable[[], bool] | None = None,
                   before_shutdown: Callable[[], None] | None = None) -> None:
-        """``tick()``: run by the leader after each poll (cheap, non-blocking);
+        """``tick()``: run by the leader after a poll while ``tick_queue`` (a container the
+        layer fills, e.g. from ``__del__``) is not empty: a cheap test on the hot path;
         ``busy()``: true while this rank still has work the termination test must wait for;
         ``before_shutdown()``: run between the two quiescence rounds of a graceful
-        shutdown."""
+        shutdown.
+
+        Example::
+
+            >>> agent.add_hooks(tick=self.process_releases, tick_queue=self.releases)
+        """
         if tick is not None:
-            self._tick_hooks.append(tick)
+            if tick_queue is None:
+                raise ValueError("a tick hook needs the queue that tells when it has work")
+            self._tick_hooks.append((tick_queue, tick))
         if busy is not None:
             self._busy_checks.append(busy)
         if before_shutdown is not None:
@@ -463,7 +474,7 @@ class RpcAgent:
             raise RPCError("the RPC agent is shut down; call mpidag.rpc.init_rpc again first")
         payload, tensors, flags = self._encode_call(dst, func, args, kwargs)
         context_id = message_id = 0
-        if record:
+        if record and self.observer.active:
             context_id, message_id = self.observer.outgoing(
                 dst, tensors, lambda: f"the arguments of {describe(func, args)} sent to "
                                       f"{self.workers[dst].name}")
@@ -528,8 +539,9 @@ class RpcAgent:
 
     def _tick(self) -> None:
         """Called by the leader after each poll: hooks, then expire calls past deadline."""
-        for hook in self._tick_hooks:
-            hook()
+        for queue, hook in self._tick_hooks:
+            if queue:
+                hook()
         now = time.monotonic()
         if now < self._next_expiry_scan or not self._pending:
             return

@@ -45,7 +45,7 @@ __all__ = [
 
 
 def _container() -> ContextContainer:
-    return _runtime.current().autograd.contexts
+    return _runtime.current().autograd.container
 
 
 def is_available() -> bool:

@@ -315,6 +315,7 @@ class ContextContainer(CallObserver):
         ctx = DistAutogradContext(self, self.agent.ids.next())
         with self.lock:
             self.contexts[ctx.context_id] = ctx
+            self.active = True
         return ctx
 
     def retrieve(self, context_id: int) -> DistAutogradContext:
@@ -346,6 +347,7 @@ class ContextContainer(CallObserver):
                                   "recorded", context_id, src)
                         return None
                     ctx = self.contexts[context_id] = DistAutogradContext(self, context_id)
+                    self.active = True
         with ctx.lock:
             ctx.known_workers.add(src)
         return ctx
@@ -356,6 +358,7 @@ class ContextContainer(CallObserver):
             if self.contexts.get(ctx.context_id) is not ctx:
                 return
             del self.contexts[ctx.context_id]
+            self.active = bool(self.contexts)  # the agent asks outgoing() only while true
             self._remember(ctx.context_id)
         with ctx.lock:
             ctx.released = True

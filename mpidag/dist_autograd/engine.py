@@ -280,13 +280,13 @@ class DistAutograd:
     Example::
 
         >>> autograd = DistAutograd(agent)
-        >>> ctx = autograd.contexts.new_context()
+        >>> ctx = autograd.container.new_context()
         >>> autograd.backward(ctx.context_id, [loss], retain_graph=False)
     """
 
     def __init__(self, agent: RpcAgent) -> None:
         self.agent = agent
-        self.contexts = ContextContainer(agent)
+        self.container = ContextContainer(agent)
         self.gradients_handler = agent.register_handler(
             "autograd.gradients", self._on_gradients, asynchronous=True,
             describe=lambda context_id, *_: f"gradients of autograd context {context_id}")
@@ -296,7 +296,7 @@ class DistAutograd:
                       ) -> torch.futures.Future:
         """On the rank of a send function: its gradients arrived; answered per the protocol."""
         reply: torch.futures.Future = torch.futures.Future()
-        ctx = self.contexts.contexts.get(context_id)
+        ctx = self.container.contexts.get(context_id)
         if ctx is None:
             reply.set_exception(RuntimeError(
                 f"the backward pass reached {self.agent.where()}, which has no autograd "
@@ -315,7 +315,7 @@ class DistAutograd:
                  retain_graph: bool = False) -> None:
         """Run the distributed backward pass from ``roots``; return when it is done
         everywhere (raises the first error of any rank, with its type)."""
-        ctx = self.contexts.retrieve(context_id)
+        ctx = self.container.retrieve(context_id)
         roots = check_roots(roots)
         agent = self.agent
         edges = [edge_of(r) for r in roots]

@@ -68,7 +68,7 @@ class _LocalOptimizer:
         self.step_times: list[tuple[float, float]] = []
 
     def step(self, context_id: int) -> int:
-        contexts = _runtime.current().autograd.contexts.contexts
+        contexts = _runtime.current().autograd.container.contexts
         grads = get_gradients(context_id) if context_id in contexts else {}
         mine = [(p, grads.get(p)) for p in self.params]
         for index, (param, grad) in enumerate(mine):  # check all before changing anything

@@ -128,7 +128,7 @@ class RRefContext:
         # calls on the owner
         self._create = register(
             "rref.create", self._run_on_owner,
-            describe=lambda rref_id, fork, func, *_: f"remote({describe(func)})",
+            describe=lambda rref_id, fork, func, args, kwargs: f"remote({describe(func, args)})",
             detaches=lambda rref_id, fork, func, args, kwargs: detaches_parameters(func, args))
         self._fetch = register(
             "rref.fetch", self._on_fetch, asynchronous=True,
@@ -141,7 +141,7 @@ class RRefContext:
             "rref.backward", self._on_backward,
             describe=lambda rref_id, *_: f"RRef(0x{rref_id:x}).backward()")
         agent.codecs.register(handle_type, "rref", self._reduce_handle, self._rebuild_handle)
-        agent.add_hooks(tick=self.process_releases,
+        agent.add_hooks(tick=self.process_releases, tick_queue=self.releases,
                         busy=lambda: bool(self.releases) or self.releasing > 0,
                         before_shutdown=self.release_all_users)
 

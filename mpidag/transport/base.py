@@ -173,6 +173,8 @@ class FramedTransport(Transport):
         src, frame0 = got
         env, header = frames.decode_header(frame0)
         env.src = src
+        if header is None:
+            return env
         if header.payload_separate:
             payload = bytearray(header.payload_length)
             self._recv_frame(src, header.data_tag, memoryview(payload))
