@@ -61,14 +61,20 @@ def _flag(name: str, text: str) -> bool:
                       f"yes/no, on/off)")
 
 
-def _seconds(name: str, text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{name}={text!r} is not a number of seconds >= 0 (e.g. 1e-3)")
-    return value
+def _number(what: str, example: str, scale: float = 1.0) -> Callable[[str, str], Any]:
+    """A parser of a number >= 0 (``what``, e.g. "a number of seconds"), times ``scale``."""
+    def parse(name: str, text: str) -> Any:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(f"{name}={text!r} is not {what} >= 0 (e.g. {example})")
+        return value if scale == 1.0 else int(value * scale)
+    return parse
+
+
+_seconds = _number("a number of seconds", "1e-3")
 
 
 def _choice(choices: tuple[str, ...], what: str) -> Callable[[str, str], str]:
@@ -80,19 +86,7 @@ def _choice(choices: tuple[str, ...], what: str) -> Callable[[str, str], str]:
     return parse
 
 
-def _megabytes(name: str, text: str) -> int:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{name}={text!r} is not a size in MiB >= 0 (e.g. 1024)")
-    return int(value * (1 << 20))
-
-
 def _text(name: str, text: str) -> str:
-    if not text.strip():
-        raise ConfigError(f"{name} is set but empty; unset it or give a value")
     return text.strip()
 
 
@@ -105,7 +99,7 @@ _JOB_VARIABLES: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "poll_spin": ("MPIDAG_POLL_SPIN_S", _seconds),
     "sentinel_interval": ("MPIDAG_SENTINEL_S", _seconds),
     "cuda_aware": ("MPIDAG_CUDA_AWARE", _flag),
-    "recv_cache_bytes": ("MPIDAG_RECV_CACHE_MB", _megabytes),
+    "recv_cache_bytes": ("MPIDAG_RECV_CACHE_MB", _number("a size in MiB", "1024", 1 << 20)),
     "optim_locks": ("MPIDAG_OPTIM_LOCKS", _choice(OPTIM_LOCK_MODES, "a lock mode")),
 }
 
@@ -122,7 +116,7 @@ def _read(cls: type[T], table: dict[str, tuple[str, Callable[[str, str], Any]]],
     values: dict[str, Any] = {}
     for name, (variable, parse) in table.items():
         text = env.get(variable)
-        if text is not None and (text.strip() or parse is _text):
+        if text is not None and text.strip():  # set but empty: as if unset
             values[name] = parse(variable, text)
     return cls(**values)
 

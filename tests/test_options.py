@@ -92,3 +92,34 @@ def test_cuda_awareness_detection_without_a_gpu(monkeypatch):
         assert detect_cuda_aware(Config.from_env().cuda_aware) is False  # host staging
     monkeypatch.setenv("MPIDAG_CUDA_AWARE", "off")
     assert detect_cuda_aware(Config.from_env().cuda_aware) is False
+
+
+def test_config_reads_every_variable_and_names_bad_values():
+    from mpidag._config import Config, ConfigError, LaunchConfig
+
+    assert Config.from_env({}) == Config()
+    config = Config.from_env({"MPIDAG_LOG": "INFO", "MPIDAG_GC_FREEZE": "off",
+                              "MPIDAG_BACKOFF_MAX": "2e-3", "MPIDAG_RECV_CACHE_MB": "3",
+                              "MPIDAG_CUDA_AWARE": "1", "MPIDAG_OPTIM_LOCKS": "global",
+                              "MPIDAG_ABORT_ON_ERROR": "0", "MPIDAG_POLL_SPIN_S": "0",
+                              "MPIDAG_SENTINEL_S": "5e-3"})
+    assert (config.log_level, config.gc_freeze, config.backoff_max) == ("info", False, 2e-3)
+    assert (config.recv_cache_bytes, config.cuda_aware, config.optim_locks) == (3 << 20, True,
+                                                                               "global")
+    assert (config.abort_on_error, config.poll_spin, config.sentinel_interval) == (False, 0.0,
+                                                                                  5e-3)
+    assert set(Config.variables().values()) == {
+        "MPIDAG_LOG", "MPIDAG_GC_FREEZE", "MPIDAG_ABORT_ON_ERROR", "MPIDAG_BACKOFF_MAX",
+        "MPIDAG_POLL_SPIN_S", "MPIDAG_SENTINEL_S", "MPIDAG_CUDA_AWARE",
+        "MPIDAG_RECV_CACHE_MB", "MPIDAG_OPTIM_LOCKS"}
+    for variable, value, words in [("MPIDAG_BACKOFF_MAX", "fast", "number of seconds"),
+                                   ("MPIDAG_SENTINEL_S", "-1", "number of seconds"),
+                                   ("MPIDAG_GC_FREEZE", "maybe", "switch"),
+                                   ("MPIDAG_OPTIM_LOCKS", "none", "['parameter', 'global']"),
+                                   ("MPIDAG_RECV_CACHE_MB", "lots", "size in MiB")]:
+        with pytest.raises(ConfigError, match=f"{variable}='{value}'") as info:
+            Config.from_env({variable: value})
+        assert words in str(info.value) and isinstance(info.value, ValueError)
+    launch = LaunchConfig.from_env({"MPIDAG_OVERSUBSCRIBE": "0", "MPIDAG_MPIRUN": "/x/mpirun"})
+    assert (launch.oversubscribe, launch.mpirun, launch.srun_mpi) == (False, "/x/mpirun", None)
+    assert LaunchConfig.from_env({"MPIDAG_MPIRUN": " "}).mpirun is None  # empty: unset

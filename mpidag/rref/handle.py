@@ -21,16 +21,13 @@ __all__ = ["RRefHandle"]
 
 
 class RRefHandle:
-    """A reference to a value that lives on one worker (its owner).
+    """A reference to a value that lives on one worker (its owner); the behaviour of
+    ``mpidag.rpc.RRef``, made by an :class:`~mpidag.rref.protocol.RRefContext`.
 
     Example::
 
-        >>> rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
-        >>> rref.owner_name(), rref.is_owner()
-        ('worker1', False)
-        >>> rref.to_here()
-        tensor([2., 2.])
-        >>> rref.rpc_sync().size()        # runs value.size() on the owner
+        >>> handle = runtime.rrefs.remote(1, torch.ones, (2,), {}, timeout=10)
+        >>> handle.rpc_sync().size()        # runs value.size() on the owner
         torch.Size([2])
     """
 

@@ -217,8 +217,8 @@ class _DispatchTable(dict):
     The C pickler looks types up here only for objects that are not builtin scalars,
     containers, classes or Python functions, so a call like ``(f, args, kwargs)`` pickles
     at the speed of plain ``pickle.dumps`` (a ``reducer_override`` method, called for every
-    such object, made a no-op call's pickle 25 % slower). A type seen for the first time
-    gets its rule from :meth:`__missing__` and keeps it.
+    such object, the function included, made a no-op call's pickle 25 % slower). A type
+    seen for the first time gets its rule from :meth:`__missing__` and keeps it.
     """
 
     __slots__ = ("pickler",)

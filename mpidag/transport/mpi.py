@@ -109,11 +109,7 @@ class MPITransport(FramedTransport):
             self.comm.Send([frame0, self._MPI.BYTE], dst, HEADER_TAG)
 
     def _send_frame(self, dst: int, tag: int, buffer: Any) -> None:
-        BYTE = self._MPI.BYTE
-        for start in range(0, len(buffer), CHUNK):
-            with self._mpi_lock:
-                request = self.comm.Isend([buffer[start:start + CHUNK], BYTE], dst, tag)
-            self._wait(request)
+        self._transfer(self.comm.Isend, buffer, dst, tag)
 
     def _probe(self) -> tuple[int, bytearray] | None:
         MPI = self._MPI
@@ -127,10 +123,14 @@ class MPITransport(FramedTransport):
         return status.Get_source(), frame0
 
     def _recv_frame(self, src: int, tag: int, buffer: Any) -> None:
+        self._transfer(self.comm.Irecv, buffer, src, tag)
+
+    def _transfer(self, start: Callable[..., Any], buffer: Any, peer: int, tag: int) -> None:
+        """``Isend`` or ``Irecv`` of a whole buffer, in chunks of at most ``CHUNK`` bytes."""
         BYTE = self._MPI.BYTE
-        for start in range(0, len(buffer), CHUNK):
+        for offset in range(0, len(buffer), CHUNK):
             with self._mpi_lock:
-                request = self.comm.Irecv([buffer[start:start + CHUNK], BYTE], src, tag)
+                request = start([buffer[offset:offset + CHUNK], BYTE], peer, tag)
             self._wait(request)
 
     def _wait(self, request: Any) -> None:

@@ -165,16 +165,20 @@ class ProgressEngine:
             # large received tensors return their buffers to the receive cache on release
             del work
 
-    def _lead_as_pool(self) -> Work | None:
-        """Lead until a request arrives (returned, leadership vacated) or a user waits."""
+    def _lead_as_pool(self, sentinel: bool = False) -> Work | None:
+        """Lead until a request arrives (returned, leadership vacated) or a user waits.
+
+        ``sentinel``: the sentinel leads because every pool thread is busy: it runs no
+        request itself (it queues them) and hands over as soon as a pool thread is idle.
+        """
         backoff = Backoff(self._spin, self._min_sleep, self._max_sleep, self._nap)
         poll, dispatch = self._poll, self._dispatch
         while True:
-            if self._waiters or self._stopping:
+            if self._waiters or self._stopping or (sentinel and self._idle):
                 with self._lock:
                     self._vacate_locked()
                 return None
-            if self._work:  # queued by a user thread's leadership: run it here
+            if self._work and not sentinel:  # queued by a user thread's leadership
                 with self._lock:
                     work = self._work.popleft() if self._work else None
                     if work is not None:
@@ -193,10 +197,15 @@ class ProgressEngine:
             backoff.reset()
             work = self._dispatch_safely(dispatch, env)
             env = None
-            if work is not None:
-                with self._lock:
-                    self._vacate_locked(lazy=True)
-                return work
+            if work is None:
+                continue
+            if sentinel:
+                self.submit(work)
+                work = None
+                continue
+            with self._lock:
+                self._vacate_locked(lazy=True)
+            return work
 
     def _run(self, work: Work) -> None:
         with self._lock:
@@ -278,32 +287,7 @@ class ProgressEngine:
                 else:
                     seen_vacant_epoch = self._vacancy_epoch
             if lead:
-                self._lead_as_sentinel()
-
-    def _lead_as_sentinel(self) -> None:
-        """Lead until a pool thread is idle or a user thread waits; requests are queued."""
-        backoff = Backoff(self._spin, self._min_sleep, self._max_sleep, self._nap)
-        poll, dispatch = self._poll, self._dispatch
-        while True:
-            if self._idle or self._waiters or self._stopping:
-                with self._lock:
-                    self._vacate_locked()
-                return
-            try:
-                env = poll()
-            except Exception:
-                log.exception("transport poll failed")
-                env = None
-            self._on_idle()
-            if env is None:
-                backoff.idle(self._computing())
-                continue
-            backoff.reset()
-            work = self._dispatch_safely(dispatch, env)
-            env = None
-            if work is not None:
-                self.submit(work)
-                work = None
+                self._lead_as_pool(sentinel=True)
 
     @staticmethod
     def _dispatch_safely(dispatch: Callable[[Envelope], Work | None], env: Envelope
