@@ -84,9 +84,14 @@ def call_back_local(x):
 class Linear2(torch.nn.Module):
     def __init__(self, seed: int) -> None:
         super().__init__()
-        torch.manual_seed(seed)
         self.a = torch.nn.Linear(4, 5)
         self.b = torch.nn.Linear(5, 3)
+        # a private generator: the global one is shared with the other threads of the rank
+        # (a remote and a local copy built at once would interleave their draws)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for param in self.parameters():
+                param.copy_(torch.rand(param.shape, generator=gen) - 0.5)
 
     def forward(self, x):
         return self.b(torch.relu(self.a(x)))

@@ -39,8 +39,16 @@ def pair_loss(rref_a, rref_b, scale):
 
 
 def make_model(seed):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    """The same model for the same seed, whichever thread builds it: the weights come from a
+    private generator (the global one is shared by the threads of a rank: an owner's pool
+    thread building a remote model while the main thread builds its local copy interleaved
+    their draws, and the two models differed)."""
+    gen = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.rand(param.shape, generator=gen) - 0.5)
+    return model
 
 
 def parameter_rrefs(module_rref):
