@@ -1,0 +1,186 @@
+"""Where the time of one RPC goes: time stamps along the path of a message, on both ranks.
+
+Run on 2 ranks (one host: ``time.perf_counter_ns`` is ``CLOCK_MONOTONIC``, the same clock
+in every process)::
+
+    python -m mpidag.run -n 2 benchmarks/profile_message_path.py [--calls 3000]
+
+Rank 0 calls rank 1; for every call the script stamps, without changing mpidag itself
+(it wraps the MPI transport's ``_send_frame0``/``_probe`` and the called function):
+
+    T0 caller enters rpc_sync / to_here          T3 callee's reply leaves (MPI_Send done)
+    T1 request leaves the caller (MPI_Send done)  T4 caller's leader has the reply frame
+    T2 callee's leader has the request frame      T5 the caller's call returns
+    F0/F1 the called function starts / returns (on the callee)
+
+and prints the median of each step, per workload: a no-op ``rpc_sync``, a 1 KiB tensor
+echo, and ``to_here()`` of a 1 KiB tensor RRef. The stamps cost about 0.3 us each;
+the "wire" steps include the time until the receiving leader's next poll finds the message
+(its polling loop), not only MPI's own latency. Results: ``--out`` JSON
+(``benchmarks/results/message_path.json``) and a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from mpi4py import MPI
+
+import mpidag.rpc as rpc
+from mpidag import _runtime, testing
+from mpidag.transport import frames
+
+KIND_CALL, KIND_RESULT = 1, 2
+_clock = time.perf_counter_ns
+#: request_id -> {stamp name: ns}; filled on both ranks, gathered at the end
+stamps: dict[int, dict[str, int]] = {}
+_function_stamps: list[tuple[int, int]] = []
+#: the request id of the last request this rank sent
+_last_call = [0]
+
+
+def _header(frame0) -> tuple[int, int]:
+    fields = frames.HEADER.unpack_from(frame0, 0)
+    return fields[0], fields[5]  # kind, request_id
+
+
+def instrument(transport) -> None:
+    """Wrap this rank's transport so each request and reply frame is stamped."""
+    send_frame0, probe = transport._send_frame0, transport._probe
+
+    def stamped_send(dst, frame0):
+        send_frame0(dst, frame0)
+        now = _clock()
+        kind, request_id = _header(frame0)
+        name = "T1" if kind == KIND_CALL else "T3"
+        stamps.setdefault(request_id, {})[name] = now
+        if kind == KIND_CALL:
+            _last_call[0] = request_id
+
+    def stamped_probe():
+        got = probe()
+        if got is not None:
+            now = _clock()
+            kind, request_id = _header(got[1])
+            name = "T2" if kind == KIND_CALL else "T4"
+            stamps.setdefault(request_id, {})[name] = now
+        return got
+
+    transport._send_frame0 = stamped_send
+    transport._probe = stamped_probe
+
+
+def noop():
+    start = _clock()
+    _function_stamps.append((start, _clock()))
+
+
+def echo(t):
+    start = _clock()
+    _function_stamps.append((start, _clock()))
+    return t
+
+
+def ones_kib():
+    return torch.ones(256)
+
+
+def run_workload(call, calls: int) -> list[dict[str, int]]:
+    """Rank 0: ``calls`` calls, each stamped T0/T5 around it; returns per-call stamps."""
+    for _ in range(200):  # warm-up
+        call()
+    records = []
+    for _ in range(calls):
+        t0 = _clock()
+        call()
+        t5 = _clock()
+        records.append({"request_id": _last_call[0], "T0": t0, "T5": t5})
+    return records
+
+
+STEPS = [
+    ("caller: rpc_sync to request sent", "T0", "T1"),
+    ("wire + callee poll: request", "T1", "T2"),
+    ("callee: frame to function start", "T2", "F0"),
+    ("callee: function", "F0", "F1"),
+    ("callee: function end to reply sent", "F1", "T3"),
+    ("wire + caller poll: reply", "T3", "T4"),
+    ("caller: reply frame to call returns", "T4", "T5"),
+    ("round trip", "T0", "T5"),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument("--out", default="benchmarks/results/message_path.json")
+    args = parser.parse_args()
+    rpc.init_rpc()
+    comm = MPI.COMM_WORLD
+    me = comm.Get_rank()
+    if comm.Get_size() != 2:
+        raise SystemExit("run on 2 ranks: python -m mpidag.run -n 2 "
+                         "benchmarks/profile_message_path.py")
+    instrument(_runtime.current().transport)
+    results = {}
+    payload = torch.ones(256)  # 1 KiB
+    for workload in ("noop", "echo_1KiB", "to_here_1KiB"):
+        # rank 1 waits in mpidag's quiescence test, which sleeps: a thread blocked in a
+        # busy-polling MPI_Barrier took a core from the serving threads (ms-long stalls)
+        testing.quiesce()
+        stamps.clear()
+        _function_stamps.clear()
+        records = []
+        if me == 0:
+            if workload == "noop":
+                records = run_workload(lambda: rpc.rpc_sync(1, noop), args.calls)
+            elif workload == "echo_1KiB":
+                records = run_workload(lambda: rpc.rpc_sync(1, echo, args=(payload,)),
+                                       args.calls)
+            else:
+                rref = rpc.remote(1, ones_kib)
+                rref.to_here()
+                records = run_workload(rref.to_here, args.calls)
+                del rref
+        testing.quiesce()
+        theirs = comm.gather((dict(stamps), list(_function_stamps)), root=0)
+        if me == 0:
+            callee_stamps, functions = theirs[1]
+            rows = []
+            functions = sorted(functions)
+            for rec in records:
+                merged = {**stamps.get(rec["request_id"], {}),
+                          **callee_stamps.get(rec["request_id"], {}), **rec}
+                if not all(k in merged for k in ("T1", "T2", "T3", "T4")):
+                    continue
+                inside = [f for f in functions if merged["T2"] <= f[0] <= merged["T3"]]
+                if inside:
+                    merged["F0"], merged["F1"] = inside[0]
+                else:  # to_here: no user function; the fetch handler is the "function"
+                    merged["F0"] = merged["F1"] = merged["T2"]
+                rows.append(merged)
+            table = {}
+            for label, a, b in STEPS:
+                values = [(r[b] - r[a]) / 1000 for r in rows]
+                table[label] = statistics.median(values) if values else None
+            results[workload] = {"calls": len(rows), "median_us": table}
+    if me == 0:
+        print(f"{'step':40s}" + "".join(f"{w:>16s}" for w in results))
+        for label, _, _ in STEPS:
+            print(f"{label:40s}" + "".join(
+                f"{results[w]['median_us'][label]:16.1f}" for w in results))
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                   "calls": args.calls, "workloads": results}, indent=2))
+        print(f"wrote {out}")
+    rpc.shutdown()
+
+
+if __name__ == "__main__":
+    main()
