@@ -274,6 +274,7 @@ class RpcAgent:
         )
 
     def start(self) -> None:
+        """Start the progress engine's threads: from now on this rank receives and serves."""
         self.engine.start()
 
     # ------------------------------------------------------ what layers plug in
@@ -337,6 +338,7 @@ class RpcAgent:
             self._shutdown_hooks.append(before_shutdown)
 
     def run_shutdown_hooks(self) -> None:
+        """Run the ``before_shutdown`` hooks (between the two rounds of a graceful shutdown)."""
         for hook in self._shutdown_hooks:
             hook()
 
