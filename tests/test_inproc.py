@@ -236,3 +236,35 @@ def test_tensor_subclass_takes_part_in_distributed_autograd(world):
                                        * x).sum(), [x])
     torch.testing.assert_close(ctx.gradients.snapshot()[x], expected)
     contexts.release(ctx)
+
+
+# ---------------------------------------------------------------------------- progress
+
+def test_leader_tells_a_waiting_main_thread_from_a_computing_one():
+    """The idle leader naps only while the main thread computes; a main thread blocked
+    outside mpidag (torch.futures.wait_all, a join) counts as waiting."""
+    import threading
+
+    from mpidag.transport.progress import MainThreadCPU
+
+    cpu = MainThreadCPU(interval=1e-3)
+    if cpu._fd is None:
+        pytest.skip("this kernel has no /proc/self/task/<tid>/schedstat")
+    seen: dict[str, bool] = {}
+
+    def probe(key: str) -> None:
+        time.sleep(0.005)
+        cpu.busy()  # starts a measuring interval
+        time.sleep(0.03)
+        seen[key] = cpu.busy()
+
+    waiter = threading.Thread(target=probe, args=("waiting",))
+    waiter.start()
+    waiter.join()  # the main thread is blocked here
+    computer = threading.Thread(target=probe, args=("computing",))
+    computer.start()
+    end = time.monotonic() + 0.1
+    while time.monotonic() < end:  # the main thread computes
+        sum(range(1000))
+    computer.join()
+    assert seen == {"waiting": False, "computing": True}

@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator
 from mpidag._backoff import Backoff
 from mpidag.transport.frames import Envelope
 
-__all__ = ["ProgressEngine"]
+__all__ = ["MainThreadCPU", "ProgressEngine"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,63 @@ Work = Callable[[], None]
 #: ``active`` is true in a pool thread while it runs a work item
 _in_work = threading.local()
 _MAIN = threading.main_thread()
+
+
+class MainThreadCPU:
+    """Whether the main thread used the CPU lately, from the kernel's count of its on-CPU
+    time (``/proc/self/task/<tid>/schedstat``, read at most every ``interval`` seconds).
+
+    A main thread that waits outside mpidag (``torch.futures.wait_all`` on RPC futures, a
+    lock, a C++ call) is not computing, and the leader should poll for its answer instead
+    of napping: measured, one ``rpc_async`` at a time waited with ``wait_all`` took 365 us
+    per call with naps, 89-91 us with this check, and 40-53 us with ``Future.wait()``,
+    which marks the thread as waiting. A main thread that computes keeps its core: the
+    leader naps. Where the kernel does not tell (no such file), the main thread always
+    counts as busy, as before.
+
+    Example::
+
+        >>> cpu = MainThreadCPU()
+        >>> cpu.busy()           # True while the main thread runs, False while it waits
+        True
+    """
+
+    __slots__ = ("_fd", "_interval_ns", "_checked_at", "_cpu_ns", "_busy")
+
+    #: the main thread counts as busy when it was on a CPU for this share of the interval
+    BUSY_SHARE = 0.5
+
+    def __init__(self, interval: float = 1e-4) -> None:
+        self._interval_ns = int(interval * 1e9)
+        self._busy = True
+        try:
+            self._fd: int | None = os.open(
+                f"/proc/self/task/{_MAIN.native_id}/schedstat", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+        self._checked_at = time.perf_counter_ns()
+        self._cpu_ns = self._read()
+
+    def _read(self) -> int:
+        if self._fd is None:
+            return 0
+        try:
+            return int(os.pread(self._fd, 64, 0).split()[0])
+        except (OSError, ValueError, IndexError):
+            self._fd = None
+            return 0
+
+    def busy(self) -> bool:
+        if self._fd is None:
+            return True
+        now = time.perf_counter_ns()
+        elapsed = now - self._checked_at
+        if elapsed < self._interval_ns:
+            return self._busy
+        cpu = self._read()
+        self._busy = (cpu - self._cpu_ns) > self.BUSY_SHARE * elapsed
+        self._checked_at, self._cpu_ns = now, cpu
+        return self._busy
 
 
 class ProgressEngine:
@@ -105,6 +162,7 @@ class ProgressEngine:
         self._main_parked = 0  # the main thread waits inside mpidag (is not computing)
         self._vacancy_epoch = 0  # counts lazy vacancies, for the sentinel
         self._stopping = False
+        self._main_cpu = MainThreadCPU()
         self._threads = [
             threading.Thread(target=self._pool_main, name=f"{name}-pool-{i}", daemon=True)
             for i in range(num_threads)
@@ -223,11 +281,12 @@ class ProgressEngine:
 
     def _computing(self) -> bool:
         """Whether some thread of this process may be computing: a work item that is not
-        waiting, or the main thread while it is not waiting inside mpidag (other threads
-        of the program are not counted: idle timers and monitors are common)."""
+        waiting, or the main thread while it is not waiting inside mpidag and used the CPU
+        lately (other threads of the program are not counted: idle timers and monitors are
+        common)."""
         if self._running_work > self._blocked_work:
             return True
-        return not self._main_parked and _MAIN.is_alive()
+        return not self._main_parked and _MAIN.is_alive() and self._main_cpu.busy()
 
     def _nap(self, seconds: float) -> None:
         """Sleep while another thread computes; wake as soon as none does."""
