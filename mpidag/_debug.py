@@ -21,10 +21,6 @@ from mpidag._runtime import Runtime
 
 __all__ = ["configure_logging", "state_report", "install_signal_dump"]
 
-LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
-          "error": logging.ERROR}
-
-
 def configure_logging(rank: int, wanted: str | None) -> None:
     """Attach a rank-prefixed stderr handler to ``mpidag`` for the level ``MPIDAG_LOG``
     asked for (``wanted``, as read into the config at ``init_rpc``; ``None``: none).
@@ -35,10 +31,7 @@ def configure_logging(rank: int, wanted: str | None) -> None:
     """
     if not wanted:
         return
-    level = LEVELS.get(wanted)
-    if level is None:
-        raise ValueError(f"MPIDAG_LOG={wanted!r} is not a log level; use one of "
-                         f"{sorted(LEVELS)}")
+    level = logging.getLevelName(wanted.upper())  # checked by Config: a known level name
     logger = logging.getLogger("mpidag")
     for handler in list(logger.handlers):
         if getattr(handler, "_mpidag", False):

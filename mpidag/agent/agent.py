@@ -106,41 +106,6 @@ class _PendingCall:
         return describe(self.func, self.args)
 
 
-def detaches_parameters(func: Any, args: tuple) -> bool:
-    """torch's rule for the ``nn.Parameter`` objects a call carries (arguments and result).
-
-    torch pickles the arguments and results of Python functions, and ``Parameter`` pickles
-    as its detached data (a new leaf on arrival); torch builtin ops (``torch.add``) travel
-    as TorchScript values, parameters attached. mpidag's internal functions (``remote``,
-    ``to_here``) apply the rule of the user's call they carry (``_mpidag_detaches``).
-
-    Example::
-
-        >>> detaches_parameters(my_python_function, ()), detaches_parameters(torch.add, ())
-        (True, False)
-    """
-    custom = getattr(func, "_mpidag_detaches", None)
-    if custom is not None:
-        return custom(*args)
-    return _find_builtin(func) is None
-
-
-def describe(func: Any, args: tuple | None = None) -> str:
-    """A readable name of a called function; mpidag's internal functions (``remote``,
-    ``to_here``, RRef proxies) describe the user's call they carry (``_mpidag_describe``)."""
-    custom = getattr(func, "_mpidag_describe", None)
-    if custom is not None and args is not None:
-        try:
-            return custom(*args)
-        except Exception:
-            pass
-    if isinstance(func, Handler):
-        return f"mpidag:{func.name}"
-    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None)
-    module = getattr(func, "__module__", None)
-    return f"{module}.{name}" if module and name else repr(func)
-
-
 @dataclass(slots=True, eq=False)
 class Handler:
     """An internal message handler registered by a layer above the agent.
@@ -163,16 +128,41 @@ class Handler:
             raise ValueError(f"handler mode must be 'call', 'notify' or 'control', got "
                              f"{self.mode!r}")
 
-    @property
-    def _mpidag_describe(self) -> Callable[..., str] | None:
-        return self.describe
-
-    @property
-    def _mpidag_detaches(self) -> Callable[..., bool] | None:
-        return self.detaches
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
+
+
+def detaches_parameters(func: Any, args: tuple) -> bool:
+    """torch's rule for the ``nn.Parameter`` objects a call carries (arguments and result).
+
+    torch pickles the arguments and results of Python functions, and ``Parameter`` pickles
+    as its detached data (a new leaf on arrival); torch builtin ops (``torch.add``) travel
+    as TorchScript values, parameters attached. mpidag's internal handlers (``remote``,
+    ``to_here``) apply the rule of the user's call they carry (``Handler.detaches``).
+
+    Example::
+
+        >>> detaches_parameters(my_python_function, ()), detaches_parameters(torch.add, ())
+        (True, False)
+    """
+    if isinstance(func, Handler) and func.detaches is not None:
+        return func.detaches(*args)
+    return _find_builtin(func) is None
+
+
+def describe(func: Any, args: tuple | None = None) -> str:
+    """A readable name of a called function; mpidag's internal handlers (``remote``,
+    ``to_here``, RRef proxies) describe the user's call they carry (``Handler.describe``)."""
+    if isinstance(func, Handler):
+        if func.describe is not None and args is not None:
+            try:
+                return func.describe(*args)
+            except Exception:
+                pass
+        return f"mpidag:{func.name}"
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None)
+    module = getattr(func, "__module__", None)
+    return f"{module}.{name}" if module and name else repr(func)
 
 
 class CallObserver:

@@ -276,6 +276,9 @@ class ContextContainer(CallObserver):
         self.lock = threading.Lock()
         self._released: collections.deque[int] = collections.deque(maxlen=RELEASED_MEMORY)
         self._released_set: set[int] = set()
+        #: whether this rank has a context (cached ``bool(self.contexts)``, updated under
+        #: ``lock``): the agent skips :meth:`outgoing` on the hot path while it is false
+        self.active = False
         self._release_handler = agent.register_handler(
             "autograd.release", self.release_id, mode="control")
         agent.set_observer(self)

@@ -108,10 +108,7 @@ def init_rpc(
         transport = MPITransport(cuda_aware=config.cuda_aware,
                                  recv_cache_bytes=config.recv_cache_bytes)
         if problem is None:
-            try:
-                configure_logging(transport.rank, config.log_level)
-            except ValueError as exc:
-                problem = exc
+            configure_logging(transport.rank, config.log_level)
         if problem is None and transport.size == 1:
             problem = _singleton_of_a_larger_launch()
         runtime = Runtime.connect(transport, name=name, rank=rank, world_size=world_size,
