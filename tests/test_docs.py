@@ -140,9 +140,14 @@ def test_porting_page_shows_the_diff_of_the_two_programs(site):
 
 
 def _printed(proc: subprocess.CompletedProcess) -> list[str]:
-    """The program's report lines, with the (random) loss values taken out."""
-    return sorted(re.sub(r"loss -?[\d.]+", "loss X", line)
-                  for line in proc.stdout.splitlines() if "optimizer step done" in line)
+    """The program's report lines, with the (random) loss values taken out.
+
+    Two processes print to one pipe, so one's line can land inside the other's (``print``
+    writes the text and the newline separately): the reports are found by pattern, not
+    by line.
+    """
+    reports = re.findall(r"worker\d+: loss -?[\d.]+(?:e-?\d+)?, optimizer step done", proc.stdout)
+    return sorted(re.sub(r"loss \S+,", "loss X,", report) for report in reports)
 
 
 def test_porting_example_runs_with_mpidag():
