@@ -124,3 +124,13 @@ def make_large_payload(kind, nbytes):
 
     values = np.resize(np.arange(251, dtype=np.uint8), nbytes)  # 0..250 repeated
     return values.tobytes() if kind == "bytes" else values
+
+
+class Adder:
+    """An object whose bound method is called remotely (travels pickled with the call)."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def plus(self, x):
+        return self.base + x

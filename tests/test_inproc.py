@@ -19,7 +19,8 @@ import torch
 
 from mpidag._config import Config
 from mpidag._runtime import Runtime
-from mpidag.errors import RemoteTraceback
+from mpidag.agent.messages import FLAG_FUNCTION_REF
+from mpidag.errors import RemoteTraceback, RPCError, SerializationError
 from mpidag.testing import _DelayedSender
 from mpidag.transport import frames
 from mpidag.transport.frames import Envelope
@@ -138,6 +139,41 @@ def test_internal_messages_name_handlers_not_functions(world):
     agent = world[0].agent
     payload, _, flags = agent._encode_call(1, world[0].rrefs._fetch, (7,), {})
     assert flags and b"rref.fetch" in payload and b"_on_fetch" not in payload
+
+
+def test_module_functions_travel_as_cached_references(world, monkeypatch):
+    agent = world[0].agent
+    payload, tensors, flags = agent._encode_call(1, rf.noop, (), {})
+    assert flags == FLAG_FUNCTION_REF and b"noop" in payload and tensors == []
+    payload, tensors, flags = agent._encode_call(1, rf.add, (torch.ones(2), 1), {})
+    assert flags == FLAG_FUNCTION_REF and len(tensors) == 1
+    assert call(world[0], 1, rf.noop) is None
+    assert call(world[0], 1, rf.add, 2, 3) == 5  # plain arguments: plain pickle
+    assert call(world[0], 1, rf.add, torch.ones(2), b=torch.ones(2)).tolist() == [2.0, 2.0]
+    assert call(world[0], 1, torch.add, torch.ones(2), 1).tolist() == [2.0, 2.0]  # builtin
+    # other callables travel pickled with their call, as before
+    _, _, flags = agent._encode_call(1, rf.Adder(5).plus, (2,), {})
+    assert flags == 0
+    assert call(world[0], 1, rf.Adder(5).plus, 2) == 7
+    with pytest.raises(SerializationError, match="could not pickle the call"):
+        call(world[0], 1, lambda: 1)
+
+    # a function replaced in its module is looked up again on the callee
+    def doubled(x):
+        return 2 * x
+
+    doubled.__qualname__, doubled.__module__ = "identity", rf.__name__
+    assert call(world[0], 1, rf.identity, 4) == 4
+    monkeypatch.setattr(rf, "identity", doubled)
+    assert call(world[0], 1, rf.identity, 4) == 8
+
+
+def test_a_call_naming_an_unknown_handler_gets_a_clear_error(world):
+    from mpidag.agent.agent import Handler
+
+    stranger = Handler("no.such.handler", rf.noop)
+    with pytest.raises(RPCError, match="no internal handler 'no.such.handler'"):
+        call(world[0], 1, stranger)
 
 
 # -------------------------------------------------------------------------------- RRef

@@ -25,8 +25,11 @@ their own state and plug into the agent through four small interfaces:
 from __future__ import annotations
 
 import logging
+import pickle
+import sys
 import threading
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +42,7 @@ from mpidag._backoff import Backoff
 from mpidag._config import Config
 from mpidag._ids import IdGenerator
 from mpidag._profiling import profiling
-from mpidag.agent.messages import FLAG_HANDLER, Kind
+from mpidag.agent.messages import FLAG_FUNCTION_REF, FLAG_HANDLER, REF_LENGTH, Kind
 from mpidag.agent.options import MPIRpcBackendOptions, WorkerInfo
 from mpidag.errors import (
     RemoteBaseException,
@@ -54,7 +57,7 @@ from mpidag.errors import (
     unpack_exception,
 )
 from mpidag.transport.base import Transport
-from mpidag.transport.frames import Codecs, Envelope, dumps, loads
+from mpidag.transport.frames import Codecs, Envelope, dumps, is_plain, loads
 from mpidag.transport.progress import ProgressEngine
 
 __all__ = ["CallObserver", "Handler", "RpcAgent", "RpcFuture"]
@@ -92,14 +95,43 @@ class RpcFuture(torch.futures.Future):
             del fresh  # else this frame -> fresh -> its traceback -> this frame: a cycle
 
 
-@dataclass(slots=True)
 class _PendingCall:
-    future: RpcFuture
-    dst: int
-    deadline: float  # time.monotonic() deadline, 0.0 for none
-    func: Any  # for error messages
-    seconds: float  # the timeout, for error messages
-    args: tuple = ()
+    """A call waiting for its answer: completes a future (``rpc_async``) or, for a caller
+    that waits for the answer itself (``rpc_sync``, ``to_here``), holds the answer in
+    ``value``/``error`` and sets ``done``: no ``torch.futures.Future`` is made for those
+    (creating, completing and waiting on one costs ~2 us)."""
+
+    __slots__ = ("future", "dst", "deadline", "func", "seconds", "args", "done", "value",
+                 "error")
+
+    def __init__(self, future: RpcFuture | None, dst: int, deadline: float, func: Any,
+                 seconds: float, args: tuple) -> None:
+        self.future = future
+        self.dst = dst
+        self.deadline = deadline  # time.monotonic() deadline, 0.0 for none
+        self.func = func  # for error messages
+        self.seconds = seconds  # the timeout, for error messages
+        self.args = args
+        self.done = False
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def is_done(self) -> bool:
+        return self.done
+
+    def set_result(self, value: Any) -> None:
+        if self.future is not None:
+            self.future.set_result(value)
+        else:
+            self.value = value
+        self.done = True
+
+    def set_exception(self, error: BaseException) -> None:
+        if self.future is not None:
+            self.future.set_exception(storable(error))
+        else:
+            self.error = error
+        self.done = True
 
     @property
     def what(self) -> str:
@@ -208,6 +240,8 @@ class CallObserver:
 
 
 _NO_OBSERVER = CallObserver()
+#: types of callables whose calls may carry a cached reference instead of a pickle
+_REF_TYPES = frozenset({types.FunctionType, types.BuiltinFunctionType, Handler})
 
 
 class RpcAgent:
@@ -248,6 +282,10 @@ class RpcAgent:
         #: pickling rules of the layers above (RRefs); handlers travel by name
         self.codecs = Codecs()
         self._handlers: dict[str, Handler] = {}
+        #: function or handler -> (payload prefix, flag) of calls of it (see _call_prefix)
+        self._call_prefixes: dict[Any, tuple[bytes, int]] = {}
+        #: payload prefix -> (function, its module's namespace or None, its name)
+        self._call_targets: dict[bytes, tuple[Callable, dict | None, str]] = {}
         self.codecs.register(Handler, "handler", lambda h: h.name, self._handler_named)
         self.observer: CallObserver = _NO_OBSERVER
         #: called as hook() before a graceful shutdown's final quiescence (RRefs)
@@ -376,21 +414,23 @@ class RpcAgent:
         """The rank the message being pickled in this thread goes to (``None``: none)."""
         return getattr(self._pickling, "dst", None)
 
-    def dumps_for(self, dst: int, obj: Any, call: tuple[Any, tuple] | None = None
-                  ) -> tuple[bytes | memoryview, list[torch.Tensor]]:
+    def dumps_for(self, dst: int, obj: Any, call: tuple[Any, tuple] | None = None,
+                  prefix: bytes = b"") -> tuple[bytes | memoryview, list[torch.Tensor]]:
         """Pickle ``obj`` for rank ``dst``; objects whose pickling depends on the
         destination (RRefs) read it with :meth:`pickling_for` and may register undo actions
         in :meth:`on_pickling_failure`, run if pickling fails. ``call``: the ``(func, args)``
         whose arguments or result this is (how parameters travel, see
-        :func:`detaches_parameters`)."""
+        :func:`detaches_parameters`). ``prefix``: bytes that start the payload."""
+        if is_plain(obj):
+            return prefix + pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), []
         previous = getattr(self._pickling, "dst", None)
         undo_before = getattr(self._pickling, "undo", None)
         self._pickling.dst = dst
         self._pickling.undo = []
         try:
             if call is None:
-                return dumps(obj, codecs=self.codecs)
-            return dumps(obj, lambda: detaches_parameters(*call), self.codecs)
+                return dumps(obj, codecs=self.codecs, prefix=prefix)
+            return dumps(obj, lambda: detaches_parameters(*call), self.codecs, prefix)
         except BaseException:
             for action in reversed(self._pickling.undo):
                 action()
@@ -432,25 +472,64 @@ class RpcAgent:
         :mod:`mpidag._profiling`) from here until its answer arrives.
         """
         if not profiling():
-            return self._call(dst, func, args, kwargs, timeout, record)
+            return self._call(dst, func, args, kwargs, timeout, record, True).future
         span = record_function(f"mpidag.rpc#{describe(func, args)}"
                                f"({self.info.name} -> {self.workers[dst].name})")
         span.__enter__()
         try:
-            future = self._call(dst, func, args, kwargs, timeout, record)
+            future = self._call(dst, func, args, kwargs, timeout, record, True).future
         except BaseException:
             span.__exit__(None, None, None)
             raise
         span._call_end_callbacks_on_future(future)
         return future
 
+    def call_sync(self, dst: int, func: Callable, args: tuple, kwargs: dict, timeout: float,
+                  *, record: bool = True) -> Any:
+        """Send a CALL and wait for its answer in this thread (driving the progress
+        engine meanwhile); return the value or raise the remote error (with its type) or
+        an ``RPCTimeoutError``. As :meth:`call` followed by :meth:`wait`, without a
+        ``torch.futures.Future``.
+
+        Example::
+
+            >>> agent.call_sync(1, torch.add, (torch.ones(2), 1), {}, timeout=10)
+            tensor([2., 2.])
+        """
+        if profiling():
+            return self.wait(self.call(dst, func, args, kwargs, timeout, record=record),
+                             timeout)
+        call = self._call(dst, func, args, kwargs, timeout, record, False)
+        if not call.done:
+            deadline = call.deadline or None
+            if not self.engine.wait_until(call.is_done, deadline) and not call.done:
+                self._fail_call(call)
+        error = call.error
+        if error is not None:
+            call.error = None
+            try:
+                raise error
+            finally:
+                del error, call
+        return call.value
+
     def _encode_call(self, dst: int, func: Callable, args: tuple, kwargs: dict
                      ) -> tuple[bytes | memoryview, list[torch.Tensor], int]:
-        """``(payload, tensors, flags)`` of a call of ``func`` (a :class:`Handler`: by name)."""
+        """``(payload, tensors, flags)`` of a call of ``func``: a :class:`Handler` by name, a
+        module-level function by its cached reference (see :mod:`.messages`), anything else
+        (bound methods, callable objects) pickled with its arguments."""
         try:
-            if isinstance(func, Handler):
-                payload, tensors = self.dumps_for(dst, (func.name, args, kwargs), (func, args))
-                return payload, tensors, FLAG_HANDLER
+            prefix = self._call_prefixes.get(func) if type(func) in _REF_TYPES else None
+            if prefix is None and type(func) in _REF_TYPES:
+                prefix = self._call_prefix(func)
+            if prefix is not None:
+                ref, flags = prefix
+                if not kwargs and is_plain(args):
+                    if not args:
+                        return ref, [], flags
+                    return ref + pickle.dumps((args, kwargs), pickle.HIGHEST_PROTOCOL), [], flags
+                payload, tensors = self.dumps_for(dst, (args, kwargs), (func, args), ref)
+                return payload, tensors, flags
             payload, tensors = self.dumps_for(dst, (func, args, kwargs), (func, args))
             return payload, tensors, 0
         except Exception as exc:
@@ -460,8 +539,48 @@ class RpcAgent:
                 f"module level; no lambdas, locks, open files or generators)."
             ) from exc
 
+    def _call_prefix(self, func: Any) -> tuple[bytes, int] | None:
+        """The payload prefix of calls of ``func`` and its flag, or ``None`` when ``func``
+        must travel pickled with each call (kept in a table by function)."""
+        if isinstance(func, Handler):
+            ref, flag = func.name.encode(), FLAG_HANDLER
+        else:
+            owner = getattr(func, "__self__", None)  # builtins: a module, or a bound object
+            if "<" in func.__qualname__ or not (
+                    owner is None or isinstance(owner, types.ModuleType | type)):
+                return None  # lambdas, local functions, methods of objects
+            try:
+                ref = pickle.dumps(func, pickle.HIGHEST_PROTOCOL)
+            except Exception:
+                return None  # the full pickle raises the error the user sees
+            flag = FLAG_FUNCTION_REF
+        prefix = (REF_LENGTH.pack(len(ref)) + ref, flag)
+        self._call_prefixes[func] = prefix
+        return prefix
+
+    def _resolve_ref(self, prefix: bytes, flags: int) -> Callable:
+        """The function or handler a call's payload prefix names (a table lookup after the
+        first call; a module-level name is checked against its module on every call, so a
+        function replaced in its module is found again)."""
+        entry = self._call_targets.get(prefix)
+        if entry is not None:
+            func, namespace, name = entry
+            if namespace is None or namespace.get(name) is func:
+                return func
+        if flags & FLAG_HANDLER:
+            func, namespace, name = self._handler_named(prefix[2:].decode()), None, ""
+        else:
+            func = pickle.loads(prefix[2:])
+            module = sys.modules.get(getattr(func, "__module__", None) or "")
+            name = getattr(func, "__qualname__", "")
+            namespace = vars(module) if module is not None and "." not in name else None
+            if namespace is not None and namespace.get(name) is not func:
+                namespace = None
+        self._call_targets[prefix] = (func, namespace, name)
+        return func
+
     def _call(self, dst: int, func: Callable, args: tuple, kwargs: dict, timeout: float,
-              record: bool) -> RpcFuture:
+              record: bool, with_future: bool) -> _PendingCall:
         if not self.running:
             raise RPCError("the RPC agent is shut down; call mpidag.rpc.init_rpc again first")
         payload, tensors, flags = self._encode_call(dst, func, args, kwargs)
@@ -471,13 +590,16 @@ class RpcAgent:
                 dst, tensors, lambda: f"the arguments of {describe(func, args)} sent to "
                                       f"{self.workers[dst].name}")
         request_id = self.ids.next()
-        future = RpcFuture()
-        future._engine = self.engine
-        seconds = self.resolve_timeout(timeout)
+        if with_future:
+            future = RpcFuture()
+            future._engine = self.engine
+        else:
+            future = None
+        seconds = self.default_timeout if timeout is None or timeout < 0 else float(timeout)
         deadline = time.monotonic() + seconds if seconds > 0 else 0.0
-        self._pending[request_id] = _PendingCall(future, dst, deadline, func, seconds, args)
-        env = Envelope(kind=Kind.CALL, request_id=request_id, flags=flags, payload=payload,
-                       tensors=tensors, context_id=context_id, message_id=message_id)
+        call = self._pending[request_id] = _PendingCall(future, dst, deadline, func, seconds,
+                                                        args)
+        env = Envelope(Kind.CALL, request_id, flags, context_id, message_id, payload, tensors)
         try:
             self._send(dst, env, reply=False)
         except BaseException:
@@ -485,7 +607,7 @@ class RpcAgent:
             raise
         if message_id:
             self.observer.sent(context_id, message_id)  # while the callee works
-        return future
+        return call
 
     def notify(self, dst: int, func: Callable, args: tuple = (),
                kwargs: dict | None = None) -> None:
@@ -516,13 +638,19 @@ class RpcAgent:
                 self._fail_timeout(request_id)
                 return
 
+    def _fail_call(self, call: _PendingCall) -> None:
+        for request_id, pending in list(self._pending.items()):
+            if pending is call:
+                self._fail_timeout(request_id)
+                return
+
     def _fail_timeout(self, request_id: int) -> None:
         call = self._pending.pop(request_id, None)
-        if call is None or call.future.done():
+        if call is None or call.done:
             return
         seconds = call.seconds
         dst_name = self.workers[call.dst].name
-        call.future.set_exception(RPCTimeoutError(
+        call.set_exception(RPCTimeoutError(
             f"RPC of {call.what} to {dst_name} ran for more than the set timeout "
             f"({seconds * 1000:.0f} ms) and was marked with an error; pass a larger timeout= "
             f"or rpc_timeout in the backend options"
@@ -577,20 +705,31 @@ class RpcAgent:
                                                             f"{self.workers[env.src].name}")
                     value = loads(env.payload, env.tensors, self.codecs)
                 except Exception as exc:
-                    call.future.set_exception(SerializationError(
+                    call.set_exception(SerializationError(
                         f"could not unpickle the result of {call.what} from "
                         f"{self.workers[env.src].name}: {exc}"))
                 else:
-                    call.future.set_result(value)
+                    call.set_result(value)
             else:
-                call.future.set_exception(storable(unpack_exception(bytes(env.payload))))
+                call.set_exception(unpack_exception(bytes(env.payload)))
             self.engine.wake_waiters()
         finally:
             self._mark_processed()
 
     def _unpack_call(self, env: Envelope) -> tuple[Callable, tuple, dict]:
         try:
+            flags = env.flags
+            if flags & (FLAG_HANDLER | FLAG_FUNCTION_REF):
+                payload = env.payload
+                end = 2 + (payload[0] | payload[1] << 8)
+                func = self._resolve_ref(bytes(payload[:end]), flags)
+                if len(payload) == end:
+                    return func, (), {}
+                args, kwargs = loads(payload[end:], env.tensors, self.codecs)
+                return func, args, kwargs
             func, args, kwargs = loads(env.payload, env.tensors, self.codecs)
+        except RPCError:
+            raise
         except Exception as exc:
             detail = (f"could not unpickle a call from {self.workers[env.src].name} on "
                       f"{self.where()}: {exc}. The function and the classes of its arguments "
@@ -600,8 +739,6 @@ class RpcAgent:
                 raise type(exc)(detail) from exc
             except TypeError:  # an exception type whose __init__ takes other arguments
                 raise SerializationError(detail) from exc
-        if env.flags & FLAG_HANDLER:
-            func = self._handler_named(func)
         return func, args or (), kwargs or {}
 
     def _serve_call(self, env: Envelope) -> None:
@@ -770,8 +907,8 @@ class RpcAgent:
     def fail_pending(self, reason: str) -> None:
         for request_id in list(self._pending):
             call = self._pending.pop(request_id, None)
-            if call is not None and not call.future.done():
-                call.future.set_exception(WorkerDiedError(
+            if call is not None and not call.done:
+                call.set_exception(WorkerDiedError(
                     f"{call.what} to {self.workers[call.dst].name} did not complete: {reason}"))
 
     def stop(self, graceful: bool) -> None:

@@ -279,5 +279,4 @@ def rpc_sync(to: str | WorkerInfo | int, func: Callable, args: tuple | None = No
     """
     runtime = _runtime.current()
     args, kwargs = check_call(func, args, kwargs)
-    agent = runtime.agent
-    return agent.wait(agent.call(runtime.to_rank(to), func, args, kwargs, timeout), timeout)
+    return runtime.agent.call_sync(runtime.to_rank(to), func, args, kwargs, timeout)

@@ -447,9 +447,8 @@ class RRefContext:
 
     def fetch(self, handle: RRefHandle, timeout: float) -> Any:
         """A copy of a user handle's value, from its owner (``to_here()``)."""
-        agent = self.agent
-        return agent.wait(agent.call(handle._owner, self._fetch, (handle._rref_id,), {},
-                                     timeout), timeout)
+        return self.agent.call_sync(handle._owner, self._fetch, (handle._rref_id,), {},
+                                    timeout)
 
     def invoke(self, handle: RRefHandle, mode: str, name: str, args: tuple, kwargs: dict,
                timeout: float) -> Any:
@@ -458,20 +457,17 @@ class RRefContext:
         call_args = (handle, name, args, kwargs)
         if mode == "remote":
             return self.remote(handle._owner, self._invoke, call_args, {}, timeout)
-        fut = self.agent.call(handle._owner, self._invoke, call_args, {}, timeout)
         if mode == "rpc_async":
-            return fut
-        return self.agent.wait(fut, timeout)
+            return self.agent.call(handle._owner, self._invoke, call_args, {}, timeout)
+        return self.agent.call_sync(handle._owner, self._invoke, call_args, {}, timeout)
 
     def backward(self, handle: RRefHandle, context_id: int, retain_graph: bool) -> None:
         """Backward from the value on its owner (distributed with a context id)."""
         if handle._fork_id is None:
             self._on_backward(handle._rref_id, context_id, retain_graph)
             return
-        agent = self.agent
-        agent.wait(agent.call(handle._owner, self._backward,
-                              (handle._rref_id, context_id, retain_graph), {}, 0,
-                              record=False), 0)
+        self.agent.call_sync(handle._owner, self._backward,
+                             (handle._rref_id, context_id, retain_graph), {}, 0, record=False)
 
     def owner_value(self, rref_id: int) -> Any:
         """The value of an owner record (waits for a ``remote()`` still running)."""

@@ -32,6 +32,7 @@ frames.
 from __future__ import annotations
 
 import copyreg
+import ctypes
 import io
 import pickle
 import struct
@@ -80,14 +81,28 @@ _DTYPE_NAMES = [
 ]
 DTYPES = [getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)]
 DTYPE_CODE = {dt: i for i, dt in enumerate(DTYPES)}
-#: dtypes whose bytes numpy can view directly (the fast copy path for inline tensors)
-_NUMPY_DTYPES = frozenset(
-    dt for dt in DTYPES if dt not in (torch.bfloat16, torch.complex32) and "float8" not in str(dt)
-)
 _DEVICE_TYPES = ["cpu", "cuda"]
 #: dtype code, ndim, flags, device type, device index, inline offset (-1: own frame), nbytes
 _SPEC = struct.Struct("<BBBBhqq")
 _REQUIRES_GRAD = 1
+#: the spec of a tensor of each number of dimensions, shape included (one pack per tensor)
+_SPEC_NDIM = [struct.Struct(f"<BBBBhqq{ndim}q") for ndim in range(9)]
+
+
+def _spec_struct(ndim: int) -> struct.Struct:
+    return _SPEC_NDIM[ndim] if ndim < len(_SPEC_NDIM) else struct.Struct(f"<BBBBhqq{ndim}q")
+
+
+#: device strings by (device type code, index), as :meth:`TensorSpec.unpack_from` makes them
+_DEVICE_NAMES: dict[tuple[int, int], str] = {}
+
+
+def _device_name(dev_type: int, dev_index: int) -> str:
+    name = _DEVICE_NAMES.get((dev_type, dev_index))
+    if name is None:
+        name = _DEVICE_TYPES[dev_type] + (f":{dev_index}" if dev_index >= 0 else "")
+        _DEVICE_NAMES[(dev_type, dev_index)] = name
+    return name
 
 
 @dataclass(slots=True)
@@ -103,14 +118,12 @@ class TensorSpec:
 
     @classmethod
     def unpack_from(cls, buf: memoryview, pos: int) -> tuple[TensorSpec, int]:
-        code, ndim, flags, dev_type, dev_index, offset, nbytes = _SPEC.unpack_from(buf, pos)
-        pos += _SPEC.size
-        shape = struct.unpack_from(f"<{ndim}q", buf, pos)
-        device = _DEVICE_TYPES[dev_type]
-        if dev_index >= 0:
-            device = f"{device}:{dev_index}"
-        spec = cls(DTYPES[code], shape, device, bool(flags & _REQUIRES_GRAD), offset, nbytes)
-        return spec, pos + 8 * ndim
+        spec_struct = _spec_struct(buf[pos + 1])
+        code, _ndim, flags, dev_type, dev_index, offset, nbytes, *shape = \
+            spec_struct.unpack_from(buf, pos)
+        spec = cls(DTYPES[code], tuple(shape), _device_name(dev_type, dev_index),
+                   bool(flags & _REQUIRES_GRAD), offset, nbytes)
+        return spec, pos + spec_struct.size
 
 
 @dataclass(slots=True)
@@ -322,14 +335,41 @@ def _always() -> bool:
     return True
 
 
+#: types whose objects hold no tensor, RRef or other object with a rule of its own: a
+#: value of these (or a tuple of at most 8 of them) is pickled with plain ``pickle.dumps``,
+#: 0.2 us instead of 1.3 us through the tensor pickler
+PLAIN_TYPES = frozenset({type(None), bool, int, float, str, bytes, complex})
+
+
+def is_plain(obj: Any) -> bool:
+    """Whether ``obj`` is a plain value (see :data:`PLAIN_TYPES`) or a short tuple of them.
+
+    Example::
+
+        >>> is_plain((1, "a", None)), is_plain((torch.ones(1),))
+        (True, False)
+    """
+    cls = type(obj)
+    if cls in PLAIN_TYPES:
+        return True
+    if cls is tuple and len(obj) <= 8:
+        for item in obj:  # noqa: SIM110 - faster than all() over a generator
+            if type(item) not in PLAIN_TYPES:
+                return False
+        return True
+    return False
+
+
 def dumps(obj: Any, detach_parameters: Callable[[], bool] = _always,
-          codecs: Codecs = _NO_CODECS) -> tuple[bytes | memoryview, list[torch.Tensor]]:
+          codecs: Codecs = _NO_CODECS, prefix: bytes = b""
+          ) -> tuple[bytes | memoryview, list[torch.Tensor]]:
     """Pickle ``obj`` with its tensors taken out; returns ``(payload, tensors)`` (a pickle
     over :data:`PAYLOAD_FRAME_LIMIT` is a ``memoryview`` of the pickler's buffer, no copy).
 
     ``detach_parameters()`` (asked once, at the first ``nn.Parameter``) tells how
     parameters travel: see :class:`_TensorPickler`. ``codecs``: types pickled by the rules
-    of the layers above (see :class:`Codecs`).
+    of the layers above (see :class:`Codecs`). ``prefix``: bytes written before the pickle
+    in the payload (the caller skips them before :func:`loads`).
 
     Example::
 
@@ -337,6 +377,8 @@ def dumps(obj: Any, detach_parameters: Callable[[], bool] = _always,
         >>> len(tensors), loads(payload, tensors)["n"]
         (1, 3)
     """
+    if is_plain(obj):
+        return prefix + pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), []
     pickler = getattr(_local, "pickler", None)
     if pickler is None or pickler.busy:  # busy: a __reduce__ that pickles again
         pickler = _TensorPickler()
@@ -345,6 +387,8 @@ def dumps(obj: Any, detach_parameters: Callable[[], bool] = _always,
     buffer = pickler.buffer
     buffer.seek(0)
     buffer.truncate()
+    if prefix:
+        buffer.write(prefix)
     pickler.tensors = tensors = []
     pickler.busy = True
     pickler.detach_rule, pickler.detach_answer = detach_parameters, None
@@ -415,12 +459,14 @@ def _dtype_code(tensor: torch.Tensor) -> int:
 
 def pack_spec(tensor: torch.Tensor, device: str, inline_offset: int) -> bytes:
     """The wire spec of ``tensor`` landing on ``device`` (struct-packed, no pickle)."""
-    code = _dtype_code(tensor)
+    code = DTYPE_CODE.get(tensor.dtype) if tensor.is_cpu else None
+    if code is None:
+        code = _dtype_code(tensor)  # CUDA tensors, and the error for what cannot travel
     shape = tensor.shape
-    flags = _REQUIRES_GRAD if tensor.requires_grad else 0
-    dev_type, dev_index = _device_code(device)
-    return _SPEC.pack(code, len(shape), flags, dev_type, dev_index, inline_offset,
-                      tensor.nbytes) + struct.pack(f"<{len(shape)}q", *shape)
+    dev_type, dev_index = _device_codes.get(device) or _device_code(device)
+    return _spec_struct(len(shape)).pack(
+        code, len(shape), _REQUIRES_GRAD if tensor.requires_grad else 0, dev_type, dev_index,
+        inline_offset, tensor.nbytes, *shape)
 
 
 def make_spec(tensor: torch.Tensor, device: str, inline_offset: int) -> TensorSpec:
@@ -430,19 +476,20 @@ def make_spec(tensor: torch.Tensor, device: str, inline_offset: int) -> TensorSp
                       inline_offset, tensor.nbytes)
 
 
-def _copy_into(frame: bytearray, start: int, tensor: torch.Tensor) -> None:
-    """Copy a tensor's values into ``frame[start:]`` (the fast path goes through numpy)."""
-    t = tensor.detach()
-    if (t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES and t.is_contiguous()
-            and not t.is_conj() and not t.is_neg()):
-        if t.dim() == 0:
-            t = t.reshape(1)
-        frame[start:start + t.nbytes] = memoryview(t.numpy()).cast("B")
-        return
-    src = byte_view(t)
+#: zero bytes to pad parts of frame 0 to :data:`ALIGN`
+_ZEROS = bytes(ALIGN)
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """A copy of a tensor's values as bytes (a CPU tensor's memory is copied with
+    ``ctypes``: 0.7 us for 1 KiB, against 2.9 us through ``numpy()`` and a memoryview)."""
+    if tensor.is_cpu and tensor.is_contiguous() and not tensor.is_conj() \
+            and not tensor.is_neg():
+        return ctypes.string_at(tensor.data_ptr(), tensor.nbytes)
+    src = byte_view(tensor)
     if src.device.type != "cpu":
         src = src.cpu()
-    frame[start:start + src.numel()] = memoryview(src.numpy()).cast("B")
+    return src.numpy().tobytes()
 
 
 def encode(env: Envelope, devices: list[str], data_tag: int
@@ -469,7 +516,7 @@ def encode(env: Envelope, devices: list[str], data_tag: int
                              env.context_id, env.message_id, len(payload), 0, 0)
         return header + in_frame0, separate
     packed: list[bytes] = []
-    inline: list[tuple[int, torch.Tensor]] = []
+    inline: list[bytes] = []
     inline_total = 0
     for tensor, device in zip(tensors, devices, strict=True):
         nbytes = tensor.nbytes
@@ -477,25 +524,22 @@ def encode(env: Envelope, devices: list[str], data_tag: int
             packed.append(pack_spec(tensor, device, 0))
         elif inline_total + nbytes <= INLINE_LIMIT:
             packed.append(pack_spec(tensor, device, inline_total))
-            inline.append((inline_total, tensor))
-            inline_total = _align(inline_total + nbytes)
+            inline.append(_tensor_bytes(tensor))
+            padded = _align(nbytes)
+            if padded != nbytes:
+                inline.append(_ZEROS[:padded - nbytes])
+            inline_total += padded
         else:
             packed.append(pack_spec(tensor, device, -1))
             separate.append(tensor)
     specs_blob = b"".join(packed)
     head_len = HEADER.size + len(in_frame0) + len(specs_blob)
-    inline_start = _align(head_len)
-    frame = bytearray(inline_start + inline_total)
-    HEADER.pack_into(frame, 0, env.kind, env.flags, wire, len(tensors), data_tag,
-                     env.request_id, env.context_id, env.message_id, len(payload),
-                     len(specs_blob), inline_total)
-    pos = HEADER.size
-    frame[pos:pos + len(in_frame0)] = in_frame0
-    pos += len(in_frame0)
-    frame[pos:pos + len(specs_blob)] = specs_blob
-    for offset, tensor in inline:
-        _copy_into(frame, inline_start + offset, tensor)
-    return frame, separate
+    header = HEADER.pack(env.kind, env.flags, wire, len(tensors), data_tag, env.request_id,
+                         env.context_id, env.message_id, len(payload), len(specs_blob),
+                         inline_total)
+    # one copy of every part into the frame (a bytes join), inline tensors 16-aligned
+    return b"".join([header, in_frame0, specs_blob, _ZEROS[:_align(head_len) - head_len],
+                     *inline]), separate
 
 
 @dataclass(slots=True)
@@ -529,8 +573,15 @@ def decode_header(frame: bytearray | bytes) -> tuple[Envelope, Header | None]:
         pos += in_frame0
         end = pos + specs_len
         while pos < end:
-            spec, pos = TensorSpec.unpack_from(view, pos)
-            specs.append(spec)
+            spec_struct = _SPEC_NDIM[frame[pos + 1]] if frame[pos + 1] < 9 \
+                else _spec_struct(frame[pos + 1])
+            code, _ndim, spec_flags, dev_type, dev_index, offset, nbytes, *shape = \
+                spec_struct.unpack_from(frame, pos)
+            pos += spec_struct.size
+            specs.append(TensorSpec(
+                DTYPES[code], tuple(shape),
+                _DEVICE_NAMES.get((dev_type, dev_index)) or _device_name(dev_type, dev_index),
+                bool(spec_flags & _REQUIRES_GRAD), offset, nbytes))
         inline_start = _align(end)
     env = Envelope(kind=kind, request_id=request_id, flags=flags, context_id=context_id,
                    message_id=message_id, payload=payload)

@@ -1,0 +1,717 @@
+"""How RPC cost grows with the number of ranks: ``mpidag.rpc`` vs ``torch.distributed.rpc``.
+
+Run on N MPI ranks (any N >= 2; the README reports 2, 4 and 8), then merge the runs::
+
+    python -m mpidag.run -n 2 benchmarks/bench_scaling.py [--quick] [--only torch,mpidag]
+    python -m mpidag.run -n 4 benchmarks/bench_scaling.py [--quick]
+    python -m mpidag.run -n 8 benchmarks/bench_scaling.py [--quick]
+    python benchmarks/bench_scaling.py --merge-table   # markdown table of scaling_{2,4,8}.json
+
+Each run writes ``benchmarks/results/scaling_{N}.json`` (``--out`` to change it) and prints
+its table; progress lines go to stderr.
+
+Two implementations are measured back to back in the same N processes, in this order:
+
+* ``torch_rpc``: ``torch.distributed.rpc`` with the TensorPipe backend,
+  ``num_worker_threads=16``, rendezvous at ``tcp://127.0.0.1:<port>`` (rank 0 picks a free
+  port and broadcasts it with MPI);
+* ``mpidag``: ``mpidag.rpc.init_rpc()`` with no arguments. The repository root is put first on
+  ``sys.path``, so the checkout's ``mpidag`` is measured.
+
+Two patterns, two rows each (every call is ``rpc_sync``/``rpc_async`` of a module-level no-op
+function with ``timeout=120``):
+
+* ``one_server``: ranks 1..N-1 all call rank 0, which only serves.
+* ``all_to_all``: every rank calls every other rank in round robin (call ``i`` of rank ``r``
+  goes to rank ``(r + 1 + i mod (N-1)) mod N``), so every rank is caller and server at once.
+
+Rows:
+
+* ``<pattern>_rtt_us`` (µs, lower is better): each caller times ``calls`` sequential
+  ``rpc_sync`` no-op round trips; its sample is the mean time per call. The value of one
+  repetition is the median over the callers; the row is the median over repetitions.
+* ``<pattern>_calls_per_s`` (calls/s, higher is better): each caller issues batches of
+  ``batch`` ``rpc_async`` no-op calls and waits each batch's futures with ``fut.wait()``,
+  ``batches`` times; its sample is its calls divided by its elapsed time. The value of one
+  repetition is the sum over the callers; the row is the median over repetitions. The JSON also
+  has ``aggregate_wall_calls_per_s``: all callers' calls divided by the time from the first
+  caller's start to the last caller's end (one host, one monotonic clock), which is lower than
+  the sum when the callers do not finish together.
+
+Method. All callers of a repetition start together: every repetition is fenced by two
+barriers on a private ``COMM_WORLD.Dup()``. A barrier is an ``Ibarrier`` polled with
+``Test()`` and a 1 ms ``time.sleep``, never a blocking ``Barrier()``: Open MPI's blocking wait
+busy-polls, and a rank spinning in it while others call it would take a core from its own
+RPC threads (on a 2-core machine that costs milliseconds per call). Warm-up calls (to every
+target) precede the timed repetitions. After each row rank 0 gathers every rank's samples with
+MPI and rewrites the JSON, so a crash keeps what was measured; before a row it marks that row
+as unfinished, so a job killed by the watchdog leaves a JSON that says where it stopped. Every
+blocking step runs under a watchdog that dumps all stacks and calls ``MPI_Abort``, so a hang
+cannot block the machine. If an implementation fails to start, or a call fails, its values
+are null and the row has an ``errors`` entry.
+
+The JSON has the machine, the software versions, the git commit and the state of the
+working tree's ``mpidag/``, the configuration, every repetition's per-caller samples, the
+medians and ``mpidag_vs_torch`` = mpidag / torch (below 1 means mpidag has the smaller
+number: better for µs, worse for calls/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import faulthandler
+import json
+import os
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType, TracebackType
+from typing import Any
+
+import torch
+from mpi4py import MPI
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+
+#: Implementation keys as they appear in the JSON, in the order they are run.
+IMPL_KEYS: dict[str, str] = {"torch": "torch_rpc", "mpidag": "mpidag"}
+
+#: Timeout (seconds) passed to every RPC call and to the RPC agents.
+RPC_TIMEOUT_S = 120.0
+
+PATTERNS: dict[str, str] = {
+    "one_server": "ranks 1..N-1 all call rank 0, which only serves",
+    "all_to_all": "every rank calls every other rank in round robin",
+}
+METRICS: dict[str, tuple[str, str, str]] = {
+    # metric -> (unit, better, description)
+    "rtt_us": ("us", "lower",
+               "rpc_sync no-op: mean us per round trip of each caller; median over callers, "
+               "then median over repetitions"),
+    "calls_per_s": ("calls/s", "higher",
+                    "rpc_async no-op in batches waited with fut.wait(): calls/s of each "
+                    "caller summed over callers; median over repetitions"),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Remote function: module level in ``__main__`` on every rank, so both RPC libraries find it.
+# --------------------------------------------------------------------------------------------
+
+
+def noop() -> None:
+    """Do nothing; the payload of every call."""
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Safety and coordination (the same approach as bench_rpc.py, copied to stay self-contained)
+# --------------------------------------------------------------------------------------------
+
+
+class Watchdog:
+    """Abort the MPI job (after dumping all thread stacks) if a block runs too long.
+
+    Used as ``with Watchdog(60, "init torch"): ...``. MPI waits and RPC shutdowns have no
+    timeout of their own; this guarantees that a hang ends the job. The JSON already written
+    by rank 0 is kept.
+    """
+
+    def __init__(self, seconds: float, what: str) -> None:
+        self.seconds = seconds
+        self.what = what
+        self._timer: threading.Timer | None = None
+
+    def _fire(self) -> None:
+        rank = MPI.COMM_WORLD.Get_rank()
+        sys.stderr.write(
+            f"\n[scaling rank {rank}] WATCHDOG: '{self.what}' exceeded {self.seconds:.0f} s; "
+            "thread stacks follow, then MPI_Abort\n"
+        )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(124)
+
+    def __enter__(self) -> Watchdog:
+        self._timer = threading.Timer(self.seconds, self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+def wait_request(req: MPI.Request) -> None:
+    """Wait for a nonblocking MPI request with ``Test()`` and 1 ms sleeps.
+
+    Never spins: while this rank waits, its RPC threads keep a core to serve the others'
+    calls. There is no timeout here; the caller's :class:`Watchdog` bounds the wait.
+    """
+    while not req.Test():
+        time.sleep(1e-3)
+
+
+def sleepy_barrier(comm: MPI.Comm) -> None:
+    """A barrier on ``comm`` that sleeps instead of busy-polling (``Ibarrier`` + ``Test``)."""
+    wait_request(comm.Ibarrier())
+
+
+def allreduce_min(comm: MPI.Comm, value: int) -> int:
+    """Minimum of an ``int`` over ``comm`` (used to agree that every rank started)."""
+    send = torch.tensor([value], dtype=torch.int64).numpy()
+    recv = send.copy()
+    wait_request(comm.Iallreduce(send, recv, op=MPI.MIN))
+    return int(recv[0])
+
+
+def free_tcp_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def log(msg: str) -> None:
+    """Print a progress line to stderr (rank 0 only calls this)."""
+    sys.stderr.write(f"[scaling {time.strftime('%H:%M:%S')}] {msg}\n")
+    sys.stderr.flush()
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    """Run-wide settings derived from the command line.
+
+    ``rtt_*``: warm-up calls, repetitions and timed sequential calls per caller and repetition
+    of the round-trip rows. ``async_*``: warm-up calls, repetitions, calls in flight per batch
+    and batches per caller and repetition of the calls/s rows.
+    """
+
+    quick: bool
+    row_timeout: float
+    rtt_warmup: int
+    rtt_reps: int
+    rtt_calls: int
+    async_warmup: int
+    async_reps: int
+    async_batch: int
+    async_batches: int
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Config:
+        """Full settings, or the reduced ``--quick`` ones."""
+        if args.quick:
+            return cls(quick=True, row_timeout=args.row_timeout,
+                       rtt_warmup=20, rtt_reps=3, rtt_calls=100,
+                       async_warmup=200, async_reps=3, async_batch=500, async_batches=1)
+        return cls(quick=False, row_timeout=args.row_timeout,
+                   rtt_warmup=50, rtt_reps=5, rtt_calls=300,
+                   async_warmup=500, async_reps=5, async_batch=1000, async_batches=1)
+
+    def as_json(self) -> dict[str, Any]:
+        """The settings as recorded in the JSON."""
+        return {
+            "rtt": {"warmup_calls": self.rtt_warmup, "reps": self.rtt_reps,
+                    "calls_per_caller_per_rep": self.rtt_calls},
+            "async": {"warmup_calls": self.async_warmup, "reps": self.async_reps,
+                      "batch": self.async_batch, "batches_per_caller_per_rep":
+                      self.async_batches},
+            "torch_num_worker_threads": 16,
+            "rpc_timeout_s": RPC_TIMEOUT_S,
+            "barrier": "Ibarrier polled with Test() and time.sleep(1e-3)",
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# Implementations
+# --------------------------------------------------------------------------------------------
+
+
+def start_torch_rpc(comm: MPI.Comm) -> ModuleType:
+    """``torch.distributed.rpc.init_rpc`` with TensorPipe on every rank of ``comm``, named
+    ``worker{rank}``; rank 0 picks a free port and MPI tells the others."""
+    import torch.distributed.rpc as rpc
+
+    rank = comm.Get_rank()
+    port = comm.bcast(free_tcp_port() if rank == 0 else None, root=0)
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
+                                           num_worker_threads=16, rpc_timeout=RPC_TIMEOUT_S)
+    with warnings.catch_warnings():
+        # init_rpc gathers device maps through a Gloo group and torch warns about its own
+        # internal use of the Backend as a ProcessGroup; it is noise here.
+        warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=comm.Get_size(),
+                     rpc_backend_options=opts)
+    return rpc
+
+
+def start_mpidag(comm: MPI.Comm) -> ModuleType:
+    """``mpidag.rpc.init_rpc()`` with no arguments (rank and size from ``COMM_WORLD``)."""
+    if str(REPO_ROOT) not in sys.path:
+        # `python benchmarks/bench_scaling.py` puts benchmarks/ first on sys.path, not the
+        # repository; measure this checkout's mpidag even when it is not pip-installed.
+        sys.path.insert(0, str(REPO_ROOT))
+    import mpidag.rpc as rpc
+
+    rpc.init_rpc()
+    return rpc
+
+
+STARTERS: dict[str, Callable[[MPI.Comm], ModuleType]] = {
+    "torch_rpc": start_torch_rpc,
+    "mpidag": start_mpidag,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Rows
+# --------------------------------------------------------------------------------------------
+
+
+def callers_of(pattern: str, size: int) -> list[int]:
+    """Ranks that issue calls in ``pattern``."""
+    return list(range(1, size)) if pattern == "one_server" else list(range(size))
+
+
+def targets_of(pattern: str, rank: int, size: int) -> list[str]:
+    """Worker names that ``rank`` calls in ``pattern``, in its round-robin order."""
+    if pattern == "one_server":
+        return ["worker0"]
+    return [f"worker{(rank + k) % size}" for k in range(1, size)]
+
+
+def rtt_batch(rpc: ModuleType, targets: list[str], n: int) -> None:
+    """``n`` sequential ``rpc_sync`` no-op calls, round robin over ``targets``."""
+    rpc_sync, k = rpc.rpc_sync, len(targets)
+    for i in range(n):
+        rpc_sync(targets[i % k], noop, timeout=RPC_TIMEOUT_S)
+
+
+def async_batches(rpc: ModuleType, targets: list[str], batch: int, batches: int) -> None:
+    """``batches`` times: ``batch`` ``rpc_async`` no-op calls round robin over ``targets``,
+    then ``fut.wait()`` on each."""
+    rpc_async, k = rpc.rpc_async, len(targets)
+    for _ in range(batches):
+        futs = [rpc_async(targets[i % k], noop, timeout=RPC_TIMEOUT_S) for i in range(batch)]
+        for fut in futs:
+            fut.wait()
+
+
+@dataclass
+class RowResult:
+    """One implementation's result for one row (rank 0): value, samples, errors."""
+
+    value: float | None
+    samples: dict[str, Any] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+
+def run_row(rpc: ModuleType, comm: MPI.Comm, cfg: Config, pattern: str, metric: str
+            ) -> RowResult | None:
+    """Measure one row on every rank (collective); rank 0 returns the result.
+
+    Every rank goes through the same barriers whatever happens, so a failing call on one
+    rank is recorded instead of leaving the others waiting.
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    callers = callers_of(pattern, size)
+    targets = targets_of(pattern, rank, size)
+    is_caller = rank in callers
+    error: str | None = None
+    per_rep: list[float] = []  # this caller's sample per repetition
+    stamps: list[tuple[float, float]] = []  # (start, end) on the monotonic clock
+    if metric == "rtt_us":
+        reps, calls = cfg.rtt_reps, cfg.rtt_calls
+        warm: Callable[[], None] = lambda: rtt_batch(
+            rpc, targets, max(cfg.rtt_warmup, 2 * len(targets)))
+        timed: Callable[[], None] = lambda: rtt_batch(rpc, targets, calls)
+    else:
+        reps, calls = cfg.async_reps, cfg.async_batch * cfg.async_batches
+        warm = lambda: async_batches(
+            rpc, targets, max(cfg.async_warmup, 2 * len(targets)), 1)
+        timed = lambda: async_batches(rpc, targets, cfg.async_batch, cfg.async_batches)
+
+    sleepy_barrier(comm)
+    if is_caller:
+        try:
+            warm()
+        except Exception as exc:  # noqa: BLE001 - recorded, the barriers go on
+            error = f"rank {rank} warm-up: {exc!r}"
+    for _ in range(reps):
+        sleepy_barrier(comm)
+        if is_caller and error is None:
+            t0 = time.monotonic()
+            try:
+                timed()
+            except Exception as exc:  # noqa: BLE001 - recorded, the barriers go on
+                error = f"rank {rank}: {exc!r}"
+            else:
+                t1 = time.monotonic()
+                stamps.append((t0, t1))
+                per_rep.append(1e6 * (t1 - t0) / calls if metric == "rtt_us"
+                               else calls / (t1 - t0))
+        sleepy_barrier(comm)
+    gathered = comm.gather(
+        {"rank": rank, "caller": is_caller, "per_rep": per_rep, "stamps": stamps,
+         "error": error}, root=0)
+    if rank != 0:
+        return None
+    assert gathered is not None
+    return summarize(gathered, metric, reps, calls)
+
+
+def summarize(gathered: list[dict[str, Any]], metric: str, reps: int, calls: int
+              ) -> RowResult:
+    """Turn every rank's samples into the row's value (rank 0)."""
+    callers = [g for g in gathered if g["caller"]]
+    errors = [g["error"] for g in gathered if g["error"]]
+    per_caller = {str(g["rank"]): g["per_rep"] for g in callers}
+    samples: dict[str, Any] = {"per_caller": per_caller, "calls_per_caller_per_rep": calls}
+    if errors or any(len(g["per_rep"]) != reps for g in callers):
+        return RowResult(None, samples, errors or ["missing samples"])
+    if metric == "rtt_us":
+        rep_values = [statistics.median(g["per_rep"][r] for g in callers) for r in range(reps)]
+    else:
+        rep_values = [sum(g["per_rep"][r] for g in callers) for r in range(reps)]
+        wall = []
+        for r in range(reps):
+            start = min(g["stamps"][r][0] for g in callers)
+            end = max(g["stamps"][r][1] for g in callers)
+            wall.append(len(callers) * calls / (end - start))
+        samples["aggregate_wall_per_rep"] = wall
+        samples["aggregate_wall_calls_per_s"] = statistics.median(wall)
+    samples["per_rep"] = rep_values
+    return RowResult(statistics.median(rep_values), samples)
+
+
+#: (pattern, metric) in the order they are measured; row name = f"{pattern}_{metric}"
+ROWS: list[tuple[str, str]] = [(p, m) for p in PATTERNS for m in METRICS]
+
+
+def row_name(pattern: str, metric: str) -> str:
+    """JSON key of a row."""
+    return f"{pattern}_{metric}"
+
+
+# --------------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------------
+
+
+def machine_info() -> dict[str, Any]:
+    """Describe the machine and software versions for the JSON header."""
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem_gib = None
+    with contextlib.suppress(ValueError, OSError):
+        mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    import numpy
+
+    return {
+        "host": socket.gethostname(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "mem_GiB": mem_gib,
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "mpi4py": __import__("mpi4py").__version__,
+        "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
+        "mpi": MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip(),
+    }
+
+
+def git_info() -> dict[str, Any]:
+    """The checkout's commit and the uncommitted changes under ``mpidag/`` (what is measured)."""
+    def git(*args: str) -> str:
+        try:
+            out = subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True,
+                                 text=True, timeout=30, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+        return out.stdout.strip()
+
+    dirty = [line for line in git("status", "--porcelain", "--", "mpidag").splitlines() if line]
+    return {"head": git("rev-parse", "HEAD") or None, "mpidag_uncommitted": dirty}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def build_report(measured: dict[str, dict[str, RowResult]], cfg: Config, size: int,
+                 previous: dict[str, Any] | None, extra: dict[str, Any]) -> dict[str, Any]:
+    """Assemble the JSON document; with ``previous``, keep its values for impls not run now."""
+    rows: dict[str, Any] = {}
+    for pattern, metric in ROWS:
+        name = row_name(pattern, metric)
+        unit, better, description = METRICS[metric]
+        prev = (previous or {}).get("rows", {}).get(name, {})
+        entry: dict[str, Any] = {"pattern": pattern, "metric": metric, "ranks": size,
+                                 "unit": unit, "better": better}
+        samples: dict[str, Any] = {}
+        errors: dict[str, list[str]] = {}
+        for impl in IMPL_KEYS.values():
+            res = measured.get(impl, {}).get(name)
+            if res is None and impl not in measured and prev:
+                entry[impl] = prev.get(impl)
+                if impl in prev.get("samples", {}):
+                    samples[impl] = prev["samples"][impl]
+                if impl in prev.get("errors", {}):
+                    errors[impl] = prev["errors"][impl]
+                continue
+            entry[impl] = None if res is None else res.value
+            if res is not None:
+                samples[impl] = res.samples
+                if res.errors:
+                    errors[impl] = res.errors
+        entry["mpidag_vs_torch"] = _ratio(entry["mpidag"], entry["torch_rpc"])
+        if metric == "calls_per_s":
+            entry["aggregate_wall_calls_per_s"] = {
+                impl: samples.get(impl, {}).get("aggregate_wall_calls_per_s")
+                for impl in IMPL_KEYS.values()}
+        entry["samples"] = samples
+        if errors:
+            entry["errors"] = errors
+        entry["description"] = f"{PATTERNS[pattern]}; {description}"
+        rows[name] = entry
+    return {
+        "benchmark": "bench_scaling.py",
+        "ranks": size,
+        "machine": machine_info(),
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "quick": cfg.quick,
+        "config": cfg.as_json(),
+        **extra,
+        "impls_run": sorted(measured),
+        "rows": rows,
+    }
+
+
+def write_json(path: Path, report: dict[str, Any]) -> None:
+    """Write ``report`` atomically (temporary file, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def run_impl(key: str, comm: MPI.Comm, cfg: Config,
+             on_row: Callable[[dict[str, RowResult]], None]) -> dict[str, RowResult] | None:
+    """Start one implementation, measure every row, shut it down; rank 0 returns the rows.
+
+    ``on_row`` (rank 0) receives the results so far before and after each row, so that the
+    JSON on disk always says how far the run got.
+    """
+    rank = comm.Get_rank()
+    results: dict[str, RowResult] = {}
+    if rank == 0:
+        log(f"{key}: init on {comm.Get_size()} ranks")
+    ok, rpc = 1, None
+    try:
+        with Watchdog(300, f"{key} init"):
+            rpc = STARTERS[key](comm)
+    except Exception as exc:  # noqa: BLE001 - report and skip this implementation
+        sys.stderr.write(f"[scaling rank {rank}] {key}: init failed: {exc!r}\n")
+        ok = 0
+    with Watchdog(300, f"{key} init agreement"):
+        all_ok = allreduce_min(comm, ok)
+    if all_ok == 0 or rpc is None:
+        if ok and rpc is not None:
+            with contextlib.suppress(Exception):
+                rpc.shutdown(graceful=False)
+        if rank != 0:
+            return None
+        log(f"{key}: skipped (init failed on some rank)")
+        return {row_name(p, m): RowResult(None, errors=["init failed on some rank"])
+                for p, m in ROWS}
+
+    for pattern, metric in ROWS:
+        name = row_name(pattern, metric)
+        if rank == 0:
+            results[name] = RowResult(None, errors=[
+                "did not finish: the job stopped during this row (watchdog or crash)"])
+            on_row(results)
+        t0 = time.perf_counter()
+        with Watchdog(cfg.row_timeout, f"{key} {name}"):
+            res = run_row(rpc, comm, cfg, pattern, metric)
+        if rank == 0:
+            assert res is not None
+            results[name] = res
+            on_row(results)
+            unit = METRICS[metric][0]
+            shown = "FAILED " + "; ".join(res.errors) if res.value is None else (
+                f"{res.value:,.1f} {unit}")
+            log(f"{key}: {name} = {shown}  [{time.perf_counter() - t0:.1f} s]")
+    if rank == 0:
+        log(f"{key}: shutdown")
+    sleepy_barrier(comm)
+    with Watchdog(300, f"{key} shutdown"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning)
+        rpc.shutdown()
+    return results if rank == 0 else None
+
+
+def format_cell(v: float | None) -> str:
+    """A table cell: thousands separators from 100 on, three significant digits below."""
+    if v is None:
+        return "–"
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:,.1f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def markdown_table(reports: list[dict[str, Any]]) -> str:
+    """One markdown table of the rows of several runs: pattern x metric x ranks."""
+    header = "| pattern | metric | ranks | torch_rpc | mpidag | mpidag_vs_torch |"
+    lines = [header, "| --- | --- | ---: | ---: | ---: | ---: |"]
+    by_size = sorted(reports, key=lambda r: r["ranks"])
+    for pattern, metric in ROWS:
+        for rep in by_size:
+            e = rep["rows"].get(row_name(pattern, metric))
+            if e is None:
+                continue
+            ratio = e.get("mpidag_vs_torch")
+            torch_cell = format_cell(e.get("torch_rpc"))
+            if e.get("torch_rpc") is None and "torch_rpc" in e.get("errors", {}):
+                torch_cell = "failed"
+            mpidag_cell = format_cell(e.get("mpidag"))
+            if e.get("mpidag") is None and "mpidag" in e.get("errors", {}):
+                mpidag_cell = "failed"
+            lines.append(
+                f"| {pattern} | {metric} ({e['unit']}, {e['better']} is better) | "
+                f"{rep['ranks']} | {torch_cell} | {mpidag_cell} | "
+                f"{'–' if ratio is None else f'{ratio:.2f}x'} |")
+    return "\n".join(lines)
+
+
+def merge_table(paths: list[Path]) -> int:
+    """Print the markdown table of ``paths`` (default: every ``results/scaling_*.json``)."""
+    if not paths:
+        paths = sorted(RESULTS_DIR.glob("scaling_*.json"),
+                       key=lambda p: int(m.group(1)) if (m := re.search(r"(\d+)", p.stem))
+                       else 0)
+    reports = [json.loads(p.read_text()) for p in paths if p.exists()]
+    if not reports:
+        sys.stderr.write("no scaling_*.json found; run the benchmark first\n")
+        return 1
+    print(markdown_table(reports))
+    for rep in sorted(reports, key=lambda r: r["ranks"]):
+        quick = " --quick" if rep.get("quick") else ""
+        print(f"\n- {rep['ranks']} ranks: {rep['date']}{quick}, load average "
+              f"{rep['machine'].get('loadavg_at_start')} -> {rep['machine'].get('loadavg_at_end')}",
+              end="")
+    print()
+    return 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line flags."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", default="torch,mpidag",
+                   help="comma-separated subset of torch,mpidag (default: both)")
+    p.add_argument("--quick", action="store_true", help="fewer calls and repetitions")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON output path (default: benchmarks/results/scaling_{N}.json)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the values of implementations not run now from the existing --out")
+    p.add_argument("--row-timeout", type=float, default=600.0,
+                   help="abort the job if one row takes longer than this (seconds, default 600)")
+    p.add_argument("--merge-table", nargs="*", type=Path, default=None, metavar="JSON",
+                   help="no benchmark: print the markdown table of these JSON files "
+                        "(default: every benchmarks/results/scaling_*.json); no mpirun needed")
+    args = p.parse_args(argv)
+    wanted = [s.strip() for s in args.only.split(",") if s.strip()]
+    aliases = {**IMPL_KEYS, **{v: v for v in IMPL_KEYS.values()}}
+    unknown = [w for w in wanted if w not in aliases]
+    if unknown or not wanted:
+        p.error(f"--only: unknown implementation(s) {unknown}; choose from torch,mpidag")
+    keys = {aliases[w] for w in wanted}
+    args.impls = [k for k in IMPL_KEYS.values() if k in keys]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point on every rank (or, with ``--merge-table``, in one plain process)."""
+    args = parse_args(argv)
+    if args.merge_table is not None:
+        return merge_table(args.merge_table)
+    world = MPI.COMM_WORLD
+    size = world.Get_size()
+    if size < 2:
+        sys.stderr.write("bench_scaling.py needs at least 2 MPI ranks "
+                         "(python -m mpidag.run -n 4 benchmarks/bench_scaling.py)\n")
+        return 2
+    comm = world.Dup()  # private context for the benchmark's barriers and gathers
+    rank = comm.Get_rank()
+    cfg = Config.from_args(args)
+    out: Path = args.out or RESULTS_DIR / f"scaling_{size}.json"
+
+    previous = None
+    extra: dict[str, Any] = {}
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    affinity = comm.gather(sorted(os.sched_getaffinity(0)), root=0)
+    if rank == 0:
+        if load_before[0] > 0.5:
+            log(f"WARNING: 1-minute load average is {load_before[0]:.2f} before starting; "
+                "other processes compete for the cores and the numbers will be noisy")
+        if args.merge and out.exists():
+            previous = json.loads(out.read_text())
+        extra = {"git": git_info(), "command": " ".join(sys.argv)}
+    measured: dict[str, dict[str, RowResult]] = {}
+    report: dict[str, Any] = {}
+
+    def save(key: str, rows: dict[str, RowResult]) -> None:
+        nonlocal report
+        measured[key] = dict(rows)
+        report = build_report(measured, cfg, size, previous, extra)
+        report["machine"]["loadavg_at_start"] = load_before
+        report["machine"]["cpu_affinity_per_rank"] = affinity
+        write_json(out, report)
+
+    for key in args.impls:
+        res = run_impl(key, comm, cfg, lambda rows, key=key: save(key, rows))
+        if rank == 0 and res is not None:
+            save(key, res)
+        with Watchdog(cfg.row_timeout, f"after {key}"):
+            sleepy_barrier(comm)
+    if rank == 0:
+        print(markdown_table([report]), flush=True)
+        log(f"wrote {out}")
+    comm.Free()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
