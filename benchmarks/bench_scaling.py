@@ -228,8 +228,8 @@ class Config:
                        rtt_warmup=20, rtt_reps=3, rtt_calls=100,
                        async_warmup=200, async_reps=3, async_batch=500, async_batches=1)
         return cls(quick=False, row_timeout=args.row_timeout,
-                   rtt_warmup=50, rtt_reps=5, rtt_calls=300,
-                   async_warmup=500, async_reps=5, async_batch=1000, async_batches=1)
+                   rtt_warmup=100, rtt_reps=7, rtt_calls=1000,
+                   async_warmup=1000, async_reps=5, async_batch=1000, async_batches=3)
 
     def as_json(self) -> dict[str, Any]:
         """The settings as recorded in the JSON."""
@@ -698,6 +698,8 @@ def main(argv: list[str] | None = None) -> int:
         report = build_report(measured, cfg, size, previous, extra)
         report["machine"]["loadavg_at_start"] = load_before
         report["machine"]["cpu_affinity_per_rank"] = affinity
+        if "mpidag" in sys.modules:  # which mpidag was measured
+            report["git"]["mpidag_module"] = sys.modules["mpidag"].__file__
         write_json(out, report)
 
     for key in args.impls:

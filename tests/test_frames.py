@@ -145,3 +145,51 @@ def test_large_payload_is_a_frame_of_its_own_with_a_64_bit_length():
     assert frames.decode_header(bytearray(huge))[1].payload_length == 5 << 30
     with pytest.raises(ValueError, match="data tag"):
         frames.encode(Envelope(kind=2, payload=payload), [], data_tag=0)
+
+
+def test_plain_values_a_lone_tensor_and_mixed_calls_take_their_fast_paths():
+    # plain values (and short tuples of them) are plain pickles
+    payload, tensors = frames.dumps((1, "a", None, 2.5))
+    assert tensors == [] and pickle.loads(payload) == (1, "a", None, 2.5)
+    assert frames.is_plain((1, b"x")) and not frames.is_plain((torch.ones(1),))
+    assert not frames.is_plain(tuple(range(9))) and not frames.is_plain([1])
+    # a lone plain tensor: a constant payload, the tensor in the table
+    t = torch.arange(4.0)
+    payload, tensors = frames.dumps(t)
+    assert tensors == [t] and len(payload) < 16
+    assert frames.loads(payload, tensors) is t
+    (back,), _, _ = roundtrip((t,))
+    assert torch.equal(back, t)
+    # tensors, a Parameter and plain values together, with a prefix before the pickle
+    p = torch.nn.Parameter(torch.ones(2))
+    payload, tensors = frames.dumps(((t, p, 3), {"k": t}), prefix=b"REF")
+    assert payload[:3] == b"REF" and len(tensors) == 2
+    (a, q, n), kw = frames.loads(memoryview(payload)[3:], tensors)
+    assert a is kw["k"] and torch.equal(a, t) and n == 3
+    assert type(q) is torch.nn.Parameter and q.requires_grad
+
+
+class Token:
+    def __init__(self, name):
+        self.name = name
+
+
+def test_codecs_see_the_context_and_undo_their_side_effects_when_pickling_fails():
+    codecs = frames.Codecs()
+    started, undone = [], []
+
+    def reduce(token, scope):
+        started.append((token.name, scope.context))
+        scope.on_failure(lambda: undone.append(token.name))
+        return token.name
+
+    codecs.register(Token, "token", reduce, Token)
+    payload, tensors = frames.dumps([Token("a")], codecs=codecs, context=3)
+    assert started == [("a", 3)] and undone == []
+    assert frames.loads(payload, tensors, codecs)[0].name == "a"
+    with pytest.raises((AttributeError, pickle.PicklingError)):  # a lambda cannot be pickled
+        frames.dumps([Token("b"), Token("c"), lambda: 0], codecs=codecs, context=4)
+    assert started[1:] == [("b", 4), ("c", 4)] and undone == ["c", "b"]
+    # the next pickle in this thread starts clean
+    frames.dumps([Token("d")], codecs=codecs, context=5)
+    assert undone == ["c", "b"]

@@ -277,7 +277,6 @@ class RpcAgent:
         self.processed = 0  # messages this rank received and finished handling
         self._count_lock = threading.Lock()
         self.running = True
-        self._pickling = threading.local()
         self.config = config
         #: pickling rules of the layers above (RRefs); handlers travel by name
         self.codecs = Codecs()
@@ -286,7 +285,7 @@ class RpcAgent:
         self._call_prefixes: dict[Any, tuple[bytes, int]] = {}
         #: payload prefix -> (function, its module's namespace or None, its name)
         self._call_targets: dict[bytes, tuple[Callable, dict | None, str]] = {}
-        self.codecs.register(Handler, "handler", lambda h: h.name, self._handler_named)
+        self.codecs.register(Handler, "handler", lambda h, scope: h.name, self._handler_named)
         self.observer: CallObserver = _NO_OBSERVER
         #: called as hook() before a graceful shutdown's final quiescence (RRefs)
         self._shutdown_hooks: list[Callable[[], None]] = []
@@ -410,40 +409,15 @@ class RpcAgent:
         return {v: k for k, v in forward.items()}
 
     # ---------------------------------------------------------------- sending
-    def pickling_for(self) -> int | None:
-        """The rank the message being pickled in this thread goes to (``None``: none)."""
-        return getattr(self._pickling, "dst", None)
-
     def dumps_for(self, dst: int, obj: Any, call: tuple[Any, tuple] | None = None,
                   prefix: bytes = b"") -> tuple[bytes | memoryview, list[torch.Tensor]]:
-        """Pickle ``obj`` for rank ``dst``; objects whose pickling depends on the
-        destination (RRefs) read it with :meth:`pickling_for` and may register undo actions
-        in :meth:`on_pickling_failure`, run if pickling fails. ``call``: the ``(func, args)``
-        whose arguments or result this is (how parameters travel, see
-        :func:`detaches_parameters`). ``prefix``: bytes that start the payload."""
-        if is_plain(obj):
-            return prefix + pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), []
-        previous = getattr(self._pickling, "dst", None)
-        undo_before = getattr(self._pickling, "undo", None)
-        self._pickling.dst = dst
-        self._pickling.undo = []
-        try:
-            if call is None:
-                return dumps(obj, codecs=self.codecs, prefix=prefix)
-            return dumps(obj, lambda: detaches_parameters(*call), self.codecs, prefix)
-        except BaseException:
-            for action in reversed(self._pickling.undo):
-                action()
-            raise
-        finally:
-            self._pickling.dst = previous
-            self._pickling.undo = undo_before
-
-    def on_pickling_failure(self, action: Callable[[], None]) -> None:
-        """Run ``action`` if the message being pickled in this thread is not sent."""
-        undo = getattr(self._pickling, "undo", None)
-        if undo is not None:
-            undo.append(action)
+        """Pickle ``obj`` for rank ``dst`` (the ``context`` the codecs' reduce functions see:
+        RRefs fork for their destination). ``call``: the ``(func, args)`` whose arguments or
+        result this is (how parameters travel, see :func:`detaches_parameters`).
+        ``prefix``: bytes that start the payload."""
+        if call is None:
+            return dumps(obj, codecs=self.codecs, prefix=prefix, context=dst)
+        return dumps(obj, lambda: detaches_parameters(*call), self.codecs, prefix, dst)
 
     def _send(self, dst: int, env: Envelope, reply: bool) -> None:
         devices = self.devices_for(dst, env.tensors, reply)

@@ -372,10 +372,11 @@ class RRefContext:
     def _handle(self, rref_id: int, owner: int, fork_id: int | None) -> RRefHandle:
         return self.handle_type._handle(self, rref_id, owner, fork_id)
 
-    def _reduce_handle(self, handle: RRefHandle) -> tuple:
-        """Pickle a handle for the rank the message goes to: start its fork (G2)."""
+    def _reduce_handle(self, handle: RRefHandle, scope: Any) -> tuple:
+        """Pickle a handle for the rank the message goes to (``scope.context``): start its
+        fork (G2); ``scope.on_failure`` undoes that if the message is not sent."""
         agent = self.agent
-        dst = agent.pickling_for()
+        dst = scope.context
         if dst is None:
             raise RPCError("an RRef can only be pickled as an argument or return value of an "
                            "RPC (rpc_sync, rpc_async, remote)")
@@ -385,14 +386,14 @@ class RRefContext:
         rref_id, fork_id = handle._rref_id, handle._fork_id
         if fork_id is None:  # the owner forks: count the child at once
             self.register_fork(rref_id, child, pending=True)
-            agent.on_pickling_failure(lambda: self.delete_fork(rref_id, child))
+            scope.on_failure(lambda: self.delete_fork(rref_id, child))
         else:  # a user forks: keep this user alive until the owner confirms the child (G2)
             with self.lock:
                 rec = self.users.get(fork_id)
                 if rec is None or rec.delete_sent:
                     raise RPCError(f"{handle!r} was already deleted")
                 rec.pending_children.add(child)
-            agent.on_pickling_failure(lambda: self.child_accepted(fork_id, child))
+            scope.on_failure(lambda: self.child_accepted(fork_id, child))
         return rref_id, handle._owner, child, self.rank, fork_id
 
     def _rebuild_handle(self, state: tuple) -> RRefHandle:
