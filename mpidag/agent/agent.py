@@ -721,6 +721,25 @@ class RpcAgent:
         Any exception of the function, ``SystemExit`` and other ``BaseException`` types
         included, is the answer (with its type); the serving thread goes on serving.
         """
+        if env.context_id or profiling():
+            self._serve_observed_call(env)
+            return
+        try:  # the common case: no autograd context, no profiler, a synchronous function
+            func, args, kwargs = self._unpack_call(env)
+            if func.asynchronous if type(func) is Handler else \
+                    getattr(func, "_wrapped_async_rpc_function", None) is not None:
+                self._serve_observed_call(env, (func, args, kwargs))
+                return
+            result = func(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - the caller gets it, with its type
+            self._reply_error(env, exc)
+            return
+        self._reply_value(env, result, (func, args))
+
+    def _serve_observed_call(self, env: Envelope,
+                             unpacked: tuple[Callable, tuple, dict] | None = None) -> None:
+        """:meth:`_serve_call` in an autograd context, under a profiler, or of an
+        ``@async_execution`` function (``unpacked``: the call, if already unpickled)."""
         state = None
         span = None
         asynchronous = False
@@ -729,7 +748,7 @@ class RpcAgent:
             if env.context_id:
                 state = self.observer.received(
                     env, lambda: f"the arguments of a call from {src_name}")
-            func, args, kwargs = self._unpack_call(env)
+            func, args, kwargs = unpacked or self._unpack_call(env)
             if profiling():
                 span = record_function(f"mpidag.rpc.serve#{describe(func, args)}"
                                        f"({src_name} -> {self.info.name})")
@@ -794,12 +813,10 @@ class RpcAgent:
                 f"the return value ({type(value).__name__}) could not be sent back from "
                 f"{self.where()}: {exc}"))
             return
-        with self._count_lock:
+        with self._count_lock:  # the request is handled once its answer is on its way
             self.sent += 1
-        try:
-            self.transport.send(env.src, reply, devices)
-        finally:
-            self._mark_processed()
+            self.processed += 1
+        self.transport.send(env.src, reply, devices)
         if message_id:
             self.observer.sent(env.context_id, message_id)
 

@@ -35,6 +35,7 @@ __all__ = ["CHUNK", "HEADER_TAG", "MPITransport", "detect_cuda_aware"]
 log = logging.getLogger(__name__)
 
 HEADER_TAG = 0
+_ANY_SOURCE = -1  # MPI.ANY_SOURCE, checked when the transport is made
 
 
 def _libmpi_paths() -> list[str]:
@@ -90,6 +91,8 @@ class MPITransport(FramedTransport):
         from mpi4py import MPI
 
         self._MPI = MPI
+        if MPI.ANY_SOURCE != _ANY_SOURCE:  # every MPI we know uses -1
+            raise RuntimeError(f"unexpected MPI.ANY_SOURCE {MPI.ANY_SOURCE}")
         base = MPI.COMM_WORLD if base_comm is None else base_comm
         self.comm = base.Dup()
         self.comm.Set_name("mpidag")
@@ -102,11 +105,28 @@ class MPITransport(FramedTransport):
         )
         self._status = MPI.Status()
         self.cuda_aware = detect_cuda_aware(cuda_aware)
+        if self.thread_multiple:  # the hot path without a lock (a no-op context costs 0.15 us)
+            self._send_frame0 = self._send_frame0_unlocked
+            self._probe = self._probe_unlocked
+        self._Send = self.comm.Send
+        self._improbe = self.comm.improbe
 
     # ------------------------------------------------------- moving bytes
     def _send_frame0(self, dst: int, frame0: bytes | bytearray) -> None:
         with self._mpi_lock:
             self.comm.Send([frame0, self._MPI.BYTE], dst, HEADER_TAG)
+
+    def _send_frame0_unlocked(self, dst: int, frame0: bytes | bytearray) -> None:
+        self._Send(frame0, dst, HEADER_TAG)
+
+    def _probe_unlocked(self) -> tuple[int, bytearray] | None:
+        status = self._status
+        message = self._improbe(_ANY_SOURCE, HEADER_TAG, status)
+        if message is None:
+            return None
+        frame0 = bytearray(status.Get_count())
+        message.Recv(frame0)
+        return status.Get_source(), frame0
 
     def _send_frame(self, dst: int, tag: int, buffer: Any) -> None:
         self._transfer(self.comm.Isend, buffer, dst, tag)

@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from mpidag._backoff import Backoff
+from mpidag._backoff import PURE_SPIN, Backoff
 from mpidag.transport.frames import Envelope
 
 __all__ = ["MainThreadCPU", "ProgressEngine"]
@@ -49,9 +49,15 @@ log = logging.getLogger(__name__)
 
 Work = Callable[[], None]
 
-#: ``active`` is true in a pool thread while it runs a work item
-_in_work = threading.local()
+class _WorkFlag(threading.local):
+    #: true in a pool thread while it runs a work item
+    active = False
+
+
+_in_work = _WorkFlag()
 _MAIN = threading.main_thread()
+_MAIN_IDENT = _MAIN.ident
+_get_ident = threading.get_ident
 
 
 class MainThreadCPU:
@@ -160,6 +166,7 @@ class ProgressEngine:
         self._running_work = 0
         self._blocked_work = 0  # of those, work items waiting in wait_until (not computing)
         self._main_parked = 0  # the main thread waits inside mpidag (is not computing)
+        self._nappers = 0  # leaders napping in _nap (woken when computing ends)
         self._vacancy_epoch = 0  # counts lazy vacancies, for the sentinel
         self._stopping = False
         self._main_cpu = MainThreadCPU()
@@ -199,13 +206,20 @@ class ProgressEngine:
     # ------------------------------------------------------------------- pool
     def _pool_main(self) -> None:
         lock = self._lock
+        finished = False  # this thread just ran a work item (counted in _running_work)
         while True:
             with lock:
+                if finished:
+                    finished = False
+                    self._running_work -= 1
+                    if self._nappers:
+                        self._computing_cv.notify_all()
                 while True:
                     if self._stopping and not self._work:
                         return
                     if self._work:  # queued requests first: nobody else may run them
                         work = self._work.popleft()
+                        self._running_work += 1
                         break
                     if not self._leader_busy and self._waiters == 0 and not self._stopping:
                         self._leader_busy = True
@@ -215,10 +229,11 @@ class ProgressEngine:
                     self._pool_cv.wait()
                     self._idle -= 1
             if work is None:
-                work = self._lead_as_pool()
+                work = self._lead_as_pool()  # returns work counted in _running_work
                 if work is None:
                     continue
             self._run(work)
+            finished = True
             # drop the request (and its tensors) now, not when the next one is received:
             # large received tensors return their buffers to the receive cache on release
             del work
@@ -230,7 +245,7 @@ class ProgressEngine:
         request itself (it queues them) and hands over as soon as a pool thread is idle.
         """
         backoff = Backoff(self._spin, self._min_sleep, self._max_sleep, self._nap)
-        poll, dispatch = self._poll, self._dispatch
+        poll, dispatch, on_idle = self._poll, self._dispatch, self._on_idle
         while True:
             if self._waiters or self._stopping or (sentinel and self._idle):
                 with self._lock:
@@ -240,6 +255,7 @@ class ProgressEngine:
                 with self._lock:
                     work = self._work.popleft() if self._work else None
                     if work is not None:
+                        self._running_work += 1
                         self._vacate_locked(lazy=True)
                 if work is not None:
                     return work
@@ -248,7 +264,7 @@ class ProgressEngine:
             except Exception:
                 log.exception("transport poll failed")
                 env = None
-            self._on_idle()
+            on_idle()
             if env is None:
                 backoff.idle(self._computing())
                 continue
@@ -262,12 +278,13 @@ class ProgressEngine:
                 work = None
                 continue
             with self._lock:
+                self._running_work += 1
                 self._vacate_locked(lazy=True)
             return work
 
-    def _run(self, work: Work) -> None:
-        with self._lock:
-            self._running_work += 1
+    @staticmethod
+    def _run(work: Work) -> None:
+        """Run a work item that the caller counted in ``_running_work`` (and uncounts)."""
         _in_work.active = True
         try:
             work()
@@ -275,9 +292,6 @@ class ProgressEngine:
             log.exception("work item failed")
         finally:
             _in_work.active = False
-            with self._lock:
-                self._running_work -= 1
-                self._computing_cv.notify_all()
 
     def _computing(self) -> bool:
         """Whether some thread of this process may be computing: a work item that is not
@@ -292,15 +306,20 @@ class ProgressEngine:
         """Sleep while another thread computes; wake as soon as none does."""
         with self._lock:
             if self._computing():
-                self._computing_cv.wait(seconds)
+                self._nappers += 1
+                try:
+                    self._computing_cv.wait(seconds)
+                finally:
+                    self._nappers -= 1
 
     @contextlib.contextmanager
     def parked(self) -> Iterator[None]:
         """Mark this thread as waiting (not computing) while inside the block."""
-        main = threading.current_thread() is _MAIN
+        main = _get_ident() == _MAIN_IDENT
         with self._lock:
             self._main_parked += main
-            self._computing_cv.notify_all()
+            if self._nappers:
+                self._computing_cv.notify_all()
         try:
             yield
         finally:
@@ -380,14 +399,27 @@ class ProgressEngine:
         if done():
             return True
         lock = self._lock
-        yields = 0
-        blocked = getattr(_in_work, "active", False)  # a work item waiting: not computing
-        main = threading.current_thread() is _MAIN
+        blocked = _in_work.active  # a work item that waits: not computing
+        main = _get_ident() == _MAIN_IDENT
         with lock:
-            self._waiters += 1  # from now on pool leaders hand over to this thread
+            lead = not self._leader_busy and not self._stopping
             self._blocked_work += blocked
             self._main_parked += main
-            self._computing_cv.notify_all()
+            if lead:  # the common case: nobody leads (a pool leader vacated lazily)
+                self._leader_busy = True
+            else:
+                self._waiters += 1  # from now on pool leaders hand over to this thread
+                if self._nappers:
+                    self._computing_cv.notify_all()
+        if lead:
+            try:
+                return self._lead_as_user(done, deadline)
+            finally:
+                with lock:
+                    self._blocked_work -= blocked
+                    self._main_parked -= main
+                    self._vacate_locked(lazy=True)
+        yields = 0
         registered = True
         try:
             while True:
@@ -429,19 +461,34 @@ class ProgressEngine:
                     self._waiters -= 1
 
     def _lead_as_user(self, done: Callable[[], bool], deadline: float | None) -> bool:
-        backoff = Backoff(self._spin, self._min_sleep, self._max_sleep, self._nap)
-        poll, dispatch = self._poll, self._dispatch
+        poll, dispatch, on_idle = self._poll, self._dispatch, self._on_idle
+        # a reply mostly arrives within PURE_SPIN: until then poll in a tight loop, and make
+        # the Backoff (0.5 us) only for a longer wait
+        backoff: Backoff | None = None
+        spin_until = 0.0
         while not done():
             env = poll()
-            self._on_idle()
+            on_idle()
             if env is None:
                 if deadline is not None and time.monotonic() >= deadline:
                     return False
                 if self._stopping:
                     return done()
-                backoff.idle(self._computing())
+                computing = self._computing()
+                if backoff is None:
+                    if not computing:
+                        now = time.perf_counter()
+                        if not spin_until:
+                            spin_until = now + PURE_SPIN
+                            continue
+                        if now < spin_until:
+                            continue
+                    backoff = Backoff(self._spin, self._min_sleep, self._max_sleep, self._nap)
+                backoff.idle(computing)
                 continue
-            backoff.reset()
+            spin_until = 0.0
+            if backoff is not None:
+                backoff.reset()
             work = self._dispatch_safely(dispatch, env)
             env = None
             if work is not None:
