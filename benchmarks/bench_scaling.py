@@ -586,38 +586,57 @@ def run_impl(key: str, comm: MPI.Comm, cfg: Config,
 
 
 def format_cell(v: float | None) -> str:
-    """A table cell: thousands separators from 100 on, three significant digits below."""
+    """A table cell: no decimals from 1,000 on, one decimal below."""
     if v is None:
         return "–"
-    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:,.1f}" if abs(v) >= 100 else f"{v:.3g}"
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.1f}"
+
+
+def _summary_cell(values: list[float | None], failed: bool, fmt: Callable[[float], str]
+                  ) -> str:
+    """One run's value, or the median of several runs' values with their range."""
+    got = [v for v in values if v is not None]
+    if not got:
+        return "failed" if failed else "–"
+    if len(values) == 1:
+        return fmt(got[0])
+    text = f"{fmt(statistics.median(got))} ({fmt(min(got))}–{fmt(max(got))})"
+    return text if len(got) == len(values) else f"{text}, {len(got)} of {len(values)} runs"
 
 
 def markdown_table(reports: list[dict[str, Any]]) -> str:
-    """One markdown table of the rows of several runs: pattern x metric x ranks."""
+    """One markdown table of the rows of several runs: pattern x metric x ranks.
+
+    Runs with the same number of ranks are combined: each cell is the median over the runs
+    with the range in brackets, and ``mpidag_vs_torch`` is the median of the per-run ratios.
+    """
     header = "| pattern | metric | ranks | torch_rpc | mpidag | mpidag_vs_torch |"
     lines = [header, "| --- | --- | ---: | ---: | ---: | ---: |"]
-    by_size = sorted(reports, key=lambda r: r["ranks"])
+    by_size: dict[int, list[dict[str, Any]]] = {}
+    for rep in reports:
+        by_size.setdefault(int(rep["ranks"]), []).append(rep)
     for pattern, metric in ROWS:
-        for rep in by_size:
-            e = rep["rows"].get(row_name(pattern, metric))
-            if e is None:
+        name = row_name(pattern, metric)
+        for size in sorted(by_size):
+            entries = [r["rows"][name] for r in by_size[size] if name in r["rows"]]
+            if not entries:
                 continue
-            ratio = e.get("mpidag_vs_torch")
-            torch_cell = format_cell(e.get("torch_rpc"))
-            if e.get("torch_rpc") is None and "torch_rpc" in e.get("errors", {}):
-                torch_cell = "failed"
-            mpidag_cell = format_cell(e.get("mpidag"))
-            if e.get("mpidag") is None and "mpidag" in e.get("errors", {}):
-                mpidag_cell = "failed"
-            lines.append(
-                f"| {pattern} | {metric} ({e['unit']}, {e['better']} is better) | "
-                f"{rep['ranks']} | {torch_cell} | {mpidag_cell} | "
-                f"{'–' if ratio is None else f'{ratio:.2f}x'} |")
+            cells = [
+                _summary_cell([e.get(impl) for e in entries],
+                              any(impl in e.get("errors", {}) for e in entries), format_cell)
+                for impl in IMPL_KEYS.values()
+            ]
+            ratio = _summary_cell([e.get("mpidag_vs_torch") for e in entries], False,
+                                  lambda v: f"{v:.2f}x")
+            unit, better = entries[0]["unit"], entries[0]["better"]
+            lines.append(f"| {pattern} | {metric} ({unit}, {better} is better) | {size} | "
+                         f"{' | '.join(cells)} | {ratio} |")
     return "\n".join(lines)
 
 
 def merge_table(paths: list[Path]) -> int:
-    """Print the markdown table of ``paths`` (default: every ``results/scaling_*.json``)."""
+    """Print the markdown table of ``paths`` (default: every ``results/scaling_*.json``),
+    then one line per run (date, ``--quick``, load average)."""
     if not paths:
         paths = sorted(RESULTS_DIR.glob("scaling_*.json"),
                        key=lambda p: int(m.group(1)) if (m := re.search(r"(\d+)", p.stem))
@@ -627,12 +646,12 @@ def merge_table(paths: list[Path]) -> int:
         sys.stderr.write("no scaling_*.json found; run the benchmark first\n")
         return 1
     print(markdown_table(reports))
-    for rep in sorted(reports, key=lambda r: r["ranks"]):
-        quick = " --quick" if rep.get("quick") else ""
-        print(f"\n- {rep['ranks']} ranks: {rep['date']}{quick}, load average "
-              f"{rep['machine'].get('loadavg_at_start')} -> {rep['machine'].get('loadavg_at_end')}",
-              end="")
     print()
+    for rep in sorted(reports, key=lambda r: (r["ranks"], r["date"])):
+        m = rep["machine"]
+        quick = " --quick" if rep.get("quick") else ""
+        print(f"- {rep['ranks']} ranks: {rep['date']}{quick}, 1-min load average "
+              f"{m.get('loadavg_at_start', ['?'])[0]} at start, {m['loadavg_at_end'][0]} at end")
     return 0
 
 

@@ -8,6 +8,9 @@ with per-parameter locks for the parameter server::
 
     python benchmarks/plot.py                      # every results file that exists
     python benchmarks/plot.py --json PATH --out PATH
+
+The ``bench_scaling.py`` results (``results/scaling_*.json``, one file per run) become one
+figure, ``results/scaling.png``: each row against the number of ranks, torch vs mpidag.
 """
 
 from __future__ import annotations
@@ -147,6 +150,62 @@ def plot(report: dict[str, Any], out: Path, kind: str = "rpc") -> None:
     plt.close(fig)
 
 
+def plot_scaling(reports: list[dict[str, Any]], out: Path) -> None:
+    """Write the ``bench_scaling.py`` figure: one panel per row, value against ranks.
+
+    ``reports`` are parsed ``scaling_*.json`` files; runs with the same number of ranks are
+    drawn as their median with the range as an error bar.
+    """
+    names = list(reports[0]["rows"])
+    fig, axes = plt.subplots(2, math.ceil(len(names) / 2), figsize=(10, 8), squeeze=False)
+    flat = [ax for line in axes for ax in line]
+    for ax, name in zip(flat, names, strict=False):
+        entry0 = reports[0]["rows"][name]
+        for key, label, colour in IMPLS:
+            by_size: dict[int, list[float]] = {}
+            for rep in reports:
+                v = rep["rows"].get(name, {}).get(key)
+                if isinstance(v, (int, float)):
+                    by_size.setdefault(int(rep["ranks"]), []).append(float(v))
+            if not by_size:
+                continue
+            sizes = sorted(by_size)
+            mid = [sorted(by_size[n])[len(by_size[n]) // 2] for n in sizes]
+            low = [m - min(by_size[n]) for m, n in zip(mid, sizes, strict=True)]
+            high = [max(by_size[n]) - m for m, n in zip(mid, sizes, strict=True)]
+            ax.errorbar(sizes, mid, yerr=[low, high], color=colour, marker="o", capsize=3,
+                        label=label)
+            for n, m in zip(sizes, mid, strict=True):
+                ax.annotate(format_value(m, entry0.get("unit", "")), (n, m), fontsize=8,
+                            textcoords="offset points", xytext=(4, 4), color=colour)
+        ax.set_xscale("log", base=2)
+        sizes_all = sorted({int(r["ranks"]) for r in reports})
+        ax.set_xticks(sizes_all)
+        ax.set_xticklabels([str(n) for n in sizes_all])
+        ax.set_yscale("log")
+        ax.set_xlabel("MPI ranks")
+        ax.set_title(f"{name}\n({entry0.get('unit', '')}, {entry0.get('better', '')} is "
+                     "better)", fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+    for ax in flat[len(names):]:
+        ax.axis("off")
+    handles, labels = flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=9, frameon=False)
+    m = reports[0].get("machine", {})
+    quick = "  [--quick]" if any(r.get("quick") for r in reports) else ""
+    counts: dict[int, int] = {}
+    for rep in reports:
+        counts[int(rep["ranks"])] = counts.get(int(rep["ranks"]), 0) + 1
+    runs = ", ".join(f"{c} x {n} ranks" for n, c in sorted(counts.items()))
+    fig.suptitle(f"RPC cost against the number of ranks (one host), runs: "
+                 f"{runs}{quick}\n{m.get('cores', '?')} cores "
+                 f"{m.get('cpu', '')}, torch {m.get('torch', '?')}", fontsize=11)
+    fig.tight_layout(rect=(0, 0.05, 1, 0.93))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -158,10 +217,19 @@ def main(argv: list[str] | None = None) -> int:
     else:
         pairs = [(RESULTS_DIR / f"{n}.json", RESULTS_DIR / f"{n}.png")
                  for n in KINDS if (RESULTS_DIR / f"{n}.json").exists()]
+    scaling = sorted(RESULTS_DIR.glob("scaling_*.json")) if args.json is None else []
+    scaling_out = RESULTS_DIR / "scaling.png"
     for src, out in pairs:
+        if src.stem.startswith("scaling"):
+            scaling = [src]
+            scaling_out = out
+            continue
         kind = next((k for k in KINDS if src.stem.startswith(k)), "rpc")
         plot(json.loads(src.read_text()), out, kind)
         print(f"wrote {out}")
+    if scaling:
+        plot_scaling([json.loads(p.read_text()) for p in scaling], scaling_out)
+        print(f"wrote {scaling_out}")
     return 0
 
 
