@@ -8,7 +8,9 @@ Exactly one thread at a time *leads*: it polls the transport and dispatches what
   runs the request inline (no hand-off for the common short call). A *sentinel* thread
   checks every ``sentinel_interval`` seconds; if the leadership stayed vacant for a whole
   interval while a request runs, it wakes an idle pool thread to lead, so a long or
-  blocking user function never stalls the receipt of messages.
+  blocking user function never stalls the receipt of messages. After 20 checks in a row
+  that found a leader and no new vacancy the sentinel sleeps until the next lazy vacancy:
+  an idle rank does not wake it 1,000 times a second.
 * A pool leader that finds nothing yields for ``spin`` seconds (``MPIDAG_POLL_SPIN_S``,
   50 ms), then sleeps with an exponential backoff up to ``max_sleep``
   (``MPIDAG_BACKOFF_MAX``), which bounds the idle CPU cost. The yielding phase covers the
@@ -55,6 +57,8 @@ class _WorkFlag(threading.local):
 
 
 _in_work = _WorkFlag()
+#: after LONG_IDLE seconds of idleness a leader's sleeps grow to this many times ``max_sleep``
+LONG_SLEEP_FACTOR = 4
 _MAIN = threading.main_thread()
 _MAIN_IDENT = _MAIN.ident
 _get_ident = threading.get_ident
@@ -133,6 +137,9 @@ class ProgressEngine:
         >>> engine.wait_until(future.done, deadline=None)
     """
 
+    #: the sentinel parks after this many checks in a row found a leader and no vacancy
+    SENTINEL_PARK_AFTER = 20
+
     def __init__(
         self,
         poll: Callable[[], Envelope | None],
@@ -167,6 +174,8 @@ class ProgressEngine:
         self._blocked_work = 0  # of those, work items waiting in wait_until (not computing)
         self._main_parked = 0  # the main thread waits inside mpidag (is not computing)
         self._nappers = 0  # leaders napping in _nap (woken when computing ends)
+        self._sentinel_cv = threading.Condition(self._lock)
+        self._sentinel_parked = False  # the sentinel sleeps until the next lazy vacancy
         self._vacancy_epoch = 0  # counts lazy vacancies, for the sentinel
         self._stopping = False
         self._main_cpu = MainThreadCPU()
@@ -189,6 +198,7 @@ class ProgressEngine:
             self._stopping = True
             self._pool_cv.notify_all()
             self._user_cv.notify_all()
+            self._sentinel_cv.notify_all()
         deadline = time.monotonic() + timeout
         me = threading.current_thread()
         for thread in self._threads:
@@ -244,7 +254,8 @@ class ProgressEngine:
         ``sentinel``: the sentinel leads because every pool thread is busy: it runs no
         request itself (it queues them) and hands over as soon as a pool thread is idle.
         """
-        backoff = Backoff(self._spin, self._min_sleep, self._max_sleep, self._nap)
+        backoff = Backoff(self._spin, self._min_sleep, self._max_sleep, self._nap,
+                          self._max_sleep * LONG_SLEEP_FACTOR)
         poll, dispatch, on_idle = self._poll, self._dispatch, self._on_idle
         while True:
             if self._waiters or self._stopping or (sentinel and self._idle):
@@ -303,14 +314,16 @@ class ProgressEngine:
         return not self._main_parked and _MAIN.is_alive() and self._main_cpu.busy()
 
     def _nap(self, seconds: float) -> None:
-        """Sleep while another thread computes; wake as soon as none does."""
+        """The leader's sleep: ends early when a computation ends or a thread wants to
+        lead (both notify the nappers)."""
         with self._lock:
-            if self._computing():
-                self._nappers += 1
-                try:
-                    self._computing_cv.wait(seconds)
-                finally:
-                    self._nappers -= 1
+            if self._waiters or self._stopping:
+                return
+            self._nappers += 1
+            try:
+                self._computing_cv.wait(seconds)
+            finally:
+                self._nappers -= 1
 
     @contextlib.contextmanager
     def parked(self) -> Iterator[None]:
@@ -337,6 +350,9 @@ class ProgressEngine:
             self._user_cv.notify()
         elif lazy:
             self._vacancy_epoch += 1
+            if self._sentinel_parked:
+                self._sentinel_parked = False
+                self._sentinel_cv.notify()
         else:
             self._pool_cv.notify()
 
@@ -347,6 +363,8 @@ class ProgressEngine:
         depends on the size of the pool (two ranks with one pool thread each, both sending
         a large reply that the other must receive, would otherwise wait forever)."""
         seen_vacant_epoch = -1
+        quiet_checks = 0  # checks in a row that found a leader and no new vacancy
+        last_epoch = -1
         while True:
             time.sleep(self._sentinel_interval)
             lead = False
@@ -355,6 +373,15 @@ class ProgressEngine:
                     return
                 if self._leader_busy or self._waiters:
                     seen_vacant_epoch = -1
+                    quiet_checks = quiet_checks + 1 if self._vacancy_epoch == last_epoch else 0
+                    last_epoch = self._vacancy_epoch
+                    if quiet_checks >= self.SENTINEL_PARK_AFTER:
+                        # nothing happened for a while: sleep until the next lazy vacancy
+                        # instead of waking every interval (an idle rank's CPU use)
+                        quiet_checks = 0
+                        self._sentinel_parked = True
+                        while self._sentinel_parked and not self._stopping:
+                            self._sentinel_cv.wait()
                     continue
                 if seen_vacant_epoch == self._vacancy_epoch:
                     seen_vacant_epoch = -1
@@ -483,7 +510,8 @@ class ProgressEngine:
                             continue
                         if now < spin_until:
                             continue
-                    backoff = Backoff(self._spin, self._min_sleep, self._max_sleep, self._nap)
+                    backoff = Backoff(self._spin, self._min_sleep, self._max_sleep,
+                                      self._nap, self._max_sleep * LONG_SLEEP_FACTOR)
                 backoff.idle(computing)
                 continue
             spin_until = 0.0
