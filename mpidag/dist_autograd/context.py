@@ -64,26 +64,55 @@ def _peek(counter: itertools.count) -> int:
 
 
 class SendFunction:
-    """The sender's half of one message: where the gradients of its tensors go."""
+    """The sender's half of one message: where the gradients of its tensors go.
 
-    __slots__ = ("message_id", "peer", "edges", "what", "reach", "_walking", "__weakref__")
+    Made with the sent tensors; their gradient edges, the walk of the graph behind them
+    and the readable name are worked out by :meth:`prepare`, right after the message left
+    (while the peer works), not on the path of the message: the edge of a leaf tensor costs
+    ~4 us (torch makes a view to find its gradient accumulator).
+    """
 
-    def __init__(self, message_id: int, peer: int, edges: list[GradientEdge], what: str):
+    __slots__ = ("message_id", "peer", "_tensors", "_edges", "_what", "reach", "_walking",
+                 "__weakref__")
+
+    def __init__(self, message_id: int, peer: int, tensors: list[torch.Tensor],
+                 what: str | Callable[[], str]):
         self.message_id = message_id
         self.peer = peer  # the rank the tensors went to (and the gradients come from)
-        self.edges = edges  # one per tensor that requires grad, in message order
-        self.what = what
+        self._tensors: list[torch.Tensor] | None = tensors  # until prepare() takes edges
+        self._edges: list[GradientEdge] = []
+        self._what = what
         self.reach: Reach | None = None
         self._walking = threading.Lock()
         next(_created_sends)
 
+    @property
+    def edges(self) -> list[GradientEdge]:
+        """One gradient edge per sent tensor that requires grad, in message order."""
+        if self._tensors is not None:
+            self.prepare()
+        return self._edges
+
+    @property
+    def what(self) -> str:
+        """The message this send function belongs to, for errors and reprs."""
+        what = self._what
+        if not isinstance(what, str):
+            what = self._what = what()
+        return what
+
     def prepare(self) -> Reach:
-        """Walk the graph behind the sent tensors (it never changes) once: right after the
-        message left, while the peer works, so the backward pass need not; a backward pass
-        that starts meanwhile waits for that walk instead of doing it again."""
+        """Take the edges of the sent tensors and walk the graph behind them (it never
+        changes) once: right after the message left, while the peer works, so the backward
+        pass need not; a backward pass that starts meanwhile waits for that walk instead of
+        doing it again."""
         with self._walking:
+            if self._tensors is not None:
+                self._edges = [edge_of(t) for t in self._tensors]
+                self._tensors = None
+                _ = self.what  # the name now: the callable may hold the call's arguments
             if self.reach is None:
-                self.reach = Reach(self.edges, RECV_NODE_TYPE)
+                self.reach = Reach(self._edges, RECV_NODE_TYPE)
             return self.reach
 
     def __del__(self) -> None:
@@ -228,13 +257,12 @@ class DistAutogradContext:
         self.gradients = GradientMap()
         self.passes: dict[int, PassState] = {}
         self.released = False
-        self._anchor: torch.Tensor | None = None
 
     @property
     def anchor(self) -> torch.Tensor:
-        if self._anchor is None:
-            self._anchor = torch.empty(0, requires_grad=True)
-        return self._anchor
+        """The tensor that makes autograd record a recv function (shared by the contexts of
+        a container: it never gets a gradient, the engine stops at recv functions)."""
+        return self.container.anchor
 
     def _context_id(self) -> int:
         return self.context_id
@@ -279,6 +307,8 @@ class ContextContainer(CallObserver):
         #: whether this rank has a context (cached ``bool(self.contexts)``, updated under
         #: ``lock``): the agent skips :meth:`outgoing` on the hot path while it is false
         self.active = False
+        #: the input of every recv function of this rank (see DistAutogradContext.anchor)
+        self.anchor = torch.empty(0, requires_grad=True)
         self._release_handler = agent.register_handler(
             "autograd.release", self.release_id, mode="control")
         agent.set_observer(self)
@@ -429,7 +459,7 @@ class ContextContainer(CallObserver):
                 ctx.known_workers.add(dst)
             return ctx.context_id, 0
         message_id = self.agent.ids.next()
-        send = SendFunction(message_id, dst, [edge_of(t) for t in grad_tensors], what())
+        send = SendFunction(message_id, dst, grad_tensors, what)
         with ctx.lock:
             ctx.known_workers.add(dst)
             ctx.sends[message_id] = send
