@@ -9,11 +9,11 @@ look and :meth:`Backoff.reset` after progress. Idle time goes through three phas
    ``spin`` seconds of idleness: covers the gaps of a pipeline, where a peer computes for
    a few ms, without sleeping through the answer;
 3. *sleep*, from ``min_sleep`` doubling to ``max_sleep``: bounds the idle CPU use;
-4. after :data:`LONG_IDLE` seconds of idleness, sleeps may grow to ``long_sleep`` (a rank
-   that has had nothing to do for a quarter of a second wakes 250 instead of 1,000 times
-   a second: each wakeup of a sleeping thread costs 30-100 us of CPU on the VMs measured,
-   so 1 ms sleeps cost 3-5 % of a core; the price is up to ``long_sleep`` of latency for
-   the first message after such a silence).
+4. once the idleness is long, sleeps may grow past ``max_sleep`` up to ``long_sleep``, each
+   at most :data:`LONG_IDLE_SHARE` (4 %) of the idleness so far: each wakeup of a sleeping
+   thread costs 55-120 us of CPU on the VMs measured (sleep, wakeup, one MPI poll), so 1 ms
+   sleeps cost ~5 % of a core, while the first message after ``T`` seconds of silence waits
+   at most 4 % of ``T`` longer than it would have.
 
 ``time.sleep(0)`` is never used: it costs 25-85 us on the VMs this was measured on, more
 than a whole round trip. A waiter that knows another thread of its process is computing
@@ -28,12 +28,14 @@ import os
 import time
 from collections.abc import Callable
 
-__all__ = ["LONG_IDLE", "PURE_SPIN", "Backoff"]
+__all__ = ["LONG_IDLE_SHARE", "PURE_SPIN", "Backoff"]
 
 #: seconds of idleness polled in a tight loop before yielding: covers a normal round trip
 PURE_SPIN = 50e-6
-#: seconds of idleness after which sleeps may grow to ``long_sleep``
-LONG_IDLE = 0.25
+#: past ``max_sleep``, a sleep lasts at most this share of the idleness so far (up to
+#: ``long_sleep``): the first message after ``T`` seconds of silence waits at most 4 % of
+#: ``T`` longer
+LONG_IDLE_SHARE = 0.04
 
 
 class Backoff:
@@ -84,8 +86,10 @@ class Backoff:
             os.sched_yield()
             return
         self._nap(self._sleep)
-        self._sleep = min(self._sleep * 2,
-                          self.long_sleep if idle_for > LONG_IDLE else self.max_sleep)
+        cap = self.max_sleep
+        if idle_for * LONG_IDLE_SHARE > cap:  # long silence: sleep a bounded share of it
+            cap = min(self.long_sleep, idle_for * LONG_IDLE_SHARE)
+        self._sleep = min(self._sleep * 2, cap)
 
     def idle_seconds(self) -> float:
         """How long the current idle period has lasted (0 right after progress)."""
