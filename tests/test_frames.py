@@ -52,7 +52,7 @@ def roundtrip(obj):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_every_dtype_roundtrips_inline_and_separate(dtype):
-    small, big = sample(dtype), sample(dtype, (300, 120))
+    small, big = sample(dtype), sample(dtype, (frames.INLINE_LIMIT // 100 + 1, 120))
     (a, b), tag, specs = roundtrip((small, big))
     assert tag == 5
     assert specs[0].inline_offset >= 0 and specs[1].inline_offset == -1

@@ -61,7 +61,7 @@ __all__ = [
 #: payload length (64 bits), specs length, inline length
 HEADER = struct.Struct("<BBBHIqqqQII")
 #: tensors are copied into frame 0 while the inline part stays below this many bytes
-INLINE_LIMIT = 32 * 1024
+INLINE_LIMIT = 128 * 1024
 #: a payload pickle above this many bytes travels as a frame of its own
 PAYLOAD_FRAME_LIMIT = 1 << 20
 #: wire flag: the payload is the first frame on the data tag, not part of frame 0

@@ -121,7 +121,7 @@ class MPITransport(FramedTransport):
 
         Frame 0 is the sender's own copy, so it can stay in flight: a blocking send of a
         frame above the MPI library's eager limit (4 KiB for Open MPI's shared memory,
-        and frame 0 carries tensors up to 32 KiB inline) waits until the receiver matches
+        and frame 0 carries tensors up to 128 KiB inline) waits until the receiver matches
         it, and a receiver busy in a long request stalled the sending thread for that
         long (measured: a 4 KiB gradient message blocked a trainer 0.5-2 ms while the
         parameter server ran the previous gradient). Frames still in flight are kept
