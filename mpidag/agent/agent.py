@@ -240,6 +240,9 @@ class CallObserver:
 
 
 _NO_OBSERVER = CallObserver()
+#: the message kinds as plain ints: reading an enum member costs ~90 ns, a global ~20 ns
+_CALL, _RESULT, _ERROR, _NOTIFY, _CONTROL = (int(kind) for kind in (
+    Kind.CALL, Kind.RESULT, Kind.ERROR, Kind.NOTIFY, Kind.CONTROL))
 #: types of callables whose calls may carry a cached reference instead of a pickle
 _REF_TYPES = frozenset({types.FunctionType, types.BuiltinFunctionType, Handler})
 
@@ -573,7 +576,7 @@ class RpcAgent:
         deadline = time.monotonic() + seconds if seconds > 0 else 0.0
         call = self._pending[request_id] = _PendingCall(future, dst, deadline, func, seconds,
                                                         args)
-        env = Envelope(Kind.CALL, request_id, flags, context_id, message_id, payload, tensors)
+        env = Envelope(_CALL, request_id, flags, context_id, message_id, payload, tensors)
         try:
             self._send(dst, env, reply=False)
         except BaseException:
@@ -593,8 +596,8 @@ class RpcAgent:
             >>> agent.notify(owner, user_delete, (rref_id, fork_id))
         """
         payload, tensors, flags = self._encode_call(dst, func, args, kwargs or {})
-        kind = Kind.CONTROL if isinstance(func, Handler) and func.mode == "control" \
-            else Kind.NOTIFY
+        kind = _CONTROL if isinstance(func, Handler) and func.mode == "control" \
+            else _NOTIFY
         self._send(dst, Envelope(kind=kind, flags=flags, payload=payload, tensors=tensors),
                    reply=False)
 
@@ -647,14 +650,14 @@ class RpcAgent:
     # --------------------------------------------------------------- receiving
     def _dispatch(self, env: Envelope) -> Callable[[], None] | None:
         kind = env.kind
-        if kind == Kind.RESULT or kind == Kind.ERROR:
+        if kind in (_RESULT, _ERROR):
             self._complete(env)
             return None
-        if kind == Kind.CALL:
+        if kind == _CALL:
             return lambda: self._serve_call(env)
-        if kind == Kind.NOTIFY:
+        if kind == _NOTIFY:
             return lambda: self._serve_notify(env)
-        if kind == Kind.CONTROL:
+        if kind == _CONTROL:
             self._serve_notify(env)
             return None
         log.error("dropping a message of unknown kind %r from rank %d", kind, env.src)
@@ -672,7 +675,7 @@ class RpcAgent:
                 log.debug("late answer to request %x from rank %d dropped (timed out)",
                           env.request_id, env.src)
                 return
-            if env.kind == Kind.RESULT:
+            if env.kind == _RESULT:
                 try:
                     if env.message_id:
                         self.observer.received(env, lambda: f"the result of {call.what} from "
@@ -804,7 +807,7 @@ class RpcAgent:
                     env.context_id, env.src, tensors,
                     lambda: f"the result of {describe(*call) if call else 'a call'} sent to "
                             f"{self.workers[env.src].name}")
-            reply = Envelope(kind=Kind.RESULT, request_id=env.request_id, payload=payload,
+            reply = Envelope(kind=_RESULT, request_id=env.request_id, payload=payload,
                              tensors=tensors, context_id=env.context_id if message_id else 0,
                              message_id=message_id)
             devices = self.devices_for(env.src, tensors, reply=True)
@@ -823,7 +826,7 @@ class RpcAgent:
     def _reply_error(self, env: Envelope, exc: BaseException) -> None:
         payload = pack_exception(exc, self.where())
         try:
-            self._send(env.src, Envelope(kind=Kind.ERROR, request_id=env.request_id,
+            self._send(env.src, Envelope(kind=_ERROR, request_id=env.request_id,
                                          payload=payload), reply=True)
         finally:
             self._mark_processed()
