@@ -817,14 +817,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--row-timeout", type=float, default=600.0,
                    help="abort the job if one row takes longer than this (seconds, default 600)")
     args = p.parse_args(argv)
-    wanted = [s.strip() for s in args.only.split(",") if s.strip()]
-    aliases = {**IMPL_KEYS, **{v: v for v in IMPL_KEYS.values()}}
+    args.impls = selected_impls(p, args.only, IMPL_KEYS)
+    return args
+
+
+def selected_impls(parser: argparse.ArgumentParser, only: str, impl_keys: dict[str, str]
+                   ) -> list[str]:
+    """The JSON keys of the implementations ``--only`` names (short or long names), in
+    ``impl_keys``' order; a parser error for an unknown one."""
+    wanted = [s.strip() for s in only.split(",") if s.strip()]
+    aliases = {**impl_keys, **{v: v for v in impl_keys.values()}}
     unknown = [w for w in wanted if w not in aliases]
     if unknown or not wanted:
-        p.error(f"--only: unknown implementation(s) {unknown}; choose from raw,torch,mpidag")
+        parser.error(f"--only: unknown implementation(s) {unknown}; choose from "
+                     f"{','.join(impl_keys)}")
     keys = {aliases[w] for w in wanted}
-    args.impls = [k for k in IMPL_KEYS.values() if k in keys]
-    return args
+    return [k for k in impl_keys.values() if k in keys]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,26 +61,30 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
-import faulthandler
 import json
 import os
-import platform
 import re
-import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType, TracebackType
+from types import ModuleType
 from typing import Any
 
 import torch
 from mpi4py import MPI
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_rpc import (  # noqa: E402 - after the path set-up
+    Watchdog,
+    free_tcp_port,
+    machine_info,
+    selected_impls,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -117,47 +121,8 @@ def noop() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Safety and coordination (the same approach as bench_rpc.py, copied to stay self-contained)
+# Coordination (the watchdog and the free port come from bench_rpc.py)
 # --------------------------------------------------------------------------------------------
-
-
-class Watchdog:
-    """Abort the MPI job (after dumping all thread stacks) if a block runs too long.
-
-    Used as ``with Watchdog(60, "init torch"): ...``. MPI waits and RPC shutdowns have no
-    timeout of their own; this guarantees that a hang ends the job. The JSON already written
-    by rank 0 is kept.
-    """
-
-    def __init__(self, seconds: float, what: str) -> None:
-        self.seconds = seconds
-        self.what = what
-        self._timer: threading.Timer | None = None
-
-    def _fire(self) -> None:
-        rank = MPI.COMM_WORLD.Get_rank()
-        sys.stderr.write(
-            f"\n[scaling rank {rank}] WATCHDOG: '{self.what}' exceeded {self.seconds:.0f} s; "
-            "thread stacks follow, then MPI_Abort\n"
-        )
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(124)
-
-    def __enter__(self) -> Watchdog:
-        self._timer = threading.Timer(self.seconds, self._fire)
-        self._timer.daemon = True
-        self._timer.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
 
 
 def wait_request(req: MPI.Request) -> None:
@@ -181,13 +146,6 @@ def allreduce_min(comm: MPI.Comm, value: int) -> int:
     recv = send.copy()
     wait_request(comm.Iallreduce(send, recv, op=MPI.MIN))
     return int(recv[0])
-
-
-def free_tcp_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def log(msg: str) -> None:
@@ -421,37 +379,6 @@ def row_name(pattern: str, metric: str) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def machine_info() -> dict[str, Any]:
-    """Describe the machine and software versions for the JSON header."""
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    mem_gib = None
-    with contextlib.suppress(ValueError, OSError):
-        mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    import numpy
-
-    return {
-        "host": socket.gethostname(),
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "mem_GiB": mem_gib,
-        "os": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": numpy.__version__,
-        "mpi4py": __import__("mpi4py").__version__,
-        "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
-        "mpi": MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip(),
-    }
-
-
 def git_info() -> dict[str, Any]:
     """The checkout's commit and the uncommitted changes under ``mpidag/`` (what is measured)."""
     def git(*args: str) -> str:
@@ -671,13 +598,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="no benchmark: print the markdown table of these JSON files "
                         "(default: every benchmarks/results/scaling_*.json); no mpirun needed")
     args = p.parse_args(argv)
-    wanted = [s.strip() for s in args.only.split(",") if s.strip()]
-    aliases = {**IMPL_KEYS, **{v: v for v in IMPL_KEYS.values()}}
-    unknown = [w for w in wanted if w not in aliases]
-    if unknown or not wanted:
-        p.error(f"--only: unknown implementation(s) {unknown}; choose from torch,mpidag")
-    keys = {aliases[w] for w in wanted}
-    args.impls = [k for k in IMPL_KEYS.values() if k in keys]
+    args.impls = selected_impls(p, args.only, IMPL_KEYS)
     return args
 
 

@@ -58,7 +58,7 @@ def state_report(runtime: Runtime) -> str:
     agent = runtime.agent
     engine = agent.engine
     lines = [f"=== mpidag state of {agent.where()} ==="]
-    pending = list(agent._pending.items())
+    pending = list(agent._pending.copy().items())
     lines.append(f"calls in flight: {len(pending)}")
     for request_id, call in pending[:50]:
         started = call.deadline - call.seconds if call.deadline else None

@@ -304,3 +304,36 @@ def test_leader_tells_a_waiting_main_thread_from_a_computing_one():
         sum(range(1000))
     computer.join()
     assert seen == {"waiting": False, "computing": True}
+
+
+def test_a_failing_after_poll_hook_does_not_stop_the_leader(caplog):
+    """An error in the leader's after-poll hook (the agent's timeout scan) is logged and the
+    leader goes on receiving: a leader that died left the rank deaf (seen as a hang)."""
+    import threading
+
+    from mpidag.transport.progress import ProgressEngine
+
+    failures = [3]
+    arrived = threading.Event()
+    inbox = [Envelope(kind=4, request_id=i) for i in range(5)]
+
+    def poll():
+        return inbox.pop() if inbox and failures[0] == 0 else None
+
+    def on_idle():
+        if failures[0]:
+            failures[0] -= 1
+            raise RuntimeError("dictionary changed size during iteration")
+
+    def dispatch(env):
+        if not inbox:
+            arrived.set()
+
+    engine = ProgressEngine(poll, dispatch, on_idle, num_threads=1)
+    engine.start()
+    try:
+        assert arrived.wait(10), "the leader stopped polling after its hook failed"
+    finally:
+        engine.stop()
+    assert failures == [0]
+    assert "after-poll hook failed" in caplog.text

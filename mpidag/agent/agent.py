@@ -610,13 +610,13 @@ class RpcAgent:
         return future.wait()
 
     def _expire_future(self, future: RpcFuture) -> None:
-        for request_id, call in list(self._pending.items()):
+        for request_id, call in self._pending.copy().items():
             if call.future is future:
                 self._fail_timeout(request_id)
                 return
 
     def _fail_call(self, call: _PendingCall) -> None:
-        for request_id, pending in list(self._pending.items()):
+        for request_id, pending in self._pending.copy().items():
             if pending is call:
                 self._fail_timeout(request_id)
                 return
@@ -635,7 +635,13 @@ class RpcAgent:
         self.engine.wake_waiters()
 
     def _tick(self) -> None:
-        """Called by the leader after each poll: hooks, then expire calls past deadline."""
+        """Called by the leader after each poll: hooks, then expire calls past deadline.
+
+        The table of pending calls is copied with ``dict.copy()``, never iterated or
+        listed: building a list of its items allocates, an allocation can run the garbage
+        collector and a ``__del__`` that releases the GIL, and another thread that adds a
+        call meanwhile made the scan fail with "dictionary changed size during iteration"
+        (seen with 4 ranks calling each other)."""
         for queue, hook in self._tick_hooks:
             if queue:
                 hook()
@@ -643,7 +649,7 @@ class RpcAgent:
         if now < self._next_expiry_scan or not self._pending:
             return
         self._next_expiry_scan = now + EXPIRY_SCAN_INTERVAL
-        for request_id, call in list(self._pending.items()):
+        for request_id, call in self._pending.copy().items():
             if call.deadline and call.deadline <= now:
                 self._fail_timeout(request_id)
 
@@ -899,7 +905,7 @@ class RpcAgent:
         return wait
 
     def fail_pending(self, reason: str) -> None:
-        for request_id in list(self._pending):
+        for request_id in self._pending.copy():
             call = self._pending.pop(request_id, None)
             if call is not None and not call.done:
                 call.set_exception(WorkerDiedError(

@@ -277,7 +277,10 @@ class ProgressEngine:
             except Exception:
                 log.exception("transport poll failed")
                 env = None
-            on_idle()
+            try:  # an error here is logged, never fatal: a dead leader receives nothing
+                on_idle()
+            except Exception:
+                log.exception("the leader's after-poll hook failed")
             if env is None:
                 backoff.idle(self._computing())
                 continue
@@ -504,7 +507,10 @@ class ProgressEngine:
         spin_until = 0.0
         while not done():
             env = poll()
-            on_idle()
+            try:  # an error here is logged, never fatal: a dead leader receives nothing
+                on_idle()
+            except Exception:
+                log.exception("the leader's after-poll hook failed")
             if env is None:
                 if deadline is not None and time.monotonic() >= deadline:
                     return False
