@@ -101,11 +101,12 @@ class _PendingCall:
     ``value``/``error`` and sets ``done``: no ``torch.futures.Future`` is made for those
     (creating, completing and waiting on one costs ~2 us)."""
 
-    __slots__ = ("future", "dst", "deadline", "func", "seconds", "args", "done", "value",
-                 "error")
+    __slots__ = ("request_id", "future", "dst", "deadline", "func", "seconds", "args", "done",
+                 "value", "error")
 
-    def __init__(self, future: RpcFuture | None, dst: int, deadline: float, func: Any,
-                 seconds: float, args: tuple) -> None:
+    def __init__(self, request_id: int, future: RpcFuture | None, dst: int, deadline: float,
+                 func: Any, seconds: float, args: tuple) -> None:
+        self.request_id = request_id
         self.future = future
         self.dst = dst
         self.deadline = deadline  # time.monotonic() deadline, 0.0 for none
@@ -162,6 +163,14 @@ class Handler:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
+
+
+def _is_asynchronous(func: Any) -> bool:
+    """Whether ``func`` answers with a future: an asynchronous handler, or a function
+    decorated with ``@rpc.functions.async_execution``."""
+    if type(func) is Handler:
+        return func.asynchronous
+    return getattr(func, "_wrapped_async_rpc_function", None) is not None
 
 
 def detaches_parameters(func: Any, args: tuple) -> bool:
@@ -480,7 +489,7 @@ class RpcAgent:
         if not call.done:
             deadline = call.deadline or None
             if not self.engine.wait_until(call.is_done, deadline) and not call.done:
-                self._fail_call(call)
+                self._fail_timeout(call.request_id)
         error = call.error
         if error is not None:
             call.error = None
@@ -496,9 +505,9 @@ class RpcAgent:
         module-level function by its cached reference (see :mod:`.messages`), anything else
         (bound methods, callable objects) pickled with its arguments."""
         try:
-            prefix = self._call_prefixes.get(func) if type(func) in _REF_TYPES else None
-            if prefix is None and type(func) in _REF_TYPES:
-                prefix = self._call_prefix(func)
+            prefix = None
+            if type(func) in _REF_TYPES:
+                prefix = self._call_prefixes.get(func) or self._call_prefix(func)
             if prefix is not None:
                 ref, flags = prefix
                 if not kwargs and is_plain(args):
@@ -572,10 +581,10 @@ class RpcAgent:
             future._engine = self.engine
         else:
             future = None
-        seconds = self.default_timeout if timeout is None or timeout < 0 else float(timeout)
+        seconds = self.resolve_timeout(timeout)
         deadline = time.monotonic() + seconds if seconds > 0 else 0.0
-        call = self._pending[request_id] = _PendingCall(future, dst, deadline, func, seconds,
-                                                        args)
+        call = self._pending[request_id] = _PendingCall(request_id, future, dst, deadline,
+                                                        func, seconds, args)
         env = Envelope(_CALL, request_id, flags, context_id, message_id, payload, tensors)
         try:
             self._send(dst, env, reply=False)
@@ -612,12 +621,6 @@ class RpcAgent:
     def _expire_future(self, future: RpcFuture) -> None:
         for request_id, call in self._pending.copy().items():
             if call.future is future:
-                self._fail_timeout(request_id)
-                return
-
-    def _fail_call(self, call: _PendingCall) -> None:
-        for request_id, pending in self._pending.copy().items():
-            if pending is call:
                 self._fail_timeout(request_id)
                 return
 
@@ -735,8 +738,7 @@ class RpcAgent:
             return
         try:  # the common case: no autograd context, no profiler, a synchronous function
             func, args, kwargs = self._unpack_call(env)
-            if func.asynchronous if type(func) is Handler else \
-                    getattr(func, "_wrapped_async_rpc_function", None) is not None:
+            if _is_asynchronous(func):
                 self._serve_observed_call(env, (func, args, kwargs))
                 return
             result = func(*args, **kwargs)
@@ -762,10 +764,7 @@ class RpcAgent:
                 span = record_function(f"mpidag.rpc.serve#{describe(func, args)}"
                                        f"({src_name} -> {self.info.name})")
                 span.__enter__()
-            if isinstance(func, Handler):
-                asynchronous = func.asynchronous
-            else:
-                asynchronous = getattr(func, "_wrapped_async_rpc_function", None) is not None
+            asynchronous = _is_asynchronous(func)
             if state is None:
                 result = func(*args, **kwargs)
             else:

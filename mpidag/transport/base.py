@@ -132,12 +132,6 @@ class FramedTransport(Transport):
         if dst == self.rank:
             self._loopback.append(self._loopback_copy(env, devices))
             return
-        payload = env.payload
-        if not env.tensors and len(payload) <= frames.PAYLOAD_FRAME_LIMIT:  # most messages
-            self._send_frame0(dst, frames.HEADER.pack(
-                env.kind, env.flags, 0, 0, 0, env.request_id, env.context_id, env.message_id,
-                len(payload), 0, 0) + payload)
-            return
         needs_tag = env.tensors or len(env.payload) > frames.PAYLOAD_FRAME_LIMIT
         data_tag = 1 + next(self._tag_counter) % self._n_data_tags if needs_tag else 0
         frame0, separate = frames.encode(env, devices, data_tag)

@@ -82,10 +82,9 @@ _DTYPE_NAMES = [
 DTYPES = [getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)]
 DTYPE_CODE = {dt: i for i, dt in enumerate(DTYPES)}
 _DEVICE_TYPES = ["cpu", "cuda"]
-#: dtype code, ndim, flags, device type, device index, inline offset (-1: own frame), nbytes
-_SPEC = struct.Struct("<BBBBhqq")
 _REQUIRES_GRAD = 1
-#: the spec of a tensor of each number of dimensions, shape included (one pack per tensor)
+#: the spec of a tensor of each number of dimensions: dtype code, ndim, flags, device type,
+#: device index, inline offset (-1: own frame), nbytes, then the shape (one pack per tensor)
 _SPEC_NDIM = [struct.Struct(f"<BBBBhqq{ndim}q") for ndim in range(9)]
 
 
@@ -635,15 +634,8 @@ def decode_header(frame: bytearray | bytes) -> tuple[Envelope, Header | None]:
         pos += in_frame0
         end = pos + specs_len
         while pos < end:
-            spec_struct = _SPEC_NDIM[frame[pos + 1]] if frame[pos + 1] < 9 \
-                else _spec_struct(frame[pos + 1])
-            code, _ndim, spec_flags, dev_type, dev_index, offset, nbytes, *shape = \
-                spec_struct.unpack_from(frame, pos)
-            pos += spec_struct.size
-            specs.append(TensorSpec(
-                DTYPES[code], tuple(shape),
-                _DEVICE_NAMES.get((dev_type, dev_index)) or _device_name(dev_type, dev_index),
-                bool(spec_flags & _REQUIRES_GRAD), offset, nbytes))
+            spec, pos = TensorSpec.unpack_from(frame, pos)
+            specs.append(spec)
         inline_start = _align(end)
     env = Envelope(kind=kind, request_id=request_id, flags=flags, context_id=context_id,
                    message_id=message_id, payload=payload)

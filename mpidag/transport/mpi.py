@@ -106,12 +106,12 @@ class MPITransport(FramedTransport):
         #: frame-0 sends still in flight: (request, frame) (see _send_frame0)
         self._sends_in_flight: collections.deque[tuple[Any, bytes | bytearray]] = \
             collections.deque()
-        if self.thread_multiple:  # the hot path without a lock (a no-op context costs 0.15 us)
-            self._send_frame0 = self._send_frame0_unlocked
-            self._probe = self._probe_unlocked
         self._Isend = self.comm.Isend
         self._any_source = MPI.ANY_SOURCE  # -1 in Open MPI, -2 in MPICH
         self._improbe = self.comm.improbe
+        if self.thread_multiple:  # the hot path without a lock (a no-op context costs 0.15 us)
+            self._send_frame0 = self._send_frame0_unlocked
+            self._probe = self._probe_unlocked
 
     # ------------------------------------------------------- moving bytes
     def _send_frame0(self, dst: int, frame0: bytes | bytearray) -> None:
@@ -126,10 +126,7 @@ class MPITransport(FramedTransport):
         alive and completed by :meth:`_complete_sends`.
         """
         with self._mpi_lock:
-            request = self.comm.Isend([frame0, self._MPI.BYTE], dst, HEADER_TAG)
-            if request.Test():
-                return
-        self._sends_in_flight.append((request, frame0))
+            self._send_frame0_unlocked(dst, frame0)
 
     def _send_frame0_unlocked(self, dst: int, frame0: bytes | bytearray) -> None:
         request = self._Isend(frame0, dst, HEADER_TAG)
@@ -137,18 +134,16 @@ class MPITransport(FramedTransport):
             self._sends_in_flight.append((request, frame0))
 
     def _complete_sends(self) -> None:
-        """Release the frames whose sends completed (oldest first; called while polling)."""
+        """Release the frames whose sends completed, oldest first (only the leader, which
+        polls, removes them)."""
         in_flight = self._sends_in_flight
         with self._mpi_lock:
-            while in_flight:
-                try:
-                    request, _frame = in_flight[0]
-                except IndexError:
-                    return
-                if not request.Test():
-                    return
-                with contextlib.suppress(IndexError):
-                    in_flight.popleft()
+            while in_flight and in_flight[0][0].Test():
+                in_flight.popleft()
+
+    def _probe(self) -> tuple[int, bytearray] | None:
+        with self._mpi_lock:
+            return self._probe_unlocked()
 
     def _probe_unlocked(self) -> tuple[int, bytearray] | None:
         if self._sends_in_flight:
@@ -163,19 +158,6 @@ class MPITransport(FramedTransport):
 
     def _send_frame(self, dst: int, tag: int, buffer: Any) -> None:
         self._transfer(self.comm.Isend, buffer, dst, tag)
-
-    def _probe(self) -> tuple[int, bytearray] | None:
-        MPI = self._MPI
-        status = self._status
-        if self._sends_in_flight:
-            self._complete_sends()
-        with self._mpi_lock:
-            message = self.comm.improbe(MPI.ANY_SOURCE, HEADER_TAG, status)
-            if message is None:
-                return None
-            frame0 = bytearray(status.Get_count(MPI.BYTE))
-            message.Recv([frame0, MPI.BYTE])
-        return status.Get_source(), frame0
 
     def _recv_frame(self, src: int, tag: int, buffer: Any) -> None:
         self._transfer(self.comm.Irecv, buffer, src, tag)

@@ -256,8 +256,7 @@ class ProgressEngine:
         ``sentinel``: the sentinel leads because every pool thread is busy: it runs no
         request itself (it queues them) and hands over as soon as a pool thread is idle.
         """
-        backoff = Backoff(self._spin, self._min_sleep, self._max_sleep, self._nap,
-                          self._max_sleep * LONG_SLEEP_FACTOR)
+        backoff = self._new_backoff()
         poll, dispatch, on_idle = self._poll, self._dispatch, self._on_idle
         while True:
             if self._waiters or self._stopping or (sentinel and self._idle):
@@ -297,6 +296,11 @@ class ProgressEngine:
                 self._running_work += 1
                 self._vacate_locked(lazy=True)
             return work
+
+    def _new_backoff(self) -> Backoff:
+        """The backoff of a leader's idle polls (see :mod:`mpidag._backoff`)."""
+        return Backoff(self._spin, self._min_sleep, self._max_sleep, self._nap,
+                       self._max_sleep * LONG_SLEEP_FACTOR)
 
     @staticmethod
     def _run(work: Work) -> None:
@@ -525,8 +529,7 @@ class ProgressEngine:
                             continue
                         if now < spin_until:
                             continue
-                    backoff = Backoff(self._spin, self._min_sleep, self._max_sleep,
-                                      self._nap, self._max_sleep * LONG_SLEEP_FACTOR)
+                    backoff = self._new_backoff()
                 backoff.idle(computing)
                 continue
             spin_until = 0.0
