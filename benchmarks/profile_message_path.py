@@ -14,10 +14,12 @@ Rank 0 calls rank 1; for every call the script stamps, without changing mpidag i
     F0/F1 the called function starts / returns (on the callee)
 
 and prints the median of each step, per workload: a no-op ``rpc_sync``, a 1 KiB tensor
-echo, and ``to_here()`` of a 1 KiB tensor RRef. The stamps cost about 0.3 us each;
-the "wire" steps include the time until the receiving leader's next poll finds the message
-(its polling loop), not only MPI's own latency. Results: ``--out`` JSON
-(``benchmarks/results/message_path.json``) and a table on stdout.
+echo, ``to_here()`` of a 1 KiB tensor RRef, and a 1 MiB tensor echo, whose tensor travels
+in a data frame after frame 0: for it the script also times each data frame's send and
+receive (``D`` rows: from posting the receive to the end of the transfer, per direction).
+The stamps cost about 0.3 us each; the "wire" steps include the time until the receiving
+leader's next poll finds the message (its polling loop), not only MPI's own latency.
+Results: ``--out`` JSON (``benchmarks/results/message_path.json``) and a table on stdout.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ _clock = time.perf_counter_ns
 #: request_id -> {stamp name: ns}; filled on both ranks, gathered at the end
 stamps: dict[int, dict[str, int]] = {}
 _function_stamps: list[tuple[int, int]] = []
+#: (direction, start ns, end ns) of every data frame this rank sent or received
+data_frames: list[tuple[str, int, int]] = []
 #: the request id of the last request this rank sent
 _last_call = [0]
 
@@ -71,8 +75,22 @@ def instrument(transport) -> None:
             stamps.setdefault(request_id, {})[name] = now
         return got
 
+    send_frame, recv_frame = transport._send_frame, transport._recv_frame
+
+    def timed_send_frame(*args):
+        start = _clock()
+        send_frame(*args)
+        data_frames.append(("send", start, _clock()))
+
+    def timed_recv_frame(*args):
+        start = _clock()
+        recv_frame(*args)
+        data_frames.append(("recv", start, _clock()))
+
     transport._send_frame0 = stamped_send
     transport._probe = stamped_probe
+    transport._send_frame = timed_send_frame
+    transport._recv_frame = timed_recv_frame
 
 
 def noop():
@@ -115,6 +133,32 @@ STEPS = [
 ]
 
 
+DATA_STEPS = [
+    "D request: receive posted after send posted",
+    "D request: transfer (receive posted to done)",
+    "D reply: receive posted after send posted",
+    "D reply: transfer (receive posted to done)",
+]
+
+
+def _data_frame_steps(caller: list[tuple[str, int, int]], callee: list[tuple[str, int, int]]
+                      ) -> dict[str, float]:
+    """Medians of the data frames' timing: the request's frames go caller -> callee, the
+    reply's callee -> caller; the n-th send of one side pairs with the n-th receive of the
+    other (one data frame per message, messages in order)."""
+    out = {}
+    for label, sends, recvs in (("request", caller, callee), ("reply", callee, caller)):
+        pairs = list(zip([f for f in sends if f[0] == "send"],
+                         [f for f in recvs if f[0] == "recv"], strict=False))
+        if not pairs:
+            continue
+        out[f"D {label}: receive posted after send posted"] = statistics.median(
+            (r[1] - s[1]) / 1000 for s, r in pairs)
+        out[f"D {label}: transfer (receive posted to done)"] = statistics.median(
+            (r[2] - r[1]) / 1000 for s, r in pairs)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=3000)
@@ -129,18 +173,21 @@ def main() -> None:
     instrument(_runtime.current().transport)
     results = {}
     payload = torch.ones(256)  # 1 KiB
-    for workload in ("noop", "echo_1KiB", "to_here_1KiB"):
+    big = torch.ones(1 << 18)  # 1 MiB: above the inline limit, so in a data frame
+    for workload in ("noop", "echo_1KiB", "to_here_1KiB", "echo_1MiB"):
         # rank 1 waits in mpidag's quiescence test, which sleeps: a thread blocked in a
         # busy-polling MPI_Barrier took a core from the serving threads (ms-long stalls)
         testing.quiesce()
         stamps.clear()
         _function_stamps.clear()
+        data_frames.clear()
         records = []
         if me == 0:
             if workload == "noop":
                 records = run_workload(lambda: rpc.rpc_sync(1, noop), args.calls)
-            elif workload == "echo_1KiB":
-                records = run_workload(lambda: rpc.rpc_sync(1, echo, args=(payload,)),
+            elif workload in ("echo_1KiB", "echo_1MiB"):
+                tensor = payload if workload == "echo_1KiB" else big
+                records = run_workload(lambda t=tensor: rpc.rpc_sync(1, echo, args=(t,)),
                                        args.calls)
             else:
                 rref = rpc.remote(1, ones_kib)
@@ -148,9 +195,10 @@ def main() -> None:
                 records = run_workload(rref.to_here, args.calls)
                 del rref
         testing.quiesce()
-        theirs = comm.gather((dict(stamps), list(_function_stamps)), root=0)
+        theirs = comm.gather((dict(stamps), list(_function_stamps), list(data_frames)),
+                             root=0)
         if me == 0:
-            callee_stamps, functions = theirs[1]
+            callee_stamps, functions, callee_frames = theirs[1]
             rows = []
             functions = sorted(functions)
             for rec in records:
@@ -168,12 +216,15 @@ def main() -> None:
             for label, a, b in STEPS:
                 values = [(r[b] - r[a]) / 1000 for r in rows]
                 table[label] = statistics.median(values) if values else None
+            if data_frames:
+                table.update(_data_frame_steps(data_frames, callee_frames))
             results[workload] = {"calls": len(rows), "median_us": table}
     if me == 0:
-        print(f"{'step':40s}" + "".join(f"{w:>16s}" for w in results))
-        for label, _, _ in STEPS:
-            print(f"{label:40s}" + "".join(
-                f"{results[w]['median_us'][label]:16.1f}" for w in results))
+        labels = [label for label, _, _ in STEPS] + [label for label in DATA_STEPS]
+        print(f"{'step':46s}" + "".join(f"{w:>16s}" for w in results))
+        for label in labels:
+            print(f"{label:46s}" + "".join(
+                f"{results[w]['median_us'].get(label, float('nan')):16.1f}" for w in results))
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"date": time.strftime("%Y-%m-%dT%H:%M:%S"),
