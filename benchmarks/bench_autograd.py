@@ -11,6 +11,14 @@ Workloads (forward + backward per iteration, median time of several repetitions)
   rank 0, then the distributed backward.
 * ``ops_1000``: a graph of 1,000 small ops (tanh, mul, add on 64 floats), 500 per stage.
 * ``seed_example``: the design document's example (``my_add`` on worker1, ``t3 * t4``).
+* ``seed_unused``: the example with ``h = t1 * 2`` sent instead of ``t1``, plus a second
+  ``my_add(h, t4)`` on worker1 whose result the loss does not use: ``h``'s node waits for
+  both send functions, the graph FAST mode cannot finish (torch returns ``t1``'s gradient
+  silently missing), computed exactly by mpidag's SMART mode. Only ``local`` and ``mpidag``
+  run it (torch's and the hand-written mpi4py's gradients would be wrong or need a protocol
+  of their own); ``mpidag_vs_all_used`` is its
+  time over ``seed_example``'s in the same run: the price of the unused RPC (its forward
+  message and SMART mode's questions).
 
 ``local`` runs the same model on rank 0 alone with ``loss.backward()`` (gradients to
 ``.grad``, reset every iteration); the goal is mpidag <= 1.3x local, and faster than torch.
@@ -110,7 +118,12 @@ def local_step(workload: str) -> None:
         W1.grad = W2.grad = None
     else:
         t1, t2, t4 = (torch.rand((3, 3), requires_grad=True) for _ in range(3))
-        (my_add(t1, t2) * t4).sum().backward()
+        if workload == "seed_unused":
+            h = t1 * 2
+            my_add(h, t4)  # computed, not used by the loss
+            (my_add(h, t2) * t4).sum().backward()
+        else:
+            (my_add(t1, t2) * t4).sum().backward()
 
 
 def distributed_step(rpc: ModuleType, dist_autograd: ModuleType, workload: str) -> None:
@@ -123,6 +136,9 @@ def distributed_step(rpc: ModuleType, dist_autograd: ModuleType, workload: str) 
             loss = rpc.rpc_sync("worker1", ops_stage2, args=(h,)).sum()
         else:
             t1, t2, t4 = (torch.rand((3, 3), requires_grad=True) for _ in range(3))
+            if workload == "seed_unused":
+                t1 = t1 * 2  # h: its node waits for the gradients of both calls
+                rpc.rpc_sync("worker1", my_add, args=(t1, t4))  # not used by the loss
             loss = (rpc.rpc_sync("worker1", my_add, args=(t1, t2)) * t4).sum()
         dist_autograd.backward(context_id, [loss])
         dist_autograd.get_gradients(context_id)
@@ -202,7 +218,15 @@ WORKLOADS: dict[str, dict[str, int]] = {
     "pipeline_mlp": {"calls": 10, "reps": 7, "warmup": 5},
     "ops_1000": {"calls": 20, "reps": 7, "warmup": 10},
     "seed_example": {"calls": 300, "reps": 7, "warmup": 100},
+    "seed_unused": {"calls": 300, "reps": 7, "warmup": 100},
 }
+#: workloads only some implementations can run correctly (see the module docstring)
+ONLY = {"seed_unused": ("local", "mpidag")}
+
+
+def runs(key: str, workloads: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """The workloads implementation ``key`` runs."""
+    return {w: spec for w, spec in workloads.items() if key in ONLY.get(w, (key,))}
 
 
 def check_gradients(rpc: ModuleType, dist_autograd: ModuleType) -> None:
@@ -249,6 +273,7 @@ def start_rpc(key: str, comm: MPI.Comm) -> tuple[ModuleType, ModuleType]:
 def run(key: str, comm: MPI.Comm, workloads: dict[str, dict[str, int]]
         ) -> dict[str, list[float]] | None:
     rank = comm.Get_rank()
+    workloads = runs(key, workloads)
     if key == "mpi4py":
         timed_barrier(comm, 600, "mpi4py start")
         out = {} if rank == 0 else None
@@ -331,6 +356,10 @@ def report(measured: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
         entry["mpidag_vs_torch"] = ratio("mpidag", "torch_rpc")
         entry["mpidag_vs_mpi4py"] = ratio("mpidag", "mpi4py")
         entry["torch_vs_local"] = ratio("torch_rpc", "local")
+        if w == "seed_unused":  # per-run ratio to the same graph with every RPC used
+            base = measured.get("mpidag", {}).get("seed_example")
+            entry["mpidag_vs_all_used"] = (entry["mpidag"] / statistics.median(base)
+                                           if entry["mpidag"] and base else None)
         entry["description"] = (__doc__ or "").split(f"``{w}``: ")[-1].split("\n*")[0] \
             .replace("\n", " ").strip() if f"``{w}``" in (__doc__ or "") else w
         rows[f"autograd_{w}_ms"] = entry

@@ -178,3 +178,19 @@ def scale_tagged(t, factor):
         raise TypeError(f"expected a TaggedTensor tagged 'metres', got {type(t).__name__} "
                         f"{getattr(t, '__dict__', {})}")
     return tagged(t * factor, "scaled")
+
+
+def chain_with_unused(route, x):
+    """``chain`` whose every hop also makes an RPC of the same input that nothing uses
+    (SMART mode: the middle of a chain over several ranks holds a dead send function)."""
+    y = square(x) + 1
+    if not route:
+        return y
+    rpc.rpc_sync(route[0], mul_sin, args=(y, y))  # result dropped on purpose
+    return rpc.rpc_sync(route[0], chain_with_unused, args=(route[1:], y)) * 2
+
+
+def forward_unused(to, x):
+    """On the callee: send ``x`` on to ``to`` and drop the result; return ``x * 3``."""
+    rpc.rpc_sync(to, square, args=(x,))
+    return x * 3

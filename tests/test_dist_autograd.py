@@ -9,7 +9,6 @@ from __future__ import annotations
 import gc
 import os
 import threading
-import warnings
 
 import pytest
 import torch
@@ -276,32 +275,6 @@ def test_bad_calls_are_clear_errors(rpc_world):
         dist_autograd.get_gradients(-5)
     with pytest.raises(RuntimeError, match="valid autograd context"):
         dist_autograd._current_context()
-
-
-def test_unused_rpc_results(rpc_world):
-    a, b, c = _seeded(rpc_world.rank, (3,), (3,), (3,))
-    # an unused result that nothing else depends on: exact gradients, and a warning
-    with dist_autograd.context() as context_id:
-        d = rpc.rpc_sync(rpc_world.next, af.my_add, args=(a, b))
-        e = rpc.rpc_sync(rpc_world.next, torch.mul, args=(b, c))  # noqa: F841 - unused
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            dist_autograd.backward(context_id, [d.sum()])
-        grads = dist_autograd.get_gradients(context_id)
-    assert any(issubclass(w.category, dist_autograd.UnusedRPCWarning)
-               and "mul" in str(w.message) for w in caught), [str(w.message) for w in caught]
-    close(grads[a], torch.ones(3))
-    close(grads[b], torch.ones(3))
-    assert c not in grads
-    # an unused result another gradient depends on: FAST mode cannot finish; say so
-    with dist_autograd.context() as context_id:
-        h = a * 2
-        d = rpc.rpc_sync(rpc_world.next, af.square, args=(h,))
-        e = rpc.rpc_sync(rpc_world.next, af.mul_sin, args=(h, c))  # noqa: F841 - unused on purpose
-        with pytest.raises(dist_autograd.UnusedRPCGradientError, match="mul_sin") as info:
-            dist_autograd.backward(context_id, [d.sum()])
-        assert "FAST mode" in str(info.value)
-        del info
 
 
 def test_concurrent_contexts_in_threads(rpc_world):

@@ -103,24 +103,32 @@ class context:  # noqa: N801 - torch's name
         ctx.container.release(ctx)
 
 
-def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = False) -> None:
+def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = False, *,
+             mode: str = "smart") -> None:
     """Run the distributed backward pass from ``roots`` (scalar tensors on this rank).
 
     Gradients of the leaves on every rank accumulate in that rank's share of the context
     (read them with :func:`get_gradients`), never in ``.grad``. Returns when the pass is
     done on every rank; raises the first error any rank met (with its type and remote
-    traceback), and :class:`UnusedRPCGradientError` when an RPC of the context never got the
-    gradient that other gradients depend on (see the FAST mode rule in that class).
-    ``retain_graph=True`` keeps the graph for another backward in the same context, whose
-    gradients add to these.
+    traceback). ``retain_graph=True`` keeps the graph for another backward in the same
+    context, whose gradients add to these.
+
+    ``mode="smart"`` (the default) gives exactly the gradients of the same computation done
+    locally, for any graph recorded in the context, also when the loss does not use some
+    RPC results; it costs nothing when every RPC is used. ``mode="fast"`` is PyTorch's
+    FAST mode rule, strict: every RPC of the context must take part in the pass, and
+    :class:`UnusedRPCGradientError` names those that did not when other gradients depend
+    on them (PyTorch returns those gradients silently missing), :class:`UnusedRPCWarning`
+    when nothing does.
 
     Example::
 
         >>> with dist_autograd.context() as context_id:
         ...     loss = rpc.rpc_sync("worker1", torch.add, args=(t1, t2)).sum()
-        ...     dist_autograd.backward(context_id, [loss])
+        ...     unused = rpc.rpc_sync("worker1", torch.mul, args=(t1, t2))
+        ...     dist_autograd.backward(context_id, [loss])      # exact, unused or not
     """
-    _runtime.current().autograd.backward(context_id, roots, bool(retain_graph))
+    _runtime.current().autograd.backward(context_id, roots, bool(retain_graph), mode)
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:

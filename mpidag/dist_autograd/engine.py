@@ -1,4 +1,4 @@
-"""The FAST mode engine: one distributed backward pass across ranks.
+"""The distributed backward pass across ranks: FAST mode, completed by SMART mode.
 
 Data flow of ``backward(context_id, [loss])`` on rank A, whose forward sent ``x`` to B and
 got ``y`` back::
@@ -18,13 +18,29 @@ finds a rank idle *engages* it and is answered only when that rank is idle again
 calls it made were answered; other calls are answered as soon as they are processed. So the
 answer to the root's own pass arrives exactly when no rank has anything left to do for it.
 Answers carry each rank's errors (raised on the caller of ``backward`` with their type and
-remote traceback) and a report of send functions that never got their gradient (the FAST
-mode rule: every send function of a context expects one; see :class:`UnusedRPCGradientError`).
+remote traceback) and a report of send functions that never got their gradient although a
+part of the graph waits for them (the FAST mode rule: every send function of a context
+expects one; see :class:`UnusedRPCGradientError`).
+
+SMART mode (the default) starts where FAST mode stops. When the pass is quiescent (the root's
+answer arrived) and some rank reports such waiting send functions, the root asks the rank of
+each one's recv function whether that recv function can still fire (the ``autograd.resolve``
+handler, a call of the same termination protocol). That rank answers at once if no source of
+its own graph reaches the recv function: it sends its peer a gradient message that carries
+*no gradient* (``grads=None``), which arrives like any gradient and lets the regions behind
+the send function run with what they have; otherwise it forwards the question, once per
+pass, about each of the recv function's sources that has not arrived. The question follows
+the chain of dependencies forward in time (a source is always sent after the recv functions
+it reaches were received), so it ends at recv functions no source reaches; "no gradient"
+then flows back along the chain. Every node still runs once, with the sum of the gradients
+that can reach it: exactly local autograd's result. When every RPC is used no rank waits and
+SMART mode costs nothing.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 import warnings
@@ -47,18 +63,26 @@ __all__ = ["DistAutograd", "PassState", "UnusedRPCGradientError", "UnusedRPCWarn
 
 log = logging.getLogger(__name__)
 
-#: what a rank reports: {rank: (event number, unused RPC results, send functions waiting)}
-Report = dict[int, tuple[int, list[str], list[str]]]
+#: what a rank reports: {rank: (event number, unused RPC results, send functions waiting,
+#: (peer rank, message id) of each send function waiting)}
+Report = dict[int, tuple[int, list[str], list[str], list[tuple[int, int]]]]
+
+#: numbers of the events a rank handles, in order (the newest report of a rank wins)
+_event_numbers = itertools.count(1)
+
+#: the modes of :meth:`DistAutograd.backward`
+MODES = ("smart", "fast")
 
 
 class UnusedRPCGradientError(RuntimeError):
     """Part of the graph needed the gradient of a send function that never received one.
 
-    FAST mode (as in PyTorch) assumes that every RPC of a context whose tensors require
-    grad takes part in the backward pass: each send function waits for exactly one
-    gradient. When an RPC's result is not used by the loss, its send function never gets
-    one, and a node that also depends on it never runs: its gradients would be missing. This
-    error names those RPCs. Keep such calls out of the context (or detach their results).
+    Raised only with ``backward(..., mode="fast")``. FAST mode (as in PyTorch) assumes that
+    every RPC of a context whose tensors require grad takes part in the backward pass: each
+    send function waits for exactly one gradient. When an RPC's result is not used by the
+    loss, its send function never gets one, and a node that also depends on it never runs:
+    its gradients would be missing (PyTorch returns them silently missing). This error names
+    those RPCs. The default SMART mode computes those gradients instead.
 
     Example::
 
@@ -66,22 +90,23 @@ class UnusedRPCGradientError(RuntimeError):
         ...     h = a * 2
         ...     d = rpc.rpc_sync("worker1", torch.square, args=(h,))
         ...     e = rpc.rpc_sync("worker1", torch.sin, args=(h,))   # never used
-        ...     dist_autograd.backward(context_id, [d.sum()])
+        ...     dist_autograd.backward(context_id, [d.sum()], mode="fast")
         Traceback (most recent call last):
         UnusedRPCGradientError: ... torch.sin ... never received a gradient ...
     """
 
 
 class UnusedRPCWarning(UserWarning):
-    """Results of RPCs in the context that the backward pass did not reach (harmless when
-    no other gradient depended on them, which is why this is only a warning).
+    """FAST mode only: results of RPCs in the context that the backward pass did not reach
+    (harmless when no other gradient depended on them, which is why this is only a warning;
+    SMART mode, the default, handles them and does not warn).
 
     Example::
 
         >>> with dist_autograd.context() as context_id:
         ...     d = rpc.rpc_sync("worker1", torch.add, args=(a, b))
         ...     e = rpc.rpc_sync("worker1", torch.mul, args=(b, c))   # not in the loss
-        ...     dist_autograd.backward(context_id, [d.sum()])
+        ...     dist_autograd.backward(context_id, [d.sum()], mode="fast")
         UnusedRPCWarning: distributed backward did not reach the result of torch.mul ...
     """
 
@@ -108,12 +133,16 @@ class PassState:
         self.plan: Plan | None = None
         self.source_of: dict[int, int] = {}  # send message id -> source index
         self.source_what: list[str] = []
+        self.source_send: list[Any] = []  # the send function of each source (None: roots)
+        self.asked: set[int] = set()  # SMART: message ids of recv functions asked about
+        self.resolved: set[int] = set()  # SMART: recv functions this rank answered for
+        self._recv_node_of: dict[int, Any] | None = None
 
     # ------------------------------------------------------------- events
     def post(self, event: tuple) -> None:
         """Queue an event and process the queue unless another thread already does."""
         with self.lock:
-            if event[0] == "grads":
+            if event[0] in _ANSWERED:
                 reply = event[-1]
                 if self.parent is None:
                     self.parent = reply  # engaged: answered when everything is done
@@ -128,7 +157,7 @@ class PassState:
                     self.running = False
                     break
                 event = self.events.popleft()
-            reply = event[-1] if event[0] == "grads" else None
+            reply = event[-1] if event[0] in _ANSWERED else None
             try:
                 self._handle(event)
             except Exception as exc:
@@ -146,6 +175,14 @@ class PassState:
             if self.plan is None:
                 self._make_plan(event[1] if kind == "root" else None)
             plan = self.plan
+            self.seq = next(_event_numbers)  # across passes: the later report of a rank wins
+            if kind == "resolve":
+                self._resolve(event[1])
+                return
+            if kind == "ask":
+                for peer, message_id in event[1]:
+                    self._ask(peer, message_id)
+                return
             if kind == "root":
                 leaves, fired = plan.arrive(0, event[2], self.retain_graph)
             else:
@@ -156,8 +193,9 @@ class PassState:
                         f"gradients arrived for autograd message 0x{message_id:x}, but "
                         f"{self.agent.where()} has no send function with that id in context "
                         f"{self.ctx.context_id}")
+                if grads is None:  # SMART: no gradient can ever reach that recv function
+                    grads = [None] * len(plan.sources[index])
                 leaves, fired = plan.arrive(index, grads, self.retain_graph)
-            self.seq += 1
             store = self.ctx.gradients
             for variable, grad in leaves:
                 store.add(variable, grad)
@@ -173,6 +211,8 @@ class PassState:
         """The profiler range of one event: where its gradients came from."""
         if event[0] == "root":
             return "mpidag.autograd.gradients(roots)"
+        if event[0] in ("resolve", "ask"):
+            return f"mpidag.autograd.resolve({self.agent.info.name})"
         send = self.ctx.sends.get(event[1])  # the gradients come from where it sent to
         origin = "?" if send is None else self.agent.workers[send.peer].name
         return f"mpidag.autograd.gradients({origin} -> {self.agent.info.name})"
@@ -183,21 +223,65 @@ class PassState:
         sources = [] if root_edges is None else [root_edges]
         reaches = [] if root_edges is None else [None]
         self.source_what = [] if root_edges is None else ["the roots of backward()"]
+        self.source_send = [] if root_edges is None else [None]
         for send in sends:
             self.source_of[send.message_id] = len(sources)
             sources.append(send.edges)
             reaches.append(send.prepare())
             self.source_what.append(f"{send.what} (rank {self.agent.rank})")
+            self.source_send.append(send)
         self.plan = Plan(sources, RECV_NODE_TYPE, reaches)
 
-    def _send(self, peer: int, message_id: int, grads: list[torch.Tensor | None]) -> None:
+    # ------------------------------------------------------------ SMART mode
+    def _resolve(self, message_id: int) -> None:
+        """SMART: another rank's send function ``message_id`` waits for the gradient of this
+        rank's recv function of that message. Answer "no gradient" now if no source of this
+        rank reaches it; otherwise ask about each of its sources that has not arrived."""
+        if message_id in self.resolved:
+            return
+        self.resolved.add(message_id)
+        record = self.ctx.recvs.get(message_id)
+        if record is None:  # nothing was recorded for it here: nothing can ever come
+            log.debug("resolve: no recv function 0x%x on %s", message_id, self.agent.where())
+            return
+        plan = self.plan
+        if self._recv_node_of is None:
+            self._recv_node_of = {node.record.message_id: node for node in plan.recv_mask}
+        node = self._recv_node_of.get(message_id)
+        if node is None:  # unreached from every source of this rank: dead for this pass
+            self._send(record.peer, message_id, None)
+            return
+        if node in plan.fired:
+            return
+        pending = plan.recv_mask[node] & ~plan.arrived
+        for index in range(plan.n_sources):
+            if pending >> index & 1:
+                send = self.source_send[index]
+                if send is not None:
+                    self._ask(send.peer, send.message_id)
+
+    def _ask(self, peer: int, message_id: int) -> None:
+        """SMART: ask ``peer`` whether its recv function of ``message_id`` can still fire (a
+        call of the termination protocol, like a gradient message)."""
+        if message_id in self.asked:
+            return
+        self.asked.add(message_id)
+        self._call(peer, self.autograd.resolve_handler,
+                   (self.ctx.context_id, self.pass_id, message_id, self.retain_graph))
+
+    def _send(self, peer: int, message_id: int, grads: list[torch.Tensor | None] | None
+              ) -> None:
+        """The gradients of this rank's recv function ``message_id`` to the rank of its send
+        function (``None``: SMART mode's "no gradient can come")."""
+        self._call(peer, self.autograd.gradients_handler,
+                   (self.ctx.context_id, self.pass_id, message_id, grads, self.retain_graph))
+
+    def _call(self, peer: int, handler: Any, args: tuple) -> None:
+        """A call of the termination protocol: counted until answered."""
         with self.lock:
             self.deficit += 1
         try:
-            fut = self.agent.call(
-                peer, self.autograd.gradients_handler,
-                (self.ctx.context_id, self.pass_id, message_id, grads, self.retain_graph), {},
-                timeout=0, record=False)
+            fut = self.agent.call(peer, handler, args, {}, timeout=0, record=False)
         except BaseException:
             with self.lock:
                 self.deficit -= 1
@@ -222,8 +306,11 @@ class PassState:
         reached = {node.record.message_id for node in plan.reached_recvs()}
         with self.ctx.lock:
             unused = [r.what for mid, r in self.ctx.recvs.items() if mid not in reached]
-        waiting = [self.source_what[i] for i in plan.waiting_sources()]
-        return {self.agent.rank: (self.seq, unused, waiting)}
+        stuck = plan.waiting_sources()
+        waiting = [self.source_what[i] for i in stuck]
+        waiting_ids = [(self.source_send[i].peer, self.source_send[i].message_id)
+                       for i in stuck if self.source_send[i] is not None]
+        return {self.agent.rank: (self.seq, unused, waiting, waiting_ids)}
 
     def _maybe_finish(self) -> None:
         with self.lock:
@@ -241,6 +328,10 @@ class PassState:
             parent.set_exception(errors[0])
         else:
             parent.set_result(report)
+
+
+#: events answered when processed (the calls of the termination protocol)
+_ANSWERED = ("grads", "resolve")
 
 
 def _merge(into: Report, other: Report) -> None:
@@ -290,11 +381,26 @@ class DistAutograd:
         self.gradients_handler = agent.register_handler(
             "autograd.gradients", self._on_gradients, asynchronous=True,
             describe=lambda context_id, *_: f"gradients of autograd context {context_id}")
+        self.resolve_handler = agent.register_handler(
+            "autograd.resolve", self._on_resolve, asynchronous=True,
+            describe=lambda context_id, *_: f"SMART mode question in autograd context "
+                                            f"{context_id}")
 
     def _on_gradients(self, context_id: int, pass_id: int, message_id: int,
-                      grads: list[torch.Tensor | None], retain_graph: bool
+                      grads: list[torch.Tensor | None] | None, retain_graph: bool
                       ) -> torch.futures.Future:
-        """On the rank of a send function: its gradients arrived; answered per the protocol."""
+        """On the rank of a send function: its gradients arrived (``None``: none can come);
+        answered per the protocol."""
+        return self._post(context_id, pass_id, retain_graph, ("grads", message_id, grads))
+
+    def _on_resolve(self, context_id: int, pass_id: int, message_id: int, retain_graph: bool
+                    ) -> torch.futures.Future:
+        """On the rank of a recv function: SMART mode asks whether it can still fire."""
+        return self._post(context_id, pass_id, retain_graph, ("resolve", message_id))
+
+    def _post(self, context_id: int, pass_id: int, retain_graph: bool, event: tuple
+              ) -> torch.futures.Future:
+        """Hand a call of the termination protocol to this rank's share of the pass."""
         reply: torch.futures.Future = torch.futures.Future()
         ctx = self.container.contexts.get(context_id)
         if ctx is None:
@@ -308,13 +414,17 @@ class DistAutograd:
             if state is None:
                 state = ctx.passes[pass_id] = PassState(self, ctx, pass_id, retain_graph,
                                                         root=False)
-        state.post(("grads", message_id, grads, reply))
+        state.post((*event, reply))
         return reply
 
     def backward(self, context_id: int, roots: list[torch.Tensor],
-                 retain_graph: bool = False) -> None:
+                 retain_graph: bool = False, mode: str = "smart") -> None:
         """Run the distributed backward pass from ``roots``; return when it is done
         everywhere (raises the first error of any rank, with its type)."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be 'smart' (exact gradients for any recorded graph, "
+                             f"the default) or 'fast' (PyTorch's rule: every RPC of the "
+                             f"context must take part in the backward pass), got {mode!r}")
         ctx = self.container.retrieve(context_id)
         roots = check_roots(roots)
         agent = self.agent
@@ -326,22 +436,44 @@ class DistAutograd:
         state.parent = done
         with ctx.lock:
             ctx.passes[pass_id] = state
+        report: Report = {}
         try:
             with span(lambda: "mpidag.autograd.backward"):
                 state.post(("root", edges, grads))
                 agent.engine.wait_until(done.done, None)
+                asked: set[tuple[int, int]] = set()
+                while mode == "smart" and future_error(done) is None:
+                    _merge(report, done.value())
+                    waiting = {w for entry in report.values() for w in entry[3]}
+                    new = waiting - asked
+                    if not new:
+                        break  # done, or nothing new to ask (reported below)
+                    asked |= new
+                    done = torch.futures.Future()
+                    with state.lock:
+                        state.parent = done
+                    state.post(("ask", sorted(new)))
+                    agent.engine.wait_until(done.done, None)
         finally:
             with ctx.lock:
                 ctx.passes.pop(pass_id, None)
         error = future_error(done)
         if error is not None:
             raise detached_copy(error)
-        _check_report(done.value(), ctx.context_id)
+        _merge(report, done.value())
+        _check_report(report, ctx.context_id, mode)
 
 
-def _check_report(report: Report, context_id: int) -> None:
+def _check_report(report: Report, context_id: int, mode: str) -> None:
     waiting = [w for rank in sorted(report) for w in report[rank][2]]
     unused = [u for rank in sorted(report) for u in report[rank][1]]
+    if waiting and mode == "smart":  # a defect, not a user error: say what is stuck
+        raise RuntimeError(
+            f"distributed backward of context {context_id} (SMART mode) could not finish: "
+            f"{'; '.join(waiting)} still wait for a gradient after every rank was asked; "
+            f"please report this with the program")
+    if mode == "smart":
+        return
     if waiting:
         raise UnusedRPCGradientError(
             f"distributed backward of context {context_id} could not finish: "
