@@ -28,6 +28,7 @@ from mpidag.rpc.api import (
     rpc_sync,
     shutdown,
 )
+from mpidag.rpc.process_group import init_process_group
 from mpidag.rpc.rref import RRef, remote
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "WorkerInfo",
     "functions",
     "get_worker_info",
+    "init_process_group",
     "init_rpc",
     "is_available",
     "remote",
