@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.autograd:
         out += [f"Distributed autograd, ms per iteration ({len(args.autograd)} runs)", "",
                 table(args.autograd, ["local", "mpi4py", "torch_rpc", "mpidag"],
-                      ["mpidag_vs_torch", "mpidag_vs_local_interleaved"]), ""]
+                      ["mpidag_vs_torch", "mpidag_vs_local_interleaved",
+                       "mpidag_vs_all_used"]), ""]
     if args.optim:
         out += [f"Parameter server, steps/s ({len(args.optim)} runs)", "",
                 table(args.optim, ["torch_rpc", "mpidag_global_lock", "mpidag"],
