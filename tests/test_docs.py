@@ -30,6 +30,7 @@ API_PAGES = {
     "mpidag.rpc.functions": "api/functions.html",
     "mpidag.autograd": "api/autograd.html",
     "mpidag.optim": "api/optim.html",
+    "mpidag.nn": "api/nn.html",
     "mpidag.testing": "api/testing.html",
     "mpidag.pytest_plugin": "api/pytest_plugin.html",
     "mpidag.run": "api/run.html",
@@ -88,6 +89,7 @@ def test_autograd_backward_is_documented(site):
     page = site / "api/autograd.html"
     sig = signature(page, "mpidag.autograd.backward")
     assert "context_id: int" in sig and "retain_graph: bool = False" in sig, sig
+    assert "mode: str = 'smart'" in sig, sig  # keyword-only, after torch's parameters
     text = page_text(page)
     assert "Run the distributed backward pass from roots" in text
     assert "dist_autograd.backward(context_id, [loss])" in text

@@ -170,3 +170,20 @@ def test_unused_rpc_to_a_rank_the_pass_never_reaches(rpc_world):
         dist_autograd.backward(context_id, [d.sum()])
         grads = dist_autograd.get_gradients(context_id)
     _check(grads, af.square(a * 2).sum(), [a, c])
+
+
+@pytest.mark.mpi(min_size=3)
+def test_unfetched_remote_on_a_rank_the_pass_never_reaches(rpc_world):
+    """``remote()`` sends ``h`` to a third rank whose value nobody fetches: no message of
+    the backward pass ever reaches that rank, so only the root's question (the wave after
+    the pass went quiet) can learn that its recv function will never fire."""
+    a, b = _seeded(rpc_world.rank, (3,), (3,))
+    third = rpc_world.worker(rpc_world.rank + 2)
+    with dist_autograd.context() as context_id:
+        h = a.cos()
+        held = rpc.remote(third, af.mul_sin, args=(h, b))  # never fetched
+        d = rpc.rpc_sync(rpc_world.next, af.square, args=(h,))
+        dist_autograd.backward(context_id, [d.sum()])
+        grads = dist_autograd.get_gradients(context_id)
+        del held
+    _check(grads, af.square(a.cos()).sum(), [a, b])

@@ -22,19 +22,20 @@ remote traceback) and a report of send functions that never got their gradient a
 part of the graph waits for them (the FAST mode rule: every send function of a context
 expects one; see :class:`UnusedRPCGradientError`).
 
-SMART mode (the default) starts where FAST mode stops. When the pass is quiescent (the root's
-answer arrived) and some rank reports such waiting send functions, the root asks the rank of
-each one's recv function whether that recv function can still fire (the ``autograd.resolve``
-handler, a call of the same termination protocol). That rank answers at once if no source of
-its own graph reaches the recv function: it sends its peer a gradient message that carries
-*no gradient* (``grads=None``), which arrives like any gradient and lets the regions behind
-the send function run with what they have; otherwise it forwards the question, once per
-pass, about each of the recv function's sources that has not arrived. The question follows
-the chain of dependencies forward in time (a source is always sent after the recv functions
-it reaches were received), so it ends at recv functions no source reaches; "no gradient"
-then flows back along the chain. Every node still runs once, with the sum of the gradients
-that can reach it: exactly local autograd's result. When every RPC is used no rank waits and
-SMART mode costs nothing.
+SMART mode (the default) completes FAST mode. A rank that plans its share of a SMART pass
+sends its peer a gradient message carrying *no gradient* (``grads=None``) for each of its
+recv functions that no source of its own reaches: those can never fire. It arrives like any
+gradient and lets the regions behind the send function run with what they have, so "no
+gradient" flows back along chains of unused results. Ranks the pass never reaches make no
+plan; for them, when the pass is quiescent (the root's answer arrived) and some rank reports
+waiting send functions, the root asks the rank of each one's recv function whether it can
+still fire (the ``autograd.resolve`` handler, a call of the same termination protocol). That
+rank plans (answering its unreached recv functions) and forwards the question, once per pass,
+about each unarrived source of the recv function asked about. The question follows the chain
+of dependencies forward in time (a source is always sent after the recv functions it reaches
+were received), so it ends at recv functions no source reaches. Every node still runs once,
+with the sum of the gradients that can reach it: exactly local autograd's result. When every
+RPC is used nothing of this sends a message.
 """
 
 from __future__ import annotations
@@ -115,12 +116,13 @@ class PassState:
     """One rank's share of one backward pass (``pass_id``) of a context."""
 
     def __init__(self, autograd: DistAutograd, ctx: DistAutogradContext, pass_id: int,
-                 retain_graph: bool, root: bool) -> None:
+                 retain_graph: bool, root: bool, smart: bool = True) -> None:
         self.autograd = autograd
         self.agent = autograd.agent
         self.ctx = ctx
         self.pass_id = pass_id
         self.retain_graph = retain_graph
+        self.smart = smart  # SMART mode: answer "no gradient" for recv functions unreached
         self.root = root
         self.lock = threading.Lock()
         self.events: collections.deque = collections.deque()
@@ -231,6 +233,26 @@ class PassState:
             self.source_what.append(f"{send.what} (rank {self.agent.rank})")
             self.source_send.append(send)
         self.plan = Plan(sources, RECV_NODE_TYPE, reaches)
+        if self.smart:
+            self._answer_unreached()
+
+    def _recv_nodes(self) -> dict[int, Any]:
+        """The recv nodes this pass reaches, by message id."""
+        if self._recv_node_of is None:
+            self._recv_node_of = {node.record.message_id: node for node in self.plan.recv_mask}
+        return self._recv_node_of
+
+    def _answer_unreached(self) -> None:
+        """SMART: no source of this rank reaches these recv functions, so their send
+        functions will never get a gradient in this pass: say so at once, without waiting
+        for a question (nothing is sent when every RPC of the context is used)."""
+        reached = self._recv_nodes()
+        with self.ctx.lock:
+            records = [r for mid, r in self.ctx.recvs.items() if mid not in reached]
+        for record in records:
+            if record.message_id not in self.resolved:
+                self.resolved.add(record.message_id)
+                self._send(record.peer, record.message_id, None)
 
     # ------------------------------------------------------------ SMART mode
     def _resolve(self, message_id: int) -> None:
@@ -245,9 +267,7 @@ class PassState:
             log.debug("resolve: no recv function 0x%x on %s", message_id, self.agent.where())
             return
         plan = self.plan
-        if self._recv_node_of is None:
-            self._recv_node_of = {node.record.message_id: node for node in plan.recv_mask}
-        node = self._recv_node_of.get(message_id)
+        node = self._recv_nodes().get(message_id)
         if node is None:  # unreached from every source of this rank: dead for this pass
             self._send(record.peer, message_id, None)
             return
@@ -274,7 +294,8 @@ class PassState:
         """The gradients of this rank's recv function ``message_id`` to the rank of its send
         function (``None``: SMART mode's "no gradient can come")."""
         self._call(peer, self.autograd.gradients_handler,
-                   (self.ctx.context_id, self.pass_id, message_id, grads, self.retain_graph))
+                   (self.ctx.context_id, self.pass_id, message_id, grads, self.retain_graph,
+                    self.smart))
 
     def _call(self, peer: int, handler: Any, args: tuple) -> None:
         """A call of the termination protocol: counted until answered."""
@@ -387,19 +408,20 @@ class DistAutograd:
                                             f"{context_id}")
 
     def _on_gradients(self, context_id: int, pass_id: int, message_id: int,
-                      grads: list[torch.Tensor | None] | None, retain_graph: bool
-                      ) -> torch.futures.Future:
+                      grads: list[torch.Tensor | None] | None, retain_graph: bool,
+                      smart: bool = True) -> torch.futures.Future:
         """On the rank of a send function: its gradients arrived (``None``: none can come);
         answered per the protocol."""
-        return self._post(context_id, pass_id, retain_graph, ("grads", message_id, grads))
+        return self._post(context_id, pass_id, retain_graph, smart,
+                          ("grads", message_id, grads))
 
     def _on_resolve(self, context_id: int, pass_id: int, message_id: int, retain_graph: bool
                     ) -> torch.futures.Future:
         """On the rank of a recv function: SMART mode asks whether it can still fire."""
-        return self._post(context_id, pass_id, retain_graph, ("resolve", message_id))
+        return self._post(context_id, pass_id, retain_graph, True, ("resolve", message_id))
 
-    def _post(self, context_id: int, pass_id: int, retain_graph: bool, event: tuple
-              ) -> torch.futures.Future:
+    def _post(self, context_id: int, pass_id: int, retain_graph: bool, smart: bool,
+              event: tuple) -> torch.futures.Future:
         """Hand a call of the termination protocol to this rank's share of the pass."""
         reply: torch.futures.Future = torch.futures.Future()
         ctx = self.container.contexts.get(context_id)
@@ -413,6 +435,7 @@ class DistAutograd:
             state = ctx.passes.get(pass_id)
             if state is None:
                 state = ctx.passes[pass_id] = PassState(self, ctx, pass_id, retain_graph,
+                                                        smart=smart,
                                                         root=False)
         state.post((*event, reply))
         return reply
@@ -431,7 +454,8 @@ class DistAutograd:
         edges = [edge_of(r) for r in roots]
         grads = [torch.ones_like(r, memory_format=torch.preserve_format) for r in roots]
         pass_id = agent.ids.next()
-        state = PassState(self, ctx, pass_id, bool(retain_graph), root=True)
+        state = PassState(self, ctx, pass_id, bool(retain_graph), root=True,
+                          smart=mode == "smart")
         done: torch.futures.Future = torch.futures.Future()
         state.parent = done
         with ctx.lock:
