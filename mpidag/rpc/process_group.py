@@ -141,14 +141,28 @@ def init_process_group(ranks: Sequence[int | str | WorkerInfo] | None = None,
     if not spread[0]:
         raise RPCError(f"init_process_group: rank {leader} (the group's first member) could "
                        f"not open the rendezvous store (see its error)")
-    if me not in members:
-        return None
-    address = bytes(spread[3:3 + spread[2]]).decode()
-    if store is None:
-        store = dist.TCPStore(address, spread[1], len(members), is_master=False, timeout=delta)
-    dist.init_process_group(backend, store=store, rank=members.index(me),
-                            world_size=len(members), timeout=delta)
-    return dist.group.WORLD
+    # round 3: the members make the group; every rank returns once all of them have, so
+    # that an RPC sent right after this call finds the group made on its callee
+    group = None
+    if me in members:
+        address = bytes(spread[3:3 + spread[2]]).decode()
+        try:
+            if store is None:
+                store = dist.TCPStore(address, spread[1], len(members), is_master=False,
+                                      timeout=delta)
+            dist.init_process_group(backend, store=store, rank=members.index(me),
+                                    world_size=len(members), timeout=delta)
+            group = dist.group.WORLD
+        except Exception as exc:
+            problem = exc
+    made = _gather_ints(runtime, [int(problem is not None)], seconds)
+    if problem is not None:
+        raise problem
+    failed = [r for r, row in enumerate(made) if row[0]]
+    if failed:
+        raise RPCError(f"init_process_group: rank(s) {failed} could not join the process "
+                       f"group (see their errors)")
+    return group
 
 
 def _members(runtime: Any, ranks: Sequence[Any] | None, size: int) -> list[int]:
