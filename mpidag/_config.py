@@ -101,12 +101,14 @@ _JOB_VARIABLES: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "cuda_aware": ("MPIDAG_CUDA_AWARE", _flag),
     "recv_cache_bytes": ("MPIDAG_RECV_CACHE_MB", _number("a size in MiB", "1024", 1 << 20)),
     "optim_locks": ("MPIDAG_OPTIM_LOCKS", _choice(OPTIM_LOCK_MODES, "a lock mode")),
+    "ft": ("MPIDAG_FT", _flag),
 }
 
 _LAUNCH_VARIABLES: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "mpirun": ("MPIDAG_MPIRUN", _text),
     "srun_mpi": ("MPIDAG_SRUN_MPI", _text),
     "oversubscribe": ("MPIDAG_OVERSUBSCRIBE", _flag),
+    "ft": ("MPIDAG_FT", _flag),
 }
 
 
@@ -140,6 +142,7 @@ class Config:
     cuda_aware: bool | None = None  # None: ask the MPI library
     recv_cache_bytes: int = 1 << 30
     optim_locks: str = "parameter"
+    ft: bool = False  # MPIDAG_FT: survive failed ranks (set by ``mpidag.run --ft``)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
@@ -171,6 +174,7 @@ class LaunchConfig:
     mpirun: str | None = None  # MPIDAG_MPIRUN: the mpirun to use
     srun_mpi: str | None = None  # MPIDAG_SRUN_MPI: srun's --mpi plugin
     oversubscribe: bool | None = None  # MPIDAG_OVERSUBSCRIBE: None decides from the cores
+    ft: bool = False  # MPIDAG_FT: start the job with fault tolerance (as ``--ft``)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LaunchConfig:

@@ -17,6 +17,7 @@ __all__ = [
     "RemoteTraceback",
     "UnknownWorkerError",
     "WorkerDiedError",
+    "WorkerFailedError",
     "SerializationError",
     "RemoteBaseException",
     "storable",
@@ -90,6 +91,33 @@ class WorkerDiedError(RPCError):
         Traceback (most recent call last):
         WorkerDiedError: ... did not complete: the RPC agent was shut down
     """
+
+
+class WorkerFailedError(WorkerDiedError):
+    """A worker of the job failed (its process died: killed, crashed, or exited without
+    ``shutdown``), in a job started with fault tolerance (``python -m mpidag.run --ft``).
+
+    Raised on every survivor by the calls, RRef uses, backward passes and optimizer steps
+    that needed that worker: pending ones within the failure detector's delay, new ones at
+    once. ``rank`` is the failed rank, ``worker_name`` its name (``None`` where only the rank
+    is known). The survivors go on; :func:`mpidag.rpc.failed_workers` lists what was lost.
+
+    Example::
+
+        >>> try:
+        ...     rpc.rpc_sync("worker2", torch.add, args=(x, 1))
+        ... except rpc.WorkerFailedError as exc:
+        ...     print(exc.worker_name, "is gone")
+        worker2 is gone
+    """
+
+    def __init__(self, message: str, rank: int = -1, worker_name: str | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.worker_name = worker_name
+
+    def __reduce__(self):  # travels as a remote error with its fields
+        return (type(self), (str(self), self.rank, self.worker_name))
 
 
 class SerializationError(TypeError, RPCError):

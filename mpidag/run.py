@@ -118,11 +118,14 @@ def build_command(
     use_srun: bool | None = None,
     mpirun: str | None = None,
     extra: Sequence[str] = (),
+    ft: bool = False,
 ) -> tuple[list[str], dict[str, str]]:
     """Build the launch command line and the environment additions for ``nprocs`` ranks.
 
     ``program`` is a script path plus its arguments (run with this interpreter) or, when it
-    starts with ``-m``, a module. Returns ``(argv, env_additions)``.
+    starts with ``-m``, a module. Returns ``(argv, env_additions)``. ``ft``: a job whose
+    ranks may fail (Open MPI 5's ULFM, ``mpirun --with-ft ulfm``); a clear ``RuntimeError``
+    where the MPI in use cannot (srun, MPICH, Open MPI before 5).
 
     Example::
 
@@ -136,7 +139,15 @@ def build_command(
         use_srun = bool(os.environ.get("SLURM_JOB_ID")) and shutil.which("srun") is not None
     python_argv = [sys.executable, *program]
     env: dict[str, str] = {}
+    if ft:
+        env["MPIDAG_FT"] = "1"
     if use_srun:
+        if ft:
+            raise RuntimeError(
+                "--ft needs Open MPI's own mpirun (ULFM: `mpirun --with-ft ulfm`); srun cannot "
+                "keep a job alive when a rank dies. Inside an allocation use `python -m "
+                "mpidag.run --ft --mpirun -n N prog.py` (see slurm/README.md), or run without "
+                "--ft: a lost rank then ends the whole job")
         argv = ["srun", f"--mpi={srun_mpi_plugin()}", "-n", str(nprocs)]
         # Slurm 22.05+ no longer hands sbatch's --cpus-per-task down to srun
         cpus = os.environ.get("SLURM_CPUS_PER_TASK", "")
@@ -145,7 +156,15 @@ def build_command(
         return [*argv, *extra, *python_argv], env
     mpirun = mpirun or find_mpirun()
     argv = [mpirun]
-    if _is_open_mpi(mpirun):
+    open_mpi = _is_open_mpi(mpirun)
+    if ft:
+        problem = _ft_problem(mpirun, open_mpi)
+        if problem:
+            raise RuntimeError(f"--ft: {problem}. Run without --ft (a lost rank then ends the "
+                               f"whole job), or use the bundled Open MPI (pip install "
+                               f"mpidag[mpi])")
+        argv += ["--with-ft", "ulfm"]
+    if open_mpi:
         if os.geteuid() == 0:
             env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
             env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
@@ -159,8 +178,21 @@ def build_command(
     return argv, env
 
 
+def _ft_problem(mpirun: str, open_mpi: bool) -> str:
+    """Why this MPI cannot run a fault-tolerant job ('' when it can)."""
+    if not open_mpi:
+        return f"{mpirun} is not Open MPI's; only Open MPI 5 (ULFM) lets a job survive a rank"
+    version = mpi_library_version()
+    if "open mpi" not in version.lower():
+        return f"mpi4py does not use Open MPI ({version.splitlines()[0] if version else '?'})"
+    number = version.split("v", 1)[-1].split(",", 1)[0].split(".")[0]
+    if not number.isdigit() or int(number) < 5:
+        return f"Open MPI 5 or later is needed for ULFM, mpi4py uses {version.split(',')[0]}"
+    return ""
+
+
 _WITH_VALUE = {"-n", "--nprocs", "--launcher-arg"}
-_FLAGS = {"--dry-run", "--srun", "--mpirun", "-h", "--help"}
+_FLAGS = {"--dry-run", "--srun", "--mpirun", "--ft", "-h", "--help"}
 
 
 def _split_program(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -189,8 +221,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Options: ``-n/--nprocs N``, ``--dry-run`` (print the command), ``--srun`` or
     ``--mpirun`` (force one launcher), ``--launcher-arg ARG`` (repeatable, passed to the
-    launcher). Everything from the first other argument on (or after ``--``) is the
-    program: ``script.py [args]`` or ``-m module [args]``. Returns the job's exit status.
+    launcher), ``--ft`` (ranks may fail, the others go on: Open MPI 5's ULFM). Everything
+    from the first other argument on (or after ``--``) is the program: ``script.py [args]``
+    or ``-m module [args]``. Returns the job's exit status.
 
     Example::
 
@@ -210,14 +243,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="force mpirun even inside a Slurm allocation")
     parser.add_argument("--launcher-arg", action="append", default=[], metavar="ARG",
                         help="extra argument for mpirun/srun (repeatable)")
+    parser.add_argument("--ft", action="store_true", default=None,
+                        help="fault tolerance: the job survives failed ranks (Open MPI 5 "
+                             "ULFM; MPIDAG_FT=1 does the same)")
     parser.add_argument("program", nargs="*", help="script.py [args], or -m module [args]")
     own, program = _split_program(list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(own)
     if not program:
         parser.error("give the program to run, e.g. `python -m mpidag.run -n 2 demo.py`")
-    cmd, env_add = build_command(
-        args.nprocs, program, use_srun=args.use_srun, extra=args.launcher_arg
-    )
+    ft = bool(args.ft) or LaunchConfig.from_env().ft
+    try:
+        cmd, env_add = build_command(
+            args.nprocs, program, use_srun=args.use_srun, extra=args.launcher_arg, ft=ft
+        )
+    except RuntimeError as exc:
+        parser.error(str(exc))
     if args.dry_run:
         prefix = " ".join(f"{k}={v}" for k, v in env_add.items())
         print((prefix + " " if prefix else "") + shlex.join(cmd))

@@ -14,13 +14,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_job(tmp_path: Path, source: str, nprocs: int = 2, timeout: float = 120,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``source`` as a script on ``nprocs`` ranks with the launcher; never hangs."""
+            env: dict[str, str] | None = None, launcher: tuple[str, ...] = ()
+            ) -> subprocess.CompletedProcess:
+    """Run ``source`` as a script on ``nprocs`` ranks with the launcher (``launcher``: its
+    extra options, e.g. ``("--ft",)``); never hangs."""
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(source))
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "mpidag.run", "-n", str(nprocs), str(script)],
+        [sys.executable, "-m", "mpidag.run", *launcher, "-n", str(nprocs), str(script)],
         capture_output=True, text=True, timeout=timeout, env=full_env, cwd=str(tmp_path),
     )
 

@@ -277,6 +277,8 @@ rpc.rpc_sync("worker1", slow, args=(60, 1), timeout=0)
 """, timeout=60)
     assert result.returncode != 0
     assert time.monotonic() - start < 30
+    out = result.stdout + result.stderr  # mpirun names the lost rank and its signal
+    assert "rank 1" in out and ("signal 9" in out or "Killed" in out), out
 
 
 def test_device_map_naming_an_unknown_worker_fails_everywhere(job):

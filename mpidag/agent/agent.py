@@ -50,13 +50,14 @@ from mpidag.errors import (
     RPCTimeoutError,
     SerializationError,
     WorkerDiedError,
+    WorkerFailedError,
     detached_copy,
     future_error,
     pack_exception,
     storable,
     unpack_exception,
 )
-from mpidag.transport.base import Transport
+from mpidag.transport.base import PEER_FAILED, Transport
 from mpidag.transport.frames import Codecs, Envelope, dumps, is_plain, loads
 from mpidag.transport.progress import ProgressEngine
 
@@ -285,9 +286,14 @@ class RpcAgent:
         self.ids = IdGenerator(self.rank, self.world_size)
         self._pending: dict[int, _PendingCall] = {}
         self._next_expiry_scan = 0.0
-        self.sent = 0  # messages this rank sent
-        self.processed = 0  # messages this rank received and finished handling
+        #: messages this rank sent to each rank, and received from each and finished
+        #: handling (per peer, so that a failed rank's messages can be left out)
+        self._sent_to = [0] * self.world_size
+        self._processed_from = [0] * self.world_size
         self._count_lock = threading.Lock()
+        #: ranks that failed (fault-tolerant jobs): calls to them raise WorkerFailedError
+        self.failed: set[int] = set()
+        self._failure_listeners: list[Callable[[int], None]] = []
         self.running = True
         self.config = config
         #: pickling rules of the layers above (RRefs); handlers travel by name
@@ -315,6 +321,16 @@ class RpcAgent:
     def start(self) -> None:
         """Start the progress engine's threads: from now on this rank receives and serves."""
         self.engine.start()
+
+    @property
+    def sent(self) -> int:
+        """Messages this rank sent."""
+        return sum(self._sent_to)
+
+    @property
+    def processed(self) -> int:
+        """Messages this rank received and finished handling."""
+        return sum(self._processed_from)
 
     # ------------------------------------------------------ what layers plug in
     def register_handler(self, name: str, fn: Callable[..., Any], *, mode: str = "call",
@@ -376,6 +392,37 @@ class RpcAgent:
         if before_shutdown is not None:
             self._shutdown_hooks.append(before_shutdown)
 
+    def add_failure_listener(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(rank)`` (on the leader) when a rank is found to have failed, after
+        the calls pending to it failed (fault-tolerant jobs; RRefs, autograd)."""
+        self._failure_listeners.append(listener)
+
+    def failed_error(self, rank: int, what: str = "") -> WorkerFailedError:
+        """The error of a call to (or that needed) a failed rank."""
+        name = self.workers[rank].name
+        prefix = f"{what} to {name}" if what else f"a call to {name}"
+        return WorkerFailedError(
+            f"{prefix} could not complete: worker {name} (rank {rank}) failed; the other "
+            f"workers go on (see mpidag.rpc.failed_workers())", rank, name)
+
+    def _peer_failed(self, rank: int) -> None:
+        """The transport found ``rank`` dead: fail what waits for it, tell the layers."""
+        if rank in self.failed:
+            return
+        self.failed.add(rank)
+        log.warning("%s: worker %s (rank %d) failed; its pending calls fail, the others go "
+                    "on", self.where(), self.workers[rank].name, rank)
+        for request_id, call in self._pending.copy().items():
+            if call.dst == rank and self._pending.pop(request_id, None) is not None \
+                    and not call.done:
+                call.set_exception(self.failed_error(rank, call.what))
+        self.engine.wake_waiters()
+        for listener in self._failure_listeners:
+            try:
+                listener(rank)
+            except Exception:
+                log.exception("%s: a failure listener failed for rank %d", self.where(), rank)
+
     def run_shutdown_hooks(self) -> None:
         """Run the ``before_shutdown`` hooks (between the two rounds of a graceful shutdown)."""
         for hook in self._shutdown_hooks:
@@ -432,14 +479,18 @@ class RpcAgent:
         return dumps(obj, lambda: detaches_parameters(*call), self.codecs, prefix, dst)
 
     def _send(self, dst: int, env: Envelope, reply: bool) -> None:
+        if self.failed and dst in self.failed:
+            raise self.failed_error(dst)
         devices = self.devices_for(dst, env.tensors, reply)
         with self._count_lock:
-            self.sent += 1
+            self._sent_to[dst] += 1
         try:
             self.transport.send(dst, env, devices)
-        except BaseException:
+        except BaseException as exc:
             with self._count_lock:
-                self.sent -= 1
+                self._sent_to[dst] -= 1
+            if isinstance(exc, WorkerFailedError):
+                raise self.failed_error(dst) from None
             raise
 
     def resolve_timeout(self, timeout: float) -> float:
@@ -569,6 +620,8 @@ class RpcAgent:
               record: bool, with_future: bool) -> _PendingCall:
         if not self.running:
             raise RPCError("the RPC agent is shut down; call mpidag.rpc.init_rpc again first")
+        if self.failed and dst in self.failed:
+            raise self.failed_error(dst, describe(func, args))
         payload, tensors, flags = self._encode_call(dst, func, args, kwargs)
         context_id = message_id = 0
         if record and self.observer.active:
@@ -669,13 +722,16 @@ class RpcAgent:
         if kind == _CONTROL:
             self._serve_notify(env)
             return None
+        if kind == PEER_FAILED:
+            self._peer_failed(env.src)
+            return None
         log.error("dropping a message of unknown kind %r from rank %d", kind, env.src)
-        self._mark_processed()
+        self._mark_processed(env.src)
         return None
 
-    def _mark_processed(self) -> None:
+    def _mark_processed(self, src: int) -> None:
         with self._count_lock:
-            self.processed += 1
+            self._processed_from[src] += 1
 
     def _complete(self, env: Envelope) -> None:
         call = self._pending.pop(env.request_id, None)
@@ -700,7 +756,7 @@ class RpcAgent:
                 call.set_exception(unpack_exception(bytes(env.payload)))
             self.engine.wake_waiters()
         finally:
-            self._mark_processed()
+            self._mark_processed(env.src)
 
     def _unpack_call(self, env: Envelope) -> tuple[Callable, tuple, dict]:
         try:
@@ -822,9 +878,13 @@ class RpcAgent:
                 f"{self.where()}: {exc}"))
             return
         with self._count_lock:  # the request is handled once its answer is on its way
-            self.sent += 1
-            self.processed += 1
-        self.transport.send(env.src, reply, devices)
+            self._sent_to[env.src] += 1
+            self._processed_from[env.src] += 1
+        try:
+            self.transport.send(env.src, reply, devices)
+        except WorkerFailedError:  # the caller died meanwhile: nobody to answer
+            log.debug("the answer to rank %d is dropped: it failed", env.src)
+            return
         if message_id:
             self.observer.sent(env.context_id, message_id)
 
@@ -833,8 +893,10 @@ class RpcAgent:
         try:
             self._send(env.src, Envelope(kind=_ERROR, request_id=env.request_id,
                                          payload=payload), reply=True)
+        except WorkerFailedError:  # the caller died meanwhile: nobody to answer
+            log.debug("the error answer to rank %d is dropped: it failed", env.src)
         finally:
-            self._mark_processed()
+            self._mark_processed(env.src)
 
     def _serve_notify(self, env: Envelope) -> None:
         try:
@@ -843,15 +905,19 @@ class RpcAgent:
         except BaseException:  # noqa: BLE001 - nobody to answer: log it and go on serving
             log.exception("notification from rank %d failed on %s", env.src, self.where())
         finally:
-            self._mark_processed()
+            self._mark_processed(env.src)
 
     # ---------------------------------------------------------------- shutdown
     def counters(self) -> tuple[int, int, int]:
         busy = int(self.engine.busy or bool(self._pending)
                    or any(check() for check in self._busy_checks))
-        with self._count_lock:  # no allocation under this lock: a GC could run here
-            sent = self.sent
-            processed = self.processed
+        failed = self.failed
+        sent = processed = 0
+        with self._count_lock:  # no container allocated under this lock: a GC could run
+            for rank in range(self.world_size):  # a failed rank's messages are left out
+                if rank not in failed:
+                    sent += self._sent_to[rank]
+                    processed += self._processed_from[rank]
         return sent, processed, busy
 
     def wait_quiescent(self, timeout: float) -> None:

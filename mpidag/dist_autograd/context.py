@@ -312,6 +312,7 @@ class ContextContainer(CallObserver):
         self._release_handler = agent.register_handler(
             "autograd.release", self.release_id, mode="control")
         agent.set_observer(self)
+        agent.add_failure_listener(self._on_peer_failed)
 
     # ------------------------------------------------------ the agent's observer
     def outgoing(self, dst: int, tensors: list[torch.Tensor],
@@ -400,7 +401,7 @@ class ContextContainer(CallObserver):
             ctx.recvs.clear()
             ctx.passes.clear()
         agent = self.agent
-        for peer in sorted(peers):
+        for peer in sorted(peers - agent.failed):
             if agent.running:
                 try:
                     agent.notify(peer, self._release_handler, (ctx.context_id, self.rank))
@@ -416,6 +417,15 @@ class ContextContainer(CallObserver):
                 self._remember(context_id)
             return
         self.release(ctx, from_rank)
+
+    def _on_peer_failed(self, rank: int) -> None:
+        """``rank`` failed: the contexts it created (its ``with`` blocks) can never be
+        released by it, so release them here and on the other ranks that know them."""
+        with self.lock:
+            orphans = [ctx for cid, ctx in self.contexts.items()
+                       if self.agent.ids.creator(cid) == rank]
+        for ctx in orphans:
+            self.release(ctx, from_rank=rank)
 
     def _remember(self, context_id: int) -> None:
         if len(self._released) == self._released.maxlen:

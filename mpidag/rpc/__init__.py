@@ -18,9 +18,10 @@ from mpidag.agent.options import (
     TensorPipeRpcBackendOptions,
     WorkerInfo,
 )
-from mpidag.errors import RemoteTraceback, RPCError, RPCTimeoutError
+from mpidag.errors import RemoteTraceback, RPCError, RPCTimeoutError, WorkerFailedError
 from mpidag.rpc import functions
 from mpidag.rpc.api import (
+    failed_workers,
     get_worker_info,
     init_rpc,
     is_available,
@@ -43,7 +44,9 @@ __all__ = [
     "RemoteTraceback",
     "TensorPipeRpcBackendOptions",
     "UNSET_RPC_TIMEOUT",
+    "WorkerFailedError",
     "WorkerInfo",
+    "failed_workers",
     "functions",
     "get_worker_info",
     "init_process_group",

@@ -11,6 +11,7 @@ import atexit
 import gc
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,7 @@ __all__ = [
     "rpc_sync",
     "rpc_async",
     "get_worker_info",
+    "failed_workers",
     "is_available",
 ]
 
@@ -106,7 +108,7 @@ def init_rpc(
             except (TypeError, ValueError) as exc:  # ConfigError is a ValueError
                 problem = exc
         transport = MPITransport(cuda_aware=config.cuda_aware,
-                                 recv_cache_bytes=config.recv_cache_bytes)
+                                 recv_cache_bytes=config.recv_cache_bytes, ft=config.ft)
         if problem is None:
             configure_logging(transport.rank, config.log_level)
         if problem is None and transport.size == 1:
@@ -179,6 +181,14 @@ def _install_process_hooks() -> None:
     def abort_on_uncaught(exc_type, exc, tb):
         previous(exc_type, exc, tb)
         runtime = _runtime.current_or_none()
+        if runtime is not None and runtime.config.ft:
+            sys.stderr.write(
+                f"mpidag: uncaught {exc_type.__name__} on {runtime.where()}; this rank exits "
+                f"and the other ranks of this fault-tolerant job go on without it\n")
+            sys.stderr.flush()
+            # killed, not exited: Open MPI's runtime reports a rank that dies of a signal
+            # to the survivors (ULFM), but takes a plain exit for a normal end
+            os.kill(os.getpid(), signal.SIGKILL)
         if runtime is not None and runtime.config.abort_on_error:
             sys.stderr.write(
                 f"mpidag: uncaught {exc_type.__name__} on {runtime.where()}; aborting the MPI "
@@ -244,6 +254,21 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
     if worker_name is None:
         return runtime.agent.info
     return runtime.agent.workers[runtime.to_rank(worker_name)]
+
+
+def failed_workers() -> list[WorkerInfo]:
+    """The workers of this job found to have failed, by rank (always empty unless the job
+    was started with ``python -m mpidag.run --ft``). Every other worker is alive as far as
+    this rank knows: calls, RRefs and backward passes among them go on; calls to a failed
+    one raise :class:`WorkerFailedError`.
+
+    Example::
+
+        >>> [w.name for w in rpc.failed_workers()]   # after worker2 was killed
+        ['worker2']
+    """
+    agent = _runtime.current().agent
+    return [agent.workers[rank] for rank in sorted(agent.failed)]
 
 
 def rpc_async(to: str | WorkerInfo | int, func: Callable, args: tuple | None = None,

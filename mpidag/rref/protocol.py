@@ -60,6 +60,7 @@ class OwnerRecord:
     rref_id: int
     value: RpcFuture = field(default_factory=RpcFuture)
     forks: set[int] = field(default_factory=set)  # user forks counted (confirmed or pending)
+    holders: dict[int, int] = field(default_factory=dict)  # fork id -> the rank holding it
     pending: set[int] = field(default_factory=set)  # forks sent by the owner, not accepted
     tombstones: set[int] = field(default_factory=set)  # deleted before being registered
     deleted: set[int] = field(default_factory=set)  # for idempotence
@@ -141,6 +142,7 @@ class RRefContext:
             "rref.backward", self._on_backward,
             describe=lambda rref_id, *_: f"RRef(0x{rref_id:x}).backward()")
         agent.codecs.register(handle_type, "rref", self._reduce_handle, self._rebuild_handle)
+        agent.add_failure_listener(self._on_peer_failed)
         agent.add_hooks(tick=self.process_releases, tick_queue=self.releases,
                         busy=lambda: bool(self.releases) or self.releasing > 0,
                         before_shutdown=self.release_all_users)
@@ -193,7 +195,8 @@ class RRefContext:
         else:
             fut.set_exception(error)
 
-    def register_fork(self, rref_id: int, fork_id: int, pending: bool = False) -> None:
+    def register_fork(self, rref_id: int, fork_id: int, holder: int,
+                      pending: bool = False) -> None:
         with self.lock:
             rec = self.owner_record(rref_id)
             if fork_id in rec.deleted or fork_id in rec.forks:
@@ -202,7 +205,10 @@ class RRefContext:
                 rec.tombstones.discard(fork_id)
                 self._retire(rec, fork_id)
                 return
+            if holder in self.agent.failed:  # a fork for a rank that failed: never counted
+                return
             rec.forks.add(fork_id)
+            rec.holders[fork_id] = holder
             if pending:
                 rec.pending.add(fork_id)
 
@@ -246,6 +252,7 @@ class RRefContext:
         """The fork no longer counts; remember it so repeated messages are ignored."""
         rec.forks.discard(fork_id)
         rec.pending.discard(fork_id)
+        rec.holders.pop(fork_id, None)
         rec.deleted.add(fork_id)
         self._maybe_free(rec)
 
@@ -319,11 +326,24 @@ class RRefContext:
         self.users.pop(rec.fork_id, None)
         self.send(rec.owner, self._user_delete, rec.rref_id, rec.fork_id)
 
+    # ------------------------------------------------------------ failed ranks
+    def _on_peer_failed(self, rank: int) -> None:
+        """``rank`` failed: its forks of this rank's values no longer count (the values
+        are freed when nothing else holds them), and this rank's forks of values it owned
+        are dropped (using them raises ``WorkerFailedError``; nothing is sent for them)."""
+        with self.lock:
+            for rec in list(self.owners.values()):
+                for fork_id in [f for f, holder in rec.holders.items() if holder == rank]:
+                    self._retire(rec, fork_id)
+            for fork_id in [f for f, rec in self.users.items() if rec.owner == rank]:
+                rec = self.users.pop(fork_id)
+                rec.delete_sent = True
+
     # --------------------------------------------------------------- messages
     def send(self, dst: int, handler: Any, *args: Any) -> None:
         """Send one protocol step (a control handler) to ``dst``; never raises."""
         agent = self.agent
-        if not agent.running:
+        if not agent.running or dst in agent.failed:
             return
         try:
             agent.notify(dst, handler, args)
@@ -382,10 +402,12 @@ class RRefContext:
                            "RPC (rpc_sync, rpc_async, remote)")
         if handle._ctx is not self:
             raise RPCError(f"{handle!r} belongs to an RPC session that was shut down")
+        if handle._owner in agent.failed:
+            raise agent.failed_error(handle._owner, f"sending {handle!r}")
         child = agent.ids.next()
         rref_id, fork_id = handle._rref_id, handle._fork_id
         if fork_id is None:  # the owner forks: count the child at once
-            self.register_fork(rref_id, child, pending=True)
+            self.register_fork(rref_id, child, dst, pending=True)
             scope.on_failure(lambda: self.delete_fork(rref_id, child))
         else:  # a user forks: keep this user alive until the owner confirms the child (G2)
             with self.lock:
@@ -483,7 +505,7 @@ class RRefContext:
     # ------------------------------------------------------------------ handlers
     def _on_fork_request(self, rref_id: int, fork_id: int, parent_rank: int,
                          parent_fork: int, child_rank: int) -> None:
-        self.register_fork(rref_id, fork_id)
+        self.register_fork(rref_id, fork_id, child_rank)
         self.send(parent_rank, self._child_accept, parent_fork, fork_id)
         self.send(child_rank, self._fork_confirmed, fork_id)
 
@@ -507,8 +529,8 @@ class RRefContext:
                       args: tuple, kwargs: dict) -> None:
         """On the owner: count the creator's fork, then run the function behind
         ``remote()`` and store its value or error."""
-        if creator_fork is not None:
-            self.register_fork(rref_id, creator_fork)
+        if creator_fork is not None:  # made (by id) on the rank that called remote()
+            self.register_fork(rref_id, creator_fork, self.agent.ids.creator(creator_fork))
         try:
             value = func(*args, **kwargs)
             if getattr(func, "_wrapped_async_rpc_function", None) is not None and isinstance(

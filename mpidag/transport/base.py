@@ -22,16 +22,21 @@ from typing import Any
 
 import torch
 
+from mpidag.errors import WorkerFailedError
 from mpidag.transport import frames
 from mpidag.transport.buffers import ReceiveBufferCache
 from mpidag.transport.frames import Envelope, TensorSpec
 
-__all__ = ["CHUNK", "FramedTransport", "Transport"]
+__all__ = ["CHUNK", "PEER_FAILED", "FramedTransport", "Transport"]
 
 log = logging.getLogger(__name__)
 
 #: largest single transfer of a frame, in bytes (MPI counts stay below 2**31)
 CHUNK = 1 << 30
+
+#: kind of the local envelope :meth:`Transport.poll` returns, once, for each peer found to
+#: have failed (``src`` is that rank); never on the wire (fault-tolerant jobs only)
+PEER_FAILED = 64
 
 #: ``hook(dst, envelope, devices)``; returning True means the hook took the message and
 #: will call ``send_now`` itself (tests: delays, reordering)
@@ -106,6 +111,8 @@ class FramedTransport(Transport):
         self._n_data_tags = n_data_tags  # data tags are 1..n_data_tags
         self._tag_counter = itertools.count()
         self._loopback: collections.deque[Envelope] = collections.deque()
+        #: ranks found to have failed (fault-tolerant jobs); messages to them raise
+        self.failed: set[int] = set()
         self.recv_cache = ReceiveBufferCache(recv_cache_bytes)
         self.closed = False
         self.send_hook = None
@@ -128,7 +135,15 @@ class FramedTransport(Transport):
         raise NotImplementedError
 
     # ------------------------------------------------------------ sending
+    def _peer_failed(self, rank: int) -> None:
+        """Note a failed peer: later sends to it raise, and poll() reports it once."""
+        if rank not in self.failed and rank != self.rank:
+            self.failed.add(rank)
+            self._loopback.append(Envelope(kind=PEER_FAILED, src=rank))
+
     def send_now(self, dst: int, env: Envelope, devices: list[str]) -> None:
+        if dst in self.failed:
+            raise WorkerFailedError(f"rank {dst} failed", dst)
         if dst == self.rank:
             self._loopback.append(self._loopback_copy(env, devices))
             return
@@ -175,13 +190,18 @@ class FramedTransport(Transport):
         env.src = src
         if header is None:
             return env
-        if header.payload_separate:
-            payload = bytearray(header.payload_length)
-            self._recv_frame(src, header.data_tag, memoryview(payload))
-            env.payload = memoryview(payload)
-        if header.specs:
-            env.tensors = [self._receive_tensor(frame0, header, spec, src)
-                           for spec in header.specs]
+        try:
+            if header.payload_separate:
+                payload = bytearray(header.payload_length)
+                self._recv_frame(src, header.data_tag, memoryview(payload))
+                env.payload = memoryview(payload)
+            if header.specs:
+                env.tensors = [self._receive_tensor(frame0, header, spec, src)
+                               for spec in header.specs]
+        except WorkerFailedError:  # the sender died mid-message: drop it (reported)
+            log.warning("rank %d failed while sending a message to rank %d; dropped",
+                        src, self.rank)
+            return None
         return env
 
     def _receive_tensor(self, frame0: bytearray, header: frames.Header, spec: TensorSpec,

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from mpidag._backoff import Backoff
+from mpidag.errors import WorkerFailedError
 from mpidag.transport.base import CHUNK, FramedTransport
 
 __all__ = ["CHUNK", "HEADER_TAG", "MPITransport", "detect_cuda_aware"]
@@ -87,13 +88,24 @@ class MPITransport(FramedTransport):
     """
 
     def __init__(self, base_comm: Any = None, *, cuda_aware: bool | None = None,
-                 recv_cache_bytes: int = 1 << 30) -> None:
+                 recv_cache_bytes: int = 1 << 30, ft: bool = False) -> None:
         from mpi4py import MPI
 
         self._MPI = MPI
         base = MPI.COMM_WORLD if base_comm is None else base_comm
         self.comm = base.Dup()
         self.comm.Set_name("mpidag")
+        #: fault tolerance (ULFM): a failed peer is reported instead of raising MPI errors
+        self.ft = ft
+        if ft and not hasattr(self.comm, "Ack_failed"):
+            raise RuntimeError("MPIDAG_FT=1 (python -m mpidag.run --ft) needs an MPI with "
+                               "ULFM and mpi4py >= 4; this one has neither Ack_failed nor "
+                               "Shrink")
+        self._failure_classes = (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING,
+                                 MPI.ERR_REVOKED) if ft else ()
+        #: collectives: the whole job, or the survivors once a rank failed (ft only: a
+        #: revoked communicator must not be the one point-to-point messages use)
+        self._coll = self.comm.Dup() if ft else self.comm
         tag_ub = self.comm.Get_attr(MPI.TAG_UB) or 32767
         super().__init__(self.comm.Get_rank(), self.comm.Get_size(), int(tag_ub) - 1,
                          recv_cache_bytes)
@@ -138,7 +150,12 @@ class MPITransport(FramedTransport):
         polls, removes them)."""
         in_flight = self._sends_in_flight
         with self._mpi_lock:
-            while in_flight and in_flight[0][0].Test():
+            while in_flight:
+                try:
+                    if not in_flight[0][0].Test():
+                        return
+                except self._MPI.Exception as exc:  # to a failed rank: dropped
+                    self._on_mpi_error(exc)
                 in_flight.popleft()
 
     def _probe(self) -> tuple[int, bytearray] | None:
@@ -149,7 +166,11 @@ class MPITransport(FramedTransport):
         if self._sends_in_flight:
             self._complete_sends()
         status = self._status
-        message = self._improbe(self._any_source, HEADER_TAG, status)
+        try:
+            message = self._improbe(self._any_source, HEADER_TAG, status)
+        except self._MPI.Exception as exc:
+            self._on_mpi_error(exc)  # a failed peer (ft): reported by the next poll
+            return None
         if message is None:
             return None
         frame0 = bytearray(status.Get_count())
@@ -163,12 +184,45 @@ class MPITransport(FramedTransport):
         self._transfer(self.comm.Irecv, buffer, src, tag)
 
     def _transfer(self, start: Callable[..., Any], buffer: Any, peer: int, tag: int) -> None:
-        """``Isend`` or ``Irecv`` of a whole buffer, in chunks of at most ``CHUNK`` bytes."""
+        """``Isend`` or ``Irecv`` of a whole buffer, in chunks of at most ``CHUNK`` bytes;
+        :class:`WorkerFailedError` if the peer fails meanwhile (ft)."""
         BYTE = self._MPI.BYTE
-        for offset in range(0, len(buffer), CHUNK):
-            with self._mpi_lock:
-                request = start([buffer[offset:offset + CHUNK], BYTE], peer, tag)
-            self._wait(request)
+        try:
+            for offset in range(0, len(buffer), CHUNK):
+                with self._mpi_lock:
+                    request = start([buffer[offset:offset + CHUNK], BYTE], peer, tag)
+                self._wait(request)
+        except self._MPI.Exception as exc:
+            self._on_mpi_error(exc)
+            raise WorkerFailedError(f"rank {peer} failed during a transfer", peer) from None
+
+    # ---------------------------------------------------------- fault tolerance
+    def _on_mpi_error(self, exc: Any) -> None:
+        """An MPI error: a failed peer in a fault-tolerant job is acknowledged and noted
+        (reported by poll() as a ``PEER_FAILED`` envelope); anything else is raised."""
+        if exc.Get_error_class() not in self._failure_classes:
+            raise exc
+        with self._mpi_lock:
+            self.comm.Ack_failed()
+            group = self.comm.Get_failed()
+            ranks = self._MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
+                                                   self.comm.Get_group())
+            group.Free()
+        for rank in ranks:
+            if rank not in self.failed:
+                log.warning("rank %d: rank %d failed (ULFM reported %s)", self.rank, rank,
+                            exc.Get_error_string().split(":")[0])
+            self._peer_failed(rank)
+
+    def _survivors_collective(self, exc: Any) -> None:
+        """A collective failed because a rank did: make every survivor's fail too (revoke),
+        then go on over the survivors (shrink; collective among them)."""
+        self._on_mpi_error(exc)
+        with self._mpi_lock:
+            with contextlib.suppress(self._MPI.Exception):
+                self._coll.Revoke()
+            survivors = self._coll.Shrink()
+        self._coll = survivors
 
     def _wait(self, request: Any) -> None:
         if self.thread_multiple:
@@ -183,8 +237,13 @@ class MPITransport(FramedTransport):
 
     # ------------------------------------------------------------- collectives
     def allgather(self, obj: Any) -> list[Any]:
-        with self._mpi_lock:
-            return self.comm.allgather(obj)
+        try:
+            with self._mpi_lock:
+                return self._coll.allgather(obj)
+        except self._MPI.Exception as exc:
+            self._on_mpi_error(exc)
+            raise WorkerFailedError(f"ranks {sorted(self.failed)} failed during a collective "
+                                    f"operation", min(self.failed, default=-1)) from None
 
     def allreduce_sum(self, values: list[int], wait: Callable[[Callable[[], bool]], None]
                       ) -> list[int]:
@@ -192,14 +251,28 @@ class MPITransport(FramedTransport):
 
         send = np.asarray(values, dtype=np.int64)
         recv = np.zeros_like(send)
-        with self._mpi_lock:
-            request = self.comm.Iallreduce(send, recv, op=self._MPI.SUM)
-        wait(lambda: self._test(request))
-        return recv.tolist()
+        while True:
+            failures: list[Any] = []
+            with self._mpi_lock:
+                try:
+                    request = self._coll.Iallreduce(send, recv, op=self._MPI.SUM)
+                except self._MPI.Exception as exc:
+                    failures.append(exc)
+            if not failures:
+                wait(lambda r=request, f=failures: self._test(r, f))
+            if not failures:
+                return recv.tolist()
+            self._survivors_collective(failures[0])  # then again, over the survivors
 
-    def _test(self, request: Any) -> bool:
+    def _test(self, request: Any, failures: list[Any] | None = None) -> bool:
         with self._mpi_lock:
-            return bool(request.Test())
+            try:
+                return bool(request.Test())
+            except self._MPI.Exception as exc:
+                if failures is None or exc.Get_error_class() not in self._failure_classes:
+                    raise
+                failures.append(exc)
+                return True
 
     def abort(self, code: int = 1) -> None:
         self._MPI.COMM_WORLD.Abort(code)
@@ -210,8 +283,13 @@ class MPITransport(FramedTransport):
         if collective:  # a graceful shutdown: every message was received, so these finish
             while self._sends_in_flight:
                 request, _frame = self._sends_in_flight.popleft()
-                self._wait(request)
+                try:
+                    self._wait(request)
+                except self._MPI.Exception as exc:  # sent to a rank that failed since
+                    self._on_mpi_error(exc)
         super().close(collective)
-        if collective:
+        if collective and not self.failed:  # (a communicator with a dead rank is left)
             with self._mpi_lock:
+                if self._coll is not self.comm:
+                    self._coll.Free()
                 self.comm.Free()

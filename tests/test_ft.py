@@ -1,0 +1,183 @@
+"""Fault tolerance (``python -m mpidag.run --ft``, Open MPI 5's ULFM): a rank dies, the others
+go on. Each test starts its own 3-rank job and kills a rank of it (SIGKILL, a crash, an exit
+without ``shutdown``); survivors print what they saw, checked here. The long trial count is
+``benchmarks/chaos.py``'s."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from mpidag.run import build_command
+
+FT = ("--ft",)
+
+PRELUDE = """
+import os, signal, sys, threading, time
+import torch
+import mpidag.rpc as rpc
+import mpidag.autograd as dist_autograd
+from mpidag.optim import DistributedOptimizer
+
+def die_soon(delay, how="kill"):
+    def go():
+        time.sleep(delay)
+        os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSEGV)
+    threading.Thread(target=go, daemon=True).start()
+
+def slow(seconds):
+    time.sleep(seconds)
+    return seconds
+
+def mul(x, w):
+    return x * w
+
+def ones():
+    return torch.ones(3)
+
+W = torch.nn.Parameter(torch.ones(3))
+
+def weight():
+    return rpc.RRef(W)
+
+def report(**values):
+    from mpi4py import MPI   # (also after shutdown)
+    print("REPORT", f"worker{MPI.COMM_WORLD.Get_rank()}", repr(values), flush=True)
+"""
+
+
+def reports(out: str) -> dict[str, dict]:
+    """``{worker name: values}`` of the REPORT lines of a job's output."""
+    found: dict[str, dict] = {}
+    for name, values in re.findall(r"^REPORT (\S+) (\{.*\})$", out, re.M):
+        found.setdefault(name, {}).update(eval(values))  # noqa: S307 - our own repr
+    return found
+
+
+@pytest.mark.parametrize("how", ["kill", "segfault"])
+def test_calls_rrefs_and_shutdown_survive_a_lost_worker(job, how):
+    start = time.monotonic()
+    result = job(PRELUDE + f"""
+rpc.init_rpc()
+me = rpc.get_worker_info().id
+if me == 0:
+    held = rpc.remote("worker2", ones)
+    held.to_here()
+    pending = rpc.rpc_async("worker2", slow, args=(60,), timeout=0)
+    rpc.rpc_sync("worker2", die_soon, args=(0.3, {how!r}))
+    t0 = time.monotonic()
+    try:
+        pending.wait()
+        report(pending="no error")
+    except rpc.WorkerFailedError as exc:
+        report(pending=(type(exc).__name__, exc.worker_name, exc.rank,
+                        isinstance(exc, RuntimeError)), pending_s=time.monotonic() - t0)
+    t1 = time.monotonic()
+    try:
+        rpc.rpc_sync("worker2", slow, args=(0,))
+    except rpc.WorkerFailedError as exc:
+        report(new_call=exc.worker_name, new_call_s=time.monotonic() - t1)
+    try:
+        held.to_here()
+    except rpc.WorkerFailedError as exc:
+        report(rref=exc.worker_name)
+    report(survivor=rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1)).tolist(),
+           failed=[w.name for w in rpc.failed_workers()])
+    del held
+elif me == 1:
+    owned = rpc.RRef(torch.zeros(2))
+    time.sleep(1.5)
+    report(failed=[w.name for w in rpc.failed_workers()])
+rpc.shutdown()
+report(shutdown=True)
+""", nprocs=3, timeout=90, launcher=FT)
+    out = result.stdout + result.stderr
+    seen = reports(out)
+    w0, w1 = seen.get("worker0", {}), seen.get("worker1", {})
+    assert w0.get("pending") == ("WorkerFailedError", "worker2", 2, True), out
+    assert w0["pending_s"] < 0.5 + 2.0, out  # the detector's ~0.5 s + 2 s
+    assert w0["new_call"] == "worker2" and w0["new_call_s"] < 0.05, out
+    assert w0["rref"] == "worker2", out
+    assert w0["survivor"] == [2.0, 2.0] and w0["failed"] == ["worker2"], out
+    assert w1["failed"] == ["worker2"], out
+    assert w0.get("shutdown") and w1.get("shutdown"), out
+    assert "worker2" not in seen
+    assert time.monotonic() - start < 60
+
+
+def test_backward_and_optimizer_step_raise_and_release_on_survivors(job):
+    result = job(PRELUDE + """
+rpc.init_rpc()
+me = rpc.get_worker_info().id
+if me == 0:
+    x = torch.ones(3, requires_grad=True)
+    w1, w2 = rpc.rpc_sync("worker1", weight), rpc.rpc_sync("worker2", weight)
+    opt = DistributedOptimizer(torch.optim.SGD, [w1, w2, rpc.RRef(x)], lr=0.1)
+    with dist_autograd.context() as ctx:
+        y = rpc.rpc_sync("worker1", mul, args=(x, 2.0)) + \\
+            rpc.rpc_sync("worker2", mul, args=(x, 3.0))
+        rpc.rpc_sync("worker2", die_soon, args=(0.05,))
+        time.sleep(1.5)
+        try:
+            dist_autograd.backward(ctx, [y.sum()])
+            report(backward="no error")
+        except rpc.WorkerFailedError as exc:
+            report(backward=exc.worker_name)
+    try:
+        with dist_autograd.context() as ctx:
+            dist_autograd.backward(ctx, [rpc.rpc_sync("worker1", mul, args=(x, 2.0)).sum()])
+            opt.step(ctx)
+        report(step="no error")
+    except rpc.WorkerFailedError as exc:
+        report(step=exc.worker_name)
+    with dist_autograd.context() as ctx:   # among the survivors, all as before
+        dist_autograd.backward(ctx, [rpc.rpc_sync("worker1", mul, args=(x, 2.0)).sum()])
+        DistributedOptimizer(torch.optim.SGD, [w1, rpc.RRef(x)], lr=0.5).step(ctx)
+    report(x=x.tolist(), w1=rpc.rpc_sync("worker1", torch.clone, args=(W,)).tolist())
+    del w1, w2, opt
+time.sleep(0.5)
+report(contexts=dist_autograd._get_debug_info()["num_autograd_contexts"])
+rpc.shutdown()
+""", nprocs=3, timeout=90, launcher=FT)
+    out = result.stdout + result.stderr
+    seen = reports(out)
+    w0 = seen.get("worker0", {})
+    assert w0.get("backward") == "worker2" and w0.get("step") == "worker2", out
+    assert w0["x"] == [0.0, 0.0, 0.0], out        # 1 - 0.5 * d(2x)/dx
+    assert w0["w1"] == [1.0, 1.0, 1.0], out       # W is not in that graph
+    assert w0["contexts"] == 0 and seen["worker1"]["contexts"] == 0, out
+
+
+def test_contexts_of_a_lost_worker_are_released_and_a_crash_is_a_failure(job):
+    result = job(PRELUDE + """
+rpc.init_rpc()
+me = rpc.get_worker_info().id
+if me == 2:
+    x = torch.ones(3, requires_grad=True)
+    ctx = dist_autograd.context().__enter__()   # never left: this rank crashes in it
+    rpc.rpc_sync("worker1", mul, args=(x, 2.0))
+    rpc.rpc_sync("worker0", mul, args=(x, 2.0))
+    raise RuntimeError("rank 2 crashed")        # uncaught: this rank exits, the job goes on
+time.sleep(2.5)
+report(contexts=dist_autograd._get_debug_info()["num_autograd_contexts"],
+       failed=[w.name for w in rpc.failed_workers()])
+rpc.shutdown()
+report(shutdown=True)
+""", nprocs=3, timeout=90, launcher=FT)
+    out = result.stdout + result.stderr
+    seen = reports(out)
+    for name in ("worker0", "worker1"):
+        assert seen[name]["contexts"] == 0 and seen[name]["failed"] == ["worker2"], out
+        assert seen[name]["shutdown"], out
+    assert "this rank exits and the other ranks of this fault-tolerant job go on" in out
+
+
+def test_ft_launcher_refuses_what_cannot_survive_a_rank():
+    argv, env = build_command(2, ["prog.py"], use_srun=False, ft=True)
+    assert argv[1:3] == ["--with-ft", "ulfm"] and env["MPIDAG_FT"] == "1"
+    with pytest.raises(RuntimeError, match="srun cannot keep a job alive"):
+        build_command(2, ["prog.py"], use_srun=True, ft=True)
+    with pytest.raises(RuntimeError, match="is not Open MPI's"):
+        build_command(2, ["prog.py"], use_srun=False, mpirun="/bin/true", ft=True)
