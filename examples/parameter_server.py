@@ -34,12 +34,24 @@ the end the server measures the loss on the trainers' data (made again from thei
 and on held-out data, before and after training; the run fails unless the first went down.
 
 Run:  python -m mpidag.run -n 3 examples/parameter_server.py [--steps 40] [--batch 32]
+
+Surviving a lost rank (``--ft``, see docs/fault_tolerance.md): with ``--fail-rank R
+--fail-step K`` rank R kills itself (SIGKILL) at its K-th step (a trainer) or K-th lookup
+served (the server, rank 0)::
+
+    python -m mpidag.run --ft -n 4 examples/parameter_server.py --fail-rank 2 --fail-step 5
+
+A lost trainer: the server says so and the other trainers train on; the run checks the loss
+over the trainers that finished. A lost server: every trainer stops with a message naming it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -57,6 +69,16 @@ KEYWORDS_PER_CLASS = 8  # class c owns the tokens [8c, 8c + 8); tokens 32..63 ar
 SEQ_LEN = 12
 EMBED_DIM = 16
 LR = 1.0
+#: (rank, step) at which that rank kills itself (--fail-rank/--fail-step), or None
+FAIL_AT: tuple[int, int] | None = None
+
+
+def maybe_fail(rank: int, step: int) -> None:
+    """The fault-tolerance demonstration: die as a lost node would (SIGKILL, no goodbye)."""
+    if (rank, step) == FAIL_AT:
+        print(f"[rank {rank}] killing myself at step {step} (--fail-rank/--fail-step)",
+              flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # --------------------------------------------------------------------------- data
@@ -115,9 +137,14 @@ class ParameterServer(nn.Module):
         self.reports: dict[str, list[float]] = {}
         self.grad_checks: dict[str, float] = {}
         self.lock = threading.Lock()
+        self.lookups = 0
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """The embedding rows of ``ids``; runs here, in the caller's autograd context."""
+        with self.lock:
+            self.lookups += 1
+            served = self.lookups
+        maybe_fail(0, served)
         return self.model.embedding(ids)
 
     def dense_parameters(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,6 +260,7 @@ def run_training_loop(rank: int, steps: int, batch: int) -> None:
     grad_check = float("nan")
     every = max(1, steps // 4)
     for step, (ids, labels) in enumerate(trainer_batches(rank, steps, batch)):
+        maybe_fail(rank, step + 1)
         with dist_autograd.context() as context_id:
             # Forward pass: two RPCs to the server, recorded in this context.
             rows, weight, bias = net.pull(ids)
@@ -263,16 +291,36 @@ def evaluation_sets(world_size: int, steps: int, batch: int) -> dict[str, Callab
     }
 
 
+def wait_for_trainers(server: ParameterServer, trainers: int) -> list[str]:
+    """On the server: wait until every trainer reported or was lost; the lost ones.
+
+    In an ``--ft`` job a trainer may die; the server says so when it learns of it and the
+    other trainers go on (they only talk to the server)."""
+    lost: list[str] = []
+    while True:
+        failed = [w.name for w in rpc.failed_workers()]
+        for name in failed:
+            if name not in lost:
+                lost.append(name)
+                print(f"[parameter_server] {name} was lost (its rank failed); training goes "
+                      f"on with {trainers - len(lost)} trainer(s)", flush=True)
+        with server.lock:
+            done = len(server.reports)
+        if done + len(lost) >= trainers:
+            return lost
+        time.sleep(0.05)
+
+
 def summarize(server: ParameterServer, world_size: int, steps: int, batch: int,
-              before: dict[str, tuple[float, float]]) -> None:
+              before: dict[str, tuple[float, float]], lost: list[str]) -> None:
     """On rank 0 after shutdown: check that the loss went down, print the OK line.
 
     The check is on the trainers' own data, before and after training: every step lowers
     the loss of its batch, so it holds for runs of any length (on held-out data, one step
     of a small batch can as well raise the loss as lower it).
     """
-    trainers = world_size - 1
-    if len(server.reports) != trainers:
+    trainers = world_size - 1 - len(lost)
+    if len(server.reports) != trainers or trainers < 1:
         raise SystemExit(f"FAIL parameter_server: {len(server.reports)} of {trainers} trainers "
                          f"reported")
     after = {name: server.evaluate(make())
@@ -287,6 +335,9 @@ def summarize(server: ParameterServer, world_size: int, steps: int, batch: int,
     if not loss_after < loss_before:
         raise SystemExit(f"FAIL parameter_server: the loss on the trainers' data did not "
                          f"decrease: {loss_before:.4f} -> {loss_after:.4f}")
+    if lost:
+        print(f"[parameter_server] lost during training: {', '.join(lost)}; the loss is "
+              f"measured on every trainer's data", flush=True)
     print(f"OK parameter_server: world_size={world_size} trainers={trainers} steps={steps} "
           f"batch={batch} loss {loss_before:.4f} -> {loss_after:.4f} (on the trainers' data, "
           f"before -> after training) step_loss {first_step:.4f} -> {last_step:.4f} "
@@ -302,11 +353,20 @@ def run_worker(rank: int, world_size: int, steps: int, batch: int) -> None:
                   for name, make in evaluation_sets(world_size, steps, batch).items()}
         rpc.init_rpc(name="parameter_server", rank=rank, world_size=world_size)
         print(f"[parameter_server] serving {world_size - 1} trainer(s)", flush=True)
+        lost = wait_for_trainers(server, world_size - 1)
         rpc.shutdown()  # returns when every trainer is done and has shut down
-        summarize(server, world_size, steps, batch, before)
+        summarize(server, world_size, steps, batch, before, lost)
     else:
         rpc.init_rpc(name=f"trainer_{rank}", rank=rank, world_size=world_size)
-        run_training_loop(rank, steps, batch)
+        try:
+            run_training_loop(rank, steps, batch)
+        except rpc.WorkerFailedError as exc:
+            if exc.worker_name != "parameter_server":
+                raise
+            print(f"[trainer_{rank}] the parameter server failed ({exc}); stopping: the "
+                  f"model was on it", flush=True)
+            rpc.shutdown()
+            raise SystemExit(1) from None
         rpc.shutdown()
 
 
@@ -314,9 +374,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40, help="training steps per trainer")
     parser.add_argument("--batch", type=int, default=32, help="sequences per step")
+    parser.add_argument("--fail-rank", type=int, default=None,
+                        help="fault-tolerance demo (run with --ft): this rank kills itself")
+    parser.add_argument("--fail-step", type=int, default=3,
+                        help="...at this step of its own (the server: its n-th lookup)")
     args = parser.parse_args()
     if args.steps < 1 or args.batch < 1:
         parser.error("--steps and --batch must be positive")
+    global FAIL_AT
+    if args.fail_rank is not None:
+        FAIL_AT = (args.fail_rank, args.fail_step)
 
     from mpi4py import MPI  # MPI gives each process its rank (torch: mp.spawn)
 
