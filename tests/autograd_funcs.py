@@ -194,3 +194,24 @@ def forward_unused(to, x):
     """On the callee: send ``x`` on to ``to`` and drop the result; return ``x * 3``."""
     rpc.rpc_sync(to, square, args=(x,))
     return x * 3
+
+
+def in_threads(worker, n: int) -> None:
+    """Run ``worker(i)`` for i in range(n), each in its own thread; raise the first error."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def guarded(i: int) -> None:
+        try:
+            worker(i)
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]

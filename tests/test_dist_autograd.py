@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import os
-import threading
 
 import pytest
 import torch
@@ -279,27 +278,18 @@ def test_bad_calls_are_clear_errors(rpc_world):
 
 def test_concurrent_contexts_in_threads(rpc_world):
     results: dict[int, tuple] = {}
-    errors: list[BaseException] = []
 
     def worker(i: int) -> None:
-        try:
-            x, w = _seeded(rpc_world.rank * 10 + i, (8,), (8,))
-            for _ in range(5):
-                with dist_autograd.context() as context_id:
-                    y = rpc.rpc_sync(rpc_world.next, af.mul_sin, args=(x, w))
-                    loss = (y * (i + 1)).sum()
-                    dist_autograd.backward(context_id, [loss])
-                    grads = dist_autograd.get_gradients(context_id)
-            results[i] = (x, w, grads[x], grads[w])
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        x, w = _seeded(rpc_world.rank * 10 + i, (8,), (8,))
+        for _ in range(5):
+            with dist_autograd.context() as context_id:
+                y = rpc.rpc_sync(rpc_world.next, af.mul_sin, args=(x, w))
+                loss = (y * (i + 1)).sum()
+                dist_autograd.backward(context_id, [loss])
+                grads = dist_autograd.get_gradients(context_id)
+        results[i] = (x, w, grads[x], grads[w])
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    af.in_threads(worker, 4)
     for i, (x, w, gx, gw) in results.items():
         ex, ew = torch.autograd.grad((af.mul_sin(x, w) * (i + 1)).sum(), [x, w])
         close(gx, ex)

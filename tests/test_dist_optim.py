@@ -12,6 +12,7 @@ import mpidag.rpc as rpc
 from mpidag import testing
 from mpidag.optim import DistributedOptimizer
 from tests import optim_funcs as of
+from tests.autograd_funcs import in_threads
 from tests.conftest import profiled_names
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -77,26 +78,17 @@ def test_no_update_is_lost_when_everyone_steps_one_parameter(rpc_world):
     """Every rank, with 2 threads each, steps the same parameter on worker0 concurrently."""
     steps, threads, numel = 20, 2, 1000
     param = rpc.rpc_sync("worker0", of.shared_param, args=("counter", numel))
-    errors: list[BaseException] = []
 
     def trainer(index: int) -> None:
-        try:
-            opt = DistributedOptimizer(torch.optim.SGD, [param], lr=1.0)
-            scale = torch.full((numel,), float(rpc_world.rank * threads + index + 1))
-            for _ in range(steps):
-                with dist_autograd.context() as context_id:
-                    loss = rpc.rpc_sync("worker0", of.scaled_sum, args=(param, scale))
-                    dist_autograd.backward(context_id, [loss])
-                    opt.step(context_id)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        opt = DistributedOptimizer(torch.optim.SGD, [param], lr=1.0)
+        scale = torch.full((numel,), float(rpc_world.rank * threads + index + 1))
+        for _ in range(steps):
+            with dist_autograd.context() as context_id:
+                loss = rpc.rpc_sync("worker0", of.scaled_sum, args=(param, scale))
+                dist_autograd.backward(context_id, [loss])
+                opt.step(context_id)
 
-    workers = [threading.Thread(target=trainer, args=(i,)) for i in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    assert not errors, errors
+    in_threads(trainer, threads)
     testing.quiesce()  # every rank finished its steps
     n = rpc_world.size * threads
     expected = -float(steps * n * (n + 1) // 2)  # each step subtracts its scale exactly

@@ -183,17 +183,22 @@ def test_ft_launcher_refuses_what_cannot_survive_a_rank():
         build_command(2, ["prog.py"], use_srun=False, mpirun="/bin/true", ft=True)
 
 
-def test_parameter_server_example_trains_on_when_a_trainer_is_lost():
+def _parameter_server(nprocs: int, fail_rank: int, fail_step: int) -> str:
+    """Output of the parameter-server example under --ft with one rank killing itself."""
     import subprocess
     import sys
 
     from tests.conftest import ROOT
 
     run = subprocess.run(
-        [sys.executable, "-m", "mpidag.run", "--ft", "-n", "4",
-         str(ROOT / "examples" / "parameter_server.py"), "--fail-rank", "2", "--fail-step", "5"],
-        capture_output=True, text=True, timeout=120)
-    out = run.stdout + run.stderr
+        [sys.executable, "-m", "mpidag.run", "--ft", "-n", str(nprocs),
+         str(ROOT / "examples" / "parameter_server.py"), "--fail-rank", str(fail_rank),
+         "--fail-step", str(fail_step)], capture_output=True, text=True, timeout=120)
+    return run.stdout + run.stderr
+
+
+def test_parameter_server_example_trains_on_when_a_trainer_is_lost():
+    out = _parameter_server(4, fail_rank=2, fail_step=5)
     assert "[parameter_server] trainer_2 was lost (its rank failed); training goes on with 2 " \
            "trainer(s)" in out, out
     assert "OK parameter_server: world_size=4 trainers=2 steps=40" in out, out
@@ -201,16 +206,7 @@ def test_parameter_server_example_trains_on_when_a_trainer_is_lost():
 
 
 def test_parameter_server_example_trainers_stop_when_the_server_is_lost():
-    import subprocess
-    import sys
-
-    from tests.conftest import ROOT
-
-    run = subprocess.run(
-        [sys.executable, "-m", "mpidag.run", "--ft", "-n", "3",
-         str(ROOT / "examples" / "parameter_server.py"), "--fail-rank", "0", "--fail-step", "6"],
-        capture_output=True, text=True, timeout=120)
-    out = run.stdout + run.stderr
+    out = _parameter_server(3, fail_rank=0, fail_step=6)
     for rank in (1, 2):
         assert f"[trainer_{rank}] the parameter server failed" in out, out
         assert f"[trainer_{rank}] training complete" not in out, out

@@ -9,7 +9,6 @@ with ``retain_graph`` and in concurrent contexts. ``mode="fast"`` keeps PyTorch'
 
 from __future__ import annotations
 
-import threading
 import warnings
 
 import pytest
@@ -109,29 +108,20 @@ def test_several_roots_and_retain_graph(rpc_world):
 
 
 def test_concurrent_contexts_with_unused_results(rpc_world):
-    errors: list[BaseException] = []
     done: dict[int, tuple] = {}
 
     def worker(i: int) -> None:
-        try:
-            a, c = _seeded(rpc_world.rank * 10 + i, (5,), (5,))
-            for _ in range(4):
-                with dist_autograd.context() as context_id:
-                    h = a * (i + 1)
-                    d = rpc.rpc_sync(rpc_world.next, af.square, args=(h,))
-                    rpc.rpc_sync(rpc_world.next, af.mul_sin, args=(h, c))  # unused
-                    dist_autograd.backward(context_id, [d.sum()])
-                    grads = dist_autograd.get_gradients(context_id)
-            done[i] = (a, c, grads)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        a, c = _seeded(rpc_world.rank * 10 + i, (5,), (5,))
+        for _ in range(4):
+            with dist_autograd.context() as context_id:
+                h = a * (i + 1)
+                d = rpc.rpc_sync(rpc_world.next, af.square, args=(h,))
+                rpc.rpc_sync(rpc_world.next, af.mul_sin, args=(h, c))  # unused
+                dist_autograd.backward(context_id, [d.sum()])
+                grads = dist_autograd.get_gradients(context_id)
+        done[i] = (a, c, grads)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    af.in_threads(worker, 4)
     for i, (a, c, grads) in done.items():
         _check(grads, af.square(a * (i + 1)).sum(), [a, c])
 
