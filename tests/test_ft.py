@@ -42,6 +42,11 @@ W = torch.nn.Parameter(torch.ones(3))
 def weight():
     return rpc.RRef(W)
 
+KEPT = []
+
+def keep(rref):
+    KEPT.append(rref)
+
 def report(**values):
     from mpi4py import MPI   # (also after shutdown)
     print("REPORT", f"worker{MPI.COMM_WORLD.Get_rank()}", repr(values), flush=True)
@@ -88,8 +93,12 @@ if me == 0:
     del held
 elif me == 1:
     owned = rpc.RRef(torch.zeros(2))
+    rpc.rpc_sync("worker2", keep, args=(owned,))   # worker2 holds a fork of it
+    del owned                                       # now only worker2's fork keeps it
+    before = rpc.api._get_debug_info()["num_owner_rrefs"]
     time.sleep(1.5)
-    report(failed=[w.name for w in rpc.failed_workers()])
+    report(failed=[w.name for w in rpc.failed_workers()], owned_before=before,
+           owned_after=rpc.api._get_debug_info()["num_owner_rrefs"])
 rpc.shutdown()
 report(shutdown=True)
 """, nprocs=3, timeout=90, launcher=FT)
@@ -102,6 +111,7 @@ report(shutdown=True)
     assert w0["rref"] == "worker2", out
     assert w0["survivor"] == [2.0, 2.0] and w0["failed"] == ["worker2"], out
     assert w1["failed"] == ["worker2"], out
+    assert (w1["owned_before"], w1["owned_after"]) == (1, 0), out  # the dead fork let go
     assert w0.get("shutdown") and w1.get("shutdown"), out
     assert "worker2" not in seen
     assert time.monotonic() - start < 60
