@@ -102,6 +102,7 @@ _JOB_VARIABLES: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "recv_cache_bytes": ("MPIDAG_RECV_CACHE_MB", _number("a size in MiB", "1024", 1 << 20)),
     "optim_locks": ("MPIDAG_OPTIM_LOCKS", _choice(OPTIM_LOCK_MODES, "a lock mode")),
     "ft": ("MPIDAG_FT", _flag),
+    "inspect_dir": ("MPIDAG_INSPECT_DIR", _text),
 }
 
 _LAUNCH_VARIABLES: dict[str, tuple[str, Callable[[str, str], Any]]] = {
@@ -143,6 +144,10 @@ class Config:
     recv_cache_bytes: int = 1 << 30
     optim_locks: str = "parameter"
     ft: bool = False  # MPIDAG_FT: survive failed ranks (set by ``mpidag.run --ft``)
+    #: MPIDAG_INSPECT_DIR: where ranks answer ``python -m mpidag.inspect`` (None: a
+    #: per-user directory under the system's temporary directory; a shared file system
+    #: for jobs over several nodes)
+    inspect_dir: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
@@ -159,6 +164,22 @@ class Config:
             'MPIDAG_BACKOFF_MAX'
         """
         return {name: variable for name, (variable, _) in _JOB_VARIABLES.items()}
+
+    @property
+    def inspect_base(self) -> str:
+        """The directory of the job directories that ``python -m mpidag.inspect`` reads.
+
+        Example::
+
+            >>> Config(inspect_dir="/scratch/me/mpidag").inspect_base
+            '/scratch/me/mpidag'
+        """
+        if self.inspect_dir:
+            return self.inspect_dir
+        import getpass
+        import tempfile
+
+        return os.path.join(tempfile.gettempdir(), f"mpidag-{getpass.getuser()}")
 
 
 @dataclass(frozen=True, slots=True)

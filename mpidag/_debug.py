@@ -8,18 +8,33 @@ to it: the library never configures the root logger) whose lines name the rank::
 ``kill -USR1 <pid>`` on a rank prints every thread's stack (``faulthandler``, which works
 even when Python is stuck in a C call) and then, as soon as the main thread runs Python
 again, the agent's state: calls in flight with their age, the progress engine, RRefs.
+
+``python -m mpidag.inspect`` (:mod:`mpidag.inspect`) asks every rank of a running job for
+its state at once: a :class:`StateWatcher` thread per rank looks for a request file in the
+job's directory four times a second and answers with :func:`state_snapshot` as JSON,
+without stopping anything.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import os
 import sys
+import threading
 import time
+import traceback
+from pathlib import Path
+from typing import Any
 
 from mpidag import _runtime
 from mpidag._runtime import Runtime
 
-__all__ = ["configure_logging", "state_report", "install_signal_dump"]
+__all__ = ["configure_logging", "state_report", "state_snapshot", "install_signal_dump",
+           "StateWatcher"]
+
+log = logging.getLogger(__name__)
 
 def configure_logging(rank: int, wanted: str | None) -> None:
     """Attach a rank-prefixed stderr handler to ``mpidag`` for the level ``MPIDAG_LOG``
@@ -74,6 +89,151 @@ def state_report(runtime: Runtime) -> str:
     lines.append("autograd: " + ", ".join(f"{k}={v}" for k, v in
                                           runtime.autograd.container.debug_info().items()))
     return "\n".join(lines)
+
+
+def state_snapshot(runtime: Runtime) -> dict[str, Any]:
+    """This rank's state as JSON-able data: calls in flight (who waits on whom), threads'
+    top frames, the progress engine, autograd contexts and passes, RRef counters.
+
+    Example::
+
+        >>> state_snapshot(mpidag._runtime.current())["calls"]  # doctest: +SKIP
+        [{'id': '0x17', 'what': 'tests.f.slow', 'to': 'worker1', 'to_rank': 1, 'age_s': 3.2,
+          'timeout_s': 60.0}]
+    """
+    now = time.monotonic()
+    agent = runtime.agent
+    engine = agent.engine
+    host, pid = runtime.processes[agent.rank]
+    calls = [{"id": f"0x{request_id:x}", "what": call.what, "to": agent.workers[call.dst].name,
+              "to_rank": call.dst, "age_s": round(now - call.started, 3),
+              "timeout_s": call.seconds}
+             for request_id, call in agent._pending.copy().items()]
+    contexts = []
+    for ctx in list(runtime.autograd.container.contexts.copy().values())[:50]:
+        passes = [{"id": f"0x{pass_id:x}", "calls_unanswered": state.deficit,
+                   "events_queued": len(state.events), "root": state.root}
+                  for pass_id, state in list(ctx.passes.items())]
+        contexts.append({"id": ctx.context_id, "sends": len(ctx.sends),
+                         "recvs": len(ctx.recvs), "known_workers": sorted(ctx.known_workers),
+                         "passes": passes})
+    frames = sys._current_frames()
+    threads = []
+    for thread in threading.enumerate():
+        frame = frames.get(thread.ident)
+        if frame is None:
+            continue
+        stack = traceback.extract_stack(frame)[-12:]
+        threads.append({"name": thread.name, "main": thread is threading.main_thread(),
+                        "stack": [f"{Path(f.filename).name}:{f.lineno} {f.name}"
+                                  for f in stack],
+                        "user": [f"{Path(f.filename).name}:{f.lineno} {f.name}"
+                                 for f in stack if not _is_library(f.filename)][-3:]})
+    return {
+        "rank": agent.rank, "name": agent.info.name, "host": host, "pid": pid,
+        "time": time.time(), "calls": calls,
+        "engine": {"leader_busy": engine._leader_busy, "waiting_user_threads": engine._waiters,
+                   "idle_pool_threads": engine._idle, "queued_requests": len(engine._work),
+                   "running_requests": engine._running_work,
+                   "pool_threads": runtime.options.num_worker_threads},
+        "messages": {"sent": agent.sent, "handled": agent.processed},
+        "failed": sorted(agent.workers[r].name for r in agent.failed),
+        "rrefs": runtime.rrefs.debug_info(),
+        "autograd": runtime.autograd.container.debug_info(),
+        "contexts": contexts,
+        "threads": threads,
+    }
+
+
+_PACKAGE_DIR = str(Path(__file__).resolve().parent)
+_STDLIB_DIR = str(Path(threading.__file__).resolve().parent)
+
+
+def _is_library(filename: str) -> bool:
+    """Whether a frame is mpidag's or the standard library's (not the program's)."""
+    path = str(Path(filename).resolve())
+    return path.startswith((_PACKAGE_DIR, _STDLIB_DIR)) or "site-packages" in path
+
+
+class StateWatcher:
+    """Answers ``python -m mpidag.inspect`` for one rank, from a thread of its own.
+
+    The job's directory is ``<Config.inspect_base>/job-<host of rank 0>-<its pid>``. At
+    start the rank writes ``rank<r>.json`` (who it is); every ``interval`` seconds the
+    thread looks at ``request`` and, when it holds a new token, writes
+    ``rank<r>.state.json`` with :func:`state_snapshot` and that token. A stat of one small
+    file per interval is all it costs while nobody asks.
+
+    Example::
+
+        >>> watcher = StateWatcher(runtime, "/tmp/mpidag-me")
+        >>> watcher.start()
+        >>> watcher.stop()     # at shutdown: its files are removed
+    """
+
+    def __init__(self, runtime: Runtime, base: str, interval: float = 0.25) -> None:
+        self.runtime = runtime
+        self.rank = runtime.agent.rank
+        self.job_dir = Path(base) / f"job-{runtime.job_id}"
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._seen: int | None = None
+        self._answered = ""
+
+    def start(self) -> None:
+        try:
+            self.job_dir.mkdir(parents=True, exist_ok=True)
+            agent = self.runtime.agent
+            host, pid = self.runtime.processes[self.rank]
+            self._write(f"rank{self.rank}.json", {
+                "rank": self.rank, "name": agent.info.name, "host": host, "pid": pid,
+                "world_size": agent.world_size, "started": time.time()})
+        except OSError as exc:
+            log.warning("%s: mpidag.inspect will not see this rank (%s)",
+                        self.runtime.where(), exc)
+            return
+        self._thread = threading.Thread(target=self._run, name="mpidag-inspect",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        request = self.job_dir / "request"
+        while not self._stop.wait(self.interval):
+            try:
+                stamp = request.stat().st_mtime_ns
+            except OSError:
+                continue
+            if stamp == self._seen:
+                continue
+            self._seen = stamp
+            try:
+                token = request.read_text().strip()
+                if token and token != self._answered:
+                    self._answered = token
+                    self._write(f"rank{self.rank}.state.json",
+                                {"token": token, **state_snapshot(self.runtime)})
+            except Exception:  # never let a report break the rank
+                log.exception("%s: could not answer mpidag.inspect", self.runtime.where())
+
+    def _write(self, name: str, data: dict[str, Any]) -> None:
+        path = self.job_dir / name
+        temp = path.with_suffix(f".tmp{os.getpid()}")
+        temp.write_text(json.dumps(data, default=str))
+        os.replace(temp, path)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        names = [f"rank{self.rank}.json", f"rank{self.rank}.state.json"]
+        if self.rank == 0:
+            names.append("request")
+        for name in names:
+            with contextlib.suppress(OSError):
+                (self.job_dir / name).unlink()
+        with contextlib.suppress(OSError):
+            self.job_dir.rmdir()  # the last rank out removes the directory
 
 
 _installed = False

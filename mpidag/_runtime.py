@@ -16,8 +16,11 @@ or process-wide caches and debug counters.) Several runtimes can live in one pro
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,8 +58,13 @@ class Runtime:
     def __init__(self, transport: Transport, workers: list[WorkerInfo],
                  options: MPIRpcBackendOptions,
                  device_maps: dict[str, dict[str, dict[torch.device, torch.device]]],
-                 config: Config, rref_type: type[RRefHandle] = RRefHandle) -> None:
+                 config: Config, rref_type: type[RRefHandle] = RRefHandle,
+                 processes: list[tuple[str, int]] | None = None) -> None:
         self.config = config
+        #: (host, pid) of every rank, by rank (the job's identity: rank 0's)
+        self.processes = processes or [(socket.gethostname(), os.getpid())] * len(workers)
+        #: called (last first) when the session ends: things the facade attached to it
+        self.closers: list[Callable[[], None]] = []
         self.transport = transport
         self.options = options
         self.agent = RpcAgent(transport, workers, options, device_maps, config)
@@ -90,19 +98,27 @@ class Runtime:
         my_name = name if name is not None else f"worker{my_rank}"
         maps = {k: {str(a): str(b) for a, b in v.items()} for k, v in options.device_maps.items()}
         gathered = transport.allgather(
-            (my_name, None if problem is None else f"{type(problem).__name__}: {problem}", maps))
+            (my_name, None if problem is None else f"{type(problem).__name__}: {problem}", maps,
+             (socket.gethostname(), os.getpid())))
         if problem is None:
             problem = _check_gathered(gathered, my_rank)
         if problem is not None:
             transport.close(collective=True)
             raise problem
-        workers = [WorkerInfo(n, r) for r, (n, _, _) in enumerate(gathered)]
+        workers = [WorkerInfo(n, r) for r, (n, _, _, _) in enumerate(gathered)]
         device_maps = {
             n: {peer: {torch.device(a): torch.device(b) for a, b in m.items()}
                 for peer, m in mp.items()}
-            for (n, _, mp) in gathered
+            for (n, _, mp, _) in gathered
         }
-        return cls(transport, workers, options, device_maps, config or Config(), rref_type)
+        return cls(transport, workers, options, device_maps, config or Config(), rref_type,
+                   [tuple(g[3]) for g in gathered])
+
+    @property
+    def job_id(self) -> str:
+        """The job's name for tools: rank 0's host and process id."""
+        host, pid = self.processes[0]
+        return f"{host}-{pid}"
 
     def serve(self) -> None:
         """Start the progress engine: from now on this rank receives and serves calls."""
@@ -135,8 +151,17 @@ class Runtime:
                                 len(stuck), [f"0x{i:x}" for i in stuck[:5]])
         except BaseException:
             agent.stop(graceful=False)
+            self._close()
             raise
         agent.stop(graceful=graceful)
+        self._close()
+
+    def _close(self) -> None:
+        while self.closers:
+            try:
+                self.closers.pop()()
+            except Exception:
+                log.exception("%s: closing the session", self.where())
 
     # ---------------------------------------------------------------- queries
     def where(self) -> str:
@@ -180,16 +205,16 @@ class Runtime:
 
 
 def _check_gathered(gathered: list, my_rank: int) -> Exception | None:
-    failed = [(r, err) for r, (_, err, _) in enumerate(gathered) if err is not None]
+    failed = [(r, err) for r, (_, err, _, _) in enumerate(gathered) if err is not None]
     if failed:
         ranks = ", ".join(f"rank {r} ({err})" for r, err in failed)
         return RPCError(f"init_rpc failed on {ranks}; no rank started RPC")
-    names = [n for n, _, _ in gathered]
+    names = [n for n, _, _, _ in gathered]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         return ValueError(f"worker names must be unique, but {dup} are used by several ranks: "
                           f"{names}")
-    for rank, (_, _, maps) in enumerate(gathered):
+    for rank, (_, _, maps, _) in enumerate(gathered):
         unknown = sorted(set(maps) - set(names))
         if unknown:
             cls = UnknownWorkerError if rank == my_rank else RPCError

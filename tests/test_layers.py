@@ -284,7 +284,8 @@ LAYERS: tuple[Layer, ...] = (
         Layer("facades", packages=("mpidag.rpc", "mpidag.autograd", "mpidag.optim", "mpidag.nn")),
         Layer("tools", modules=("mpidag.testing", "mpidag.pytest_plugin")),
     ),
-    Layer("launcher", modules=("mpidag.run", "mpidag.__main__"), may_import=("foundation",)),
+    Layer("launcher", modules=("mpidag.run", "mpidag.__main__", "mpidag.inspect"),
+          may_import=("foundation",)),
 )
 
 

@@ -112,7 +112,8 @@ def test_config_reads_every_variable_and_names_bad_values():
     assert set(Config.variables().values()) == {
         "MPIDAG_LOG", "MPIDAG_GC_FREEZE", "MPIDAG_ABORT_ON_ERROR", "MPIDAG_BACKOFF_MAX",
         "MPIDAG_POLL_SPIN_S", "MPIDAG_SENTINEL_S", "MPIDAG_CUDA_AWARE",
-        "MPIDAG_RECV_CACHE_MB", "MPIDAG_OPTIM_LOCKS", "MPIDAG_FT"}
+        "MPIDAG_RECV_CACHE_MB", "MPIDAG_OPTIM_LOCKS", "MPIDAG_FT",
+        "MPIDAG_INSPECT_DIR"}
     for variable, value, words in [("MPIDAG_BACKOFF_MAX", "fast", "number of seconds"),
                                    ("MPIDAG_SENTINEL_S", "-1", "number of seconds"),
                                    ("MPIDAG_GC_FREEZE", "maybe", "switch"),

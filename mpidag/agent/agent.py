@@ -103,13 +103,14 @@ class _PendingCall:
     (creating, completing and waiting on one costs ~2 us)."""
 
     __slots__ = ("request_id", "future", "dst", "deadline", "func", "seconds", "args", "done",
-                 "value", "error")
+                 "value", "error", "started")
 
-    def __init__(self, request_id: int, future: RpcFuture | None, dst: int, deadline: float,
-                 func: Any, seconds: float, args: tuple) -> None:
+    def __init__(self, request_id: int, future: RpcFuture | None, dst: int, started: float,
+                 deadline: float, func: Any, seconds: float, args: tuple) -> None:
         self.request_id = request_id
         self.future = future
         self.dst = dst
+        self.started = started  # time.monotonic() when the call was made (for tools)
         self.deadline = deadline  # time.monotonic() deadline, 0.0 for none
         self.func = func  # for error messages
         self.seconds = seconds  # the timeout, for error messages
@@ -635,8 +636,9 @@ class RpcAgent:
         else:
             future = None
         seconds = self.resolve_timeout(timeout)
-        deadline = time.monotonic() + seconds if seconds > 0 else 0.0
-        call = self._pending[request_id] = _PendingCall(request_id, future, dst, deadline,
+        now = time.monotonic()
+        deadline = now + seconds if seconds > 0 else 0.0
+        call = self._pending[request_id] = _PendingCall(request_id, future, dst, now, deadline,
                                                         func, seconds, args)
         env = Envelope(_CALL, request_id, flags, context_id, message_id, payload, tensors)
         try:

@@ -20,7 +20,7 @@ import torch
 
 from mpidag import _runtime
 from mpidag._config import Config
-from mpidag._debug import configure_logging, install_signal_dump
+from mpidag._debug import StateWatcher, configure_logging, install_signal_dump
 from mpidag._runtime import Runtime
 from mpidag.agent.options import (
     DEFAULT_SHUTDOWN_TIMEOUT,
@@ -122,6 +122,9 @@ def init_rpc(
         if config.gc_freeze:
             _freeze_heap()
         runtime.serve()
+        watcher = StateWatcher(runtime, config.inspect_base)  # python -m mpidag.inspect
+        watcher.start()
+        runtime.closers.append(watcher.stop)
         _install_process_hooks()
         log.debug("RPC started on %s", runtime.where())
 
