@@ -282,7 +282,7 @@ LAYERS: tuple[Layer, ...] = (
         Layer("rref protocol", packages=("mpidag.rref",)),
         Layer("runtime", modules=("mpidag._runtime", "mpidag._debug")),
         Layer("facades", packages=("mpidag.rpc", "mpidag.autograd", "mpidag.optim", "mpidag.nn")),
-        Layer("tools", modules=("mpidag.testing", "mpidag.pytest_plugin")),
+        Layer("tools", modules=("mpidag.testing", "mpidag.pytest_plugin", "mpidag.trace")),
     ),
     Layer("launcher", modules=("mpidag.run", "mpidag.__main__", "mpidag.inspect"),
           may_import=("foundation",)),
