@@ -21,6 +21,9 @@ Two implementations are measured back to back in the same N processes, in this o
 Two patterns, two rows each (every call is ``rpc_sync``/``rpc_async`` of a module-level no-op
 function with ``timeout=120``):
 
+* ``lifecycle``: ``init_rpc`` and graceful ``shutdown()`` on every rank at once, each
+  timed from a barrier until it returned on the slowest rank (rows ``lifecycle_init_s``,
+  ``lifecycle_shutdown_s``).
 * ``one_server``: ranks 1..N-1 all call rank 0, which only serves.
 * ``all_to_all``: every rank calls every other rank in round robin (call ``i`` of rank ``r``
   goes to rank ``(r + 1 + i mod (N-1)) mod N``), so every rank is caller and server at once.
@@ -98,6 +101,7 @@ RPC_TIMEOUT_S = 120.0
 PATTERNS: dict[str, str] = {
     "one_server": "ranks 1..N-1 all call rank 0, which only serves",
     "all_to_all": "every rank calls every other rank in round robin",
+    "lifecycle": "init_rpc and graceful shutdown on every rank at once",
 }
 METRICS: dict[str, tuple[str, str, str]] = {
     # metric -> (unit, better, description)
@@ -107,7 +111,12 @@ METRICS: dict[str, tuple[str, str, str]] = {
     "calls_per_s": ("calls/s", "higher",
                     "rpc_async no-op in batches waited with fut.wait(): calls/s of each "
                     "caller summed over callers; median over repetitions"),
+    "init_s": ("s", "lower", "init_rpc, from a barrier until it returned on the slowest rank"),
+    "shutdown_s": ("s", "lower",
+                   "graceful shutdown(), from a barrier until it returned on the slowest rank"),
 }
+#: the lifecycle pattern's metrics, and the call patterns' (see ROWS)
+LIFECYCLE_METRICS = ("init_s", "shutdown_s")
 
 
 # --------------------------------------------------------------------------------------------
@@ -138,6 +147,14 @@ def wait_request(req: MPI.Request) -> None:
 def sleepy_barrier(comm: MPI.Comm) -> None:
     """A barrier on ``comm`` that sleeps instead of busy-polling (``Ibarrier`` + ``Test``)."""
     wait_request(comm.Ibarrier())
+
+
+def allreduce_max_float(comm: MPI.Comm, value: float) -> float:
+    """Maximum of a ``float`` over ``comm`` (the slowest rank's time)."""
+    send = torch.tensor([value], dtype=torch.float64).numpy()
+    recv = send.copy()
+    wait_request(comm.Iallreduce(send, recv, op=MPI.MAX))
+    return float(recv[0])
 
 
 def allreduce_min(comm: MPI.Comm, value: int) -> int:
@@ -366,7 +383,8 @@ def summarize(gathered: list[dict[str, Any]], metric: str, reps: int, calls: int
 
 
 #: (pattern, metric) in the order they are measured; row name = f"{pattern}_{metric}"
-ROWS: list[tuple[str, str]] = [(p, m) for p in PATTERNS for m in METRICS]
+ROWS: list[tuple[str, str]] = [(p, m) for p in PATTERNS for m in METRICS
+                               if (p == "lifecycle") == (m in LIFECYCLE_METRICS)]
 
 
 def row_name(pattern: str, metric: str) -> str:
@@ -468,14 +486,18 @@ def run_impl(key: str, comm: MPI.Comm, cfg: Config,
     if rank == 0:
         log(f"{key}: init on {comm.Get_size()} ranks")
     ok, rpc = 1, None
+    sleepy_barrier(comm)
+    start = time.perf_counter()
     try:
         with Watchdog(300, f"{key} init"):
             rpc = STARTERS[key](comm)
     except Exception as exc:  # noqa: BLE001 - report and skip this implementation
         sys.stderr.write(f"[scaling rank {rank}] {key}: init failed: {exc!r}\n")
         ok = 0
+    init_s = time.perf_counter() - start
     with Watchdog(300, f"{key} init agreement"):
         all_ok = allreduce_min(comm, ok)
+        slowest_init = allreduce_max_float(comm, init_s)
     if all_ok == 0 or rpc is None:
         if ok and rpc is not None:
             with contextlib.suppress(Exception):
@@ -486,7 +508,12 @@ def run_impl(key: str, comm: MPI.Comm, cfg: Config,
         return {row_name(p, m): RowResult(None, errors=["init failed on some rank"])
                 for p, m in ROWS}
 
+    if rank == 0:
+        results[row_name("lifecycle", "init_s")] = RowResult(slowest_init)
+        log(f"{key}: init_rpc took {slowest_init:.2f} s on the slowest rank")
     for pattern, metric in ROWS:
+        if pattern == "lifecycle":
+            continue
         name = row_name(pattern, metric)
         if rank == 0:
             results[name] = RowResult(None, errors=[
@@ -506,9 +533,15 @@ def run_impl(key: str, comm: MPI.Comm, cfg: Config,
     if rank == 0:
         log(f"{key}: shutdown")
     sleepy_barrier(comm)
+    start = time.perf_counter()
     with Watchdog(300, f"{key} shutdown"), warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UserWarning)
         rpc.shutdown()
+    slowest_shutdown = allreduce_max_float(comm, time.perf_counter() - start)
+    if rank == 0:
+        results[row_name("lifecycle", "shutdown_s")] = RowResult(slowest_shutdown)
+        log(f"{key}: shutdown took {slowest_shutdown:.2f} s on the slowest rank")
+        on_row(results)
     return results if rank == 0 else None
 
 
@@ -516,7 +549,9 @@ def format_cell(v: float | None) -> str:
     """A table cell: no decimals from 1,000 on, one decimal below."""
     if v is None:
         return "–"
-    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.1f}"
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    return f"{v:.1f}" if abs(v) >= 10 else f"{v:.2f}"
 
 
 def _summary_cell(values: list[float | None], failed: bool, fmt: Callable[[float], str]
