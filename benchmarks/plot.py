@@ -165,7 +165,7 @@ def plot_scaling(reports: list[dict[str, Any]], out: Path) -> None:
             by_size: dict[int, list[float]] = {}
             for rep in reports:
                 v = rep["rows"].get(name, {}).get(key)
-                if isinstance(v, (int, float)):
+                if isinstance(v, (int, float)) and v > 0:  # (a log axis)
                     by_size.setdefault(int(rep["ranks"]), []).append(float(v))
             if not by_size:
                 continue
@@ -211,7 +211,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", type=Path, default=None, help="input JSON (default: both)")
     p.add_argument("--out", type=Path, default=None, help="output PNG (with --json)")
+    p.add_argument("--scaling-dir", type=Path, default=None,
+                   help="only the scaling_*.json of this directory, to its scaling.png")
     args = p.parse_args(argv)
+    if args.scaling_dir is not None:
+        found = sorted(args.scaling_dir.glob("scaling_*.json"))
+        plot_scaling([json.loads(f.read_text()) for f in found],
+                     args.scaling_dir / "scaling.png")
+        print(f"wrote {args.scaling_dir / 'scaling.png'}")
+        return 0
     if args.json is not None:
         pairs = [(args.json, args.out or args.json.with_suffix(".png"))]
     else:
