@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -366,7 +367,7 @@ def run_worker(rank: int, world_size: int, steps: int, batch: int) -> None:
             print(f"[trainer_{rank}] the parameter server failed ({exc}); stopping: the "
                   f"model was on it", flush=True)
             rpc.shutdown()
-            raise SystemExit(1) from None
+            sys.exit(1)  # (sys.exit: its status survives an --ft job's lost workers)
         rpc.shutdown()
 
 

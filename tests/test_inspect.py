@@ -3,6 +3,7 @@ graph, taken while the job runs (a chain of calls; a real deadlock of pool threa
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -26,20 +27,28 @@ def chain(route, seconds):
         return sleeper(seconds)
     return rpc.rpc_sync(route[0], chain, args=(route[1:], seconds), timeout=0)
 
+import threading
+TABLE = threading.Lock()                # an application lock, held across an RPC
+
 def back_to(caller, seconds):          # on worker1: calls worker0, which calls worker1 again
-    return rpc.rpc_sync(caller, forward, args=("worker1", seconds), timeout=20)
+    with TABLE:
+        return rpc.rpc_sync(caller, forward, args=("worker1", seconds), timeout=20)
 
 def forward(to, seconds):
-    return rpc.rpc_sync(to, sleeper, args=(seconds,), timeout=20)
+    return rpc.rpc_sync(to, locked, args=(seconds,), timeout=20)
 
-opts = rpc.MPIRpcBackendOptions(num_worker_threads=1 if sys.argv[1] == "deadlock" else 4)
+def locked(seconds):                    # on worker1 again: waits for TABLE, held above
+    with TABLE:
+        return seconds
+
+opts = rpc.MPIRpcBackendOptions(num_worker_threads=4)
 rpc.init_rpc(rpc_backend_options=opts)
 me = rpc.get_worker_info().id
 print("READY", flush=True)
 if me == 0 and sys.argv[1] == "chain":
     rpc.rpc_sync("worker1", chain, args=(["worker2"], 8.0), timeout=0)
 if me == 0 and sys.argv[1] == "deadlock":
-    try:   # worker1's only pool thread waits on worker0, whose call needs worker1's pool
+    try:   # worker1 holds TABLE while it waits on worker0, whose call needs TABLE there
         rpc.rpc_sync("worker1", back_to, args=("worker0", 0.1), timeout=8)
     except Exception as exc:
         print("TIMED OUT", type(exc).__name__, flush=True)
@@ -84,10 +93,10 @@ def test_chain_of_calls_shows_who_waits_on_whom(tmp_path):
     assert not list((tmp_path / "inspect").glob("job-*/rank*")), "files left after shutdown"
 
 
-def test_pool_thread_deadlock_is_shown_as_a_cycle(tmp_path):
+def test_deadlock_is_shown_as_a_cycle(tmp_path):
     report, out = _inspect_running(tmp_path, "deadlock", 2)
     assert "CYCLE: worker0 -> worker1 -> worker0" in report, report
-    assert "pool threads busy 1/1, requests queued 1" in report, report   # worker1
+    assert re.search(r"thread \S+: .*job\.py:\d+ locked", report), report  # waits for TABLE
     assert "TIMED OUT RPCTimeoutError" in out, out  # the job itself gets out (timeouts)
 
 

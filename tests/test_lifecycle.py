@@ -147,6 +147,35 @@ else:
     assert out.count("DONE") == 2, out
 
 
+def test_nested_calls_beyond_the_pool_do_not_deadlock(job):
+    """One pool thread per rank and a chain worker0 -> worker1.f -> worker0.g -> worker1.h:
+    worker1's only pool thread waits in f while h is queued behind it. The pool grows by a
+    thread when every pool thread waits for a nested call and a request is queued (before:
+    the chain waited forever, as it would with torch's fixed pool)."""
+    out = ok(job(PRELUDE + """
+def h(x):
+    return x + 1
+
+def g(x):
+    return rpc.rpc_sync("worker1", h, args=(x * 2,), timeout=0)
+
+def f(x):
+    return rpc.rpc_sync("worker0", g, args=(x + 3,), timeout=0)
+
+opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=1)
+rpc.init_rpc(rpc_backend_options=opts)
+if rpc.get_worker_info().id == 0:
+    fut = rpc.rpc_async("worker1", f, args=(1,), timeout=0)
+    deadline = time.monotonic() + 30
+    while not fut.done() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print("RESULT", fut.wait() if fut.done() else "STUCK")
+rpc.shutdown()
+""", timeout=120))
+    assert "RESULT 9" in out, out   # ((1 + 3) * 2) + 1
+    assert "starting more threads" in out, out
+
+
 def test_duplicate_worker_names_rejected(job):
     out = ok(job(PRELUDE + """
 try:

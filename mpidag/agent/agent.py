@@ -755,7 +755,11 @@ class RpcAgent:
                 else:
                     call.set_result(value)
             else:
-                call.set_exception(unpack_exception(bytes(env.payload)))
+                error = unpack_exception(bytes(env.payload))
+                if self.config.ft and isinstance(error, WorkerFailedError) and \
+                        0 <= error.rank < self.world_size and error.rank != self.rank:
+                    self._peer_failed(error.rank)  # another rank saw it first: so it is
+                call.set_exception(error)
             self.engine.wake_waiters()
         finally:
             self._mark_processed(env.src)

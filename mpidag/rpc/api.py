@@ -177,6 +177,8 @@ def _install_process_hooks() -> None:
     if _hooks_installed:
         return
     _hooks_installed = True
+    # registered first, so it runs last of mpidag's and later hooks (atexit is LIFO)
+    atexit.register(_skip_finalize_after_failures)
     atexit.register(_shutdown_at_exit)
     install_signal_dump()  # `kill -USR1 <pid>`: thread stacks, calls in flight, RRefs
     previous = sys.excepthook
@@ -203,6 +205,32 @@ def _install_process_hooks() -> None:
     sys.excepthook = abort_on_uncaught
 
 
+#: set by shutdown() of a fault-tolerant session in which some worker failed
+_lost_workers = False
+#: the status a program asked for with sys.exit() (see _skip_finalize_after_failures)
+_exit_status: list[Any] = [0]
+_sys_exit = sys.exit
+
+
+def _recording_exit(status: Any = None) -> None:
+    _exit_status[0] = status
+    _sys_exit(status)
+
+
+def _skip_finalize_after_failures() -> None:
+    """Last exit hook of an ``--ft`` job in which a worker failed: leave without
+    ``MPI_Finalize``, whose synchronization with the job's runtime would wait for the dead
+    rank forever (Open MPI 5, open-mpi/ompi#11404). ``shutdown()`` has completed among the
+    survivors by then; the status of ``sys.exit(status)`` is kept."""
+    if not _lost_workers:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    status = _exit_status[0]
+    code = status if isinstance(status, int) else (0 if status is None else 1)
+    os._exit(code)
+
+
 def _shutdown_at_exit() -> None:
     runtime = _runtime.current_or_none()
     if runtime is not None:
@@ -226,12 +254,16 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
         >>> fut = rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 1))
         >>> rpc.shutdown()       # waits for fut's reply and for every rank
     """
+    global _lost_workers
     with _runtime.lifecycle_lock:
         runtime = _runtime.current()
         try:
             runtime.shutdown(graceful, timeout)
         finally:
             _runtime.uninstall(runtime)
+            if runtime.config.ft and runtime.agent.failed:
+                _lost_workers = True  # MPI_Finalize would wait for the dead ranks
+                sys.exit = _recording_exit
 
 
 def _get_debug_info() -> dict[str, int]:

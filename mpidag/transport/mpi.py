@@ -141,9 +141,13 @@ class MPITransport(FramedTransport):
             self._send_frame0_unlocked(dst, frame0)
 
     def _send_frame0_unlocked(self, dst: int, frame0: bytes | bytearray) -> None:
-        request = self._Isend(frame0, dst, HEADER_TAG)
-        if not request.Test():
-            self._sends_in_flight.append((request, frame0))
+        try:
+            request = self._Isend(frame0, dst, HEADER_TAG)
+            if not request.Test():
+                self._sends_in_flight.append((request, frame0))
+        except self._MPI.Exception as exc:  # to a rank that failed (ft)
+            self._on_mpi_error(exc)
+            raise WorkerFailedError(f"rank {dst} failed", dst) from None
 
     def _complete_sends(self) -> None:
         """Release the frames whose sends completed, oldest first (only the leader, which
@@ -174,7 +178,11 @@ class MPITransport(FramedTransport):
         if message is None:
             return None
         frame0 = bytearray(status.Get_count())
-        message.Recv(frame0)
+        try:
+            message.Recv(frame0)
+        except self._MPI.Exception as exc:  # its sender failed (ft): drop it, report that
+            self._on_mpi_error(exc)
+            return None
         return status.Get_source(), frame0
 
     def _send_frame(self, dst: int, tag: int, buffer: Any) -> None:

@@ -60,6 +60,8 @@ _in_work = _WorkFlag()
 #: after a long silence a leader's sleeps may grow to this many times ``max_sleep`` (see
 #: :data:`mpidag._backoff.LONG_IDLE_SHARE`)
 LONG_SLEEP_FACTOR = 10
+#: the most pool threads a rank starts when all of them wait for nested calls
+MAX_POOL_THREADS = 256
 _MAIN = threading.main_thread()
 _MAIN_IDENT = _MAIN.ident
 _get_ident = threading.get_ident
@@ -181,6 +183,13 @@ class ProgressEngine:
         self._vacancy_epoch = 0  # counts lazy vacancies, for the sentinel
         self._stopping = False
         self._main_cpu = MainThreadCPU()
+        self._name = name
+        self._pool_size = num_threads
+        #: the pool grows past ``num_threads`` only while every pool thread waits for a
+        #: nested call and a request is queued (see _grow_if_starved_locked), up to this
+        self.max_threads = max(MAX_POOL_THREADS, num_threads)
+        self._started = False
+        self._grown = self._at_max = False  # (each logged once)
         self._threads = [
             threading.Thread(target=self._pool_main, name=f"{name}-pool-{i}", daemon=True)
             for i in range(num_threads)
@@ -191,7 +200,10 @@ class ProgressEngine:
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        for thread in self._threads:
+        with self._lock:
+            self._started = True
+            threads = list(self._threads)
+        for thread in threads:
             thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -426,6 +438,35 @@ class ProgressEngine:
             self._work.append(work)
             if self._idle:
                 self._pool_cv.notify()
+            else:
+                self._grow_if_starved_locked()
+
+    def _grow_if_starved_locked(self) -> None:
+        """Start one more pool thread when a request is queued and every pool thread runs a
+        request that waits for a nested call: without it those calls could wait for each
+        other forever (e.g. chains of ``rpc_sync`` through every rank, from every rank at
+        once, need more threads than ``num_worker_threads``). Called under the lock."""
+        if (not self._work or self._idle or self._stopping or not self._started
+                or self._blocked_work < self._running_work
+                or self._running_work < self._pool_size):
+            return
+        if self._pool_size >= self.max_threads:
+            if not self._at_max:
+                self._at_max = True
+                log.error("%s: all %d pool threads wait for nested calls and requests are "
+                          "queued; no more threads will be started (a deadlock unless a call "
+                          "times out)", self._name, self._pool_size)
+            return
+        if not self._grown:
+            self._grown = True
+            log.warning("%s: all %d pool threads wait for nested calls while a request is "
+                        "queued; starting more threads (raise num_worker_threads to avoid "
+                        "this)", self._name, self._pool_size)
+        thread = threading.Thread(target=self._pool_main,
+                                  name=f"{self._name}-pool-{self._pool_size}", daemon=True)
+        self._pool_size += 1
+        self._threads.append(thread)
+        thread.start()
 
     # ------------------------------------------------------------- user waits
     def wake_waiters(self) -> None:
@@ -448,6 +489,8 @@ class ProgressEngine:
             lead = not self._leader_busy and not self._stopping
             self._blocked_work += blocked
             self._main_parked += main
+            if blocked and self._work:
+                self._grow_if_starved_locked()
             if lead:  # the common case: nobody leads (a pool leader vacated lazily)
                 self._leader_busy = True
             else:
