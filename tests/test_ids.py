@@ -10,6 +10,17 @@ def test_rank_bits_grow_with_the_world():
     assert rank_bits_for(65_536) == 16
     assert rank_bits_for(65_537) == 17
     assert rank_bits_for(1_000_000) == 20
+    assert rank_bits_for(2**20) == 20
+
+
+def test_ids_at_two_to_the_twenty_ranks():
+    world = 2**20
+    gens = [IdGenerator(r, world) for r in (0, 1, world // 2, world - 1)]
+    ids = [g.next() for g in gens for _ in range(2)]
+    assert len(set(ids)) == len(ids)
+    for g in gens:
+        i = g.next()
+        assert g.creator(i) == g.rank and 0 < i < 2**63
 
 
 def test_ids_decode_to_their_creator_and_are_unique_across_ranks():
