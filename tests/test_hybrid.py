@@ -4,6 +4,8 @@ examples/ddp_rpc.py at 4 ranks against the same training done locally."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -100,6 +102,7 @@ def _local_grads(seed_rank: int, model: nn.Module, x: torch.Tensor) -> list[torc
 def test_ddp_averages_gradients_inside_distributed_autograd(rpc_world):
     rank, size = rpc_world.rank, rpc_world.size
     pg = rpc.init_process_group(timeout=60)
+    model = None
     try:
         torch.manual_seed(rank)  # different on every rank: DDP broadcasts rank 0's
         model = DDP(nn.Linear(3, 2), process_group=pg)
@@ -129,6 +132,12 @@ def test_ddp_averages_gradients_inside_distributed_autograd(rpc_world):
         (model(data[rank]) * 2).pow(2).sum().backward()
         close([p.grad for p in model.parameters()], mean)
     finally:
+        # every member here before any tears its group down, and the DDP reducer (which
+        # holds the group) freed first: destroying a Gloo group whose peer has left while
+        # the reducer still held it hung in ~ProcessGroupGloo (seen once in CI)
+        dist.barrier()
+        model = None
+        gc.collect()
         dist.destroy_process_group()
 
 
