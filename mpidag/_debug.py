@@ -60,7 +60,7 @@ def configure_logging(rank: int, wanted: str | None) -> None:
 
 
 def state_report(runtime: Runtime) -> str:
-    """A readable snapshot of a session: calls in flight, engine, RRefs, autograd contexts.
+    """:func:`state_snapshot` as readable text (what ``kill -USR1`` prints).
 
     Example::
 
@@ -69,25 +69,21 @@ def state_report(runtime: Runtime) -> str:
         calls in flight: 1
           0x17 tests.f.slow -> worker1, 3.2 s, timeout 60 s
     """
-    now = time.monotonic()
-    agent = runtime.agent
-    engine = agent.engine
-    lines = [f"=== mpidag state of {agent.where()} ==="]
-    pending = list(agent._pending.copy().items())
-    lines.append(f"calls in flight: {len(pending)}")
-    for request_id, call in pending[:50]:
-        started = call.deadline - call.seconds if call.deadline else None
-        age = f"{now - started:.1f} s" if started is not None else "no timeout"
-        lines.append(f"  0x{request_id:x} {call.what} -> {agent.workers[call.dst].name}, "
-                     f"{age}, timeout {call.seconds:g} s")
-    lines.append(f"progress: leader busy={engine._leader_busy} waiting user threads="
-                 f"{engine._waiters} idle pool threads={engine._idle} queued requests="
-                 f"{len(engine._work)} running requests={engine._running_work}")
-    lines.append(f"messages: sent={agent.sent} handled={agent.processed}")
-    lines.append("rrefs: " + ", ".join(f"{k}={v}" for k, v in
-                                       runtime.rrefs.debug_info().items()))
-    lines.append("autograd: " + ", ".join(f"{k}={v}" for k, v in
-                                          runtime.autograd.container.debug_info().items()))
+    state = state_snapshot(runtime)
+    engine = state["engine"]
+    lines = [f"=== mpidag state of {runtime.agent.where()} ===",
+             f"calls in flight: {len(state['calls'])}"]
+    for call in state["calls"][:50]:
+        lines.append(f"  {call['id']} {call['what']} -> {call['to']}, {call['age_s']:.1f} s, "
+                     f"timeout {call['timeout_s']:g} s")
+    lines.append(f"progress: leader busy={engine['leader_busy']} waiting user threads="
+                 f"{engine['waiting_user_threads']} idle pool threads="
+                 f"{engine['idle_pool_threads']} queued requests={engine['queued_requests']} "
+                 f"running requests={engine['running_requests']}")
+    lines.append(f"messages: sent={state['messages']['sent']} "
+                 f"handled={state['messages']['handled']}")
+    for part in ("rrefs", "autograd"):
+        lines.append(f"{part}: " + ", ".join(f"{k}={v}" for k, v in state[part].items()))
     return "\n".join(lines)
 
 

@@ -480,8 +480,6 @@ class RpcAgent:
         return dumps(obj, lambda: detaches_parameters(*call), self.codecs, prefix, dst)
 
     def _send(self, dst: int, env: Envelope, reply: bool) -> None:
-        if self.failed and dst in self.failed:
-            raise self.failed_error(dst)
         devices = self.devices_for(dst, env.tensors, reply)
         with self._count_lock:
             self._sent_to[dst] += 1

@@ -258,20 +258,14 @@ class PassState:
     def _resolve(self, message_id: int) -> None:
         """SMART: another rank's send function ``message_id`` waits for the gradient of this
         rank's recv function of that message. Answer "no gradient" now if no source of this
-        rank reaches it; otherwise ask about each of its sources that has not arrived."""
-        if message_id in self.resolved:
+        rank reaches it (done when this rank planned: :meth:`_answer_unreached`); otherwise
+        ask about each of its sources that has not arrived."""
+        if message_id in self.resolved:  # (unreached ones were answered by the plan)
             return
         self.resolved.add(message_id)
-        record = self.ctx.recvs.get(message_id)
-        if record is None:  # nothing was recorded for it here: nothing can ever come
-            log.debug("resolve: no recv function 0x%x on %s", message_id, self.agent.where())
-            return
         plan = self.plan
         node = self._recv_nodes().get(message_id)
-        if node is None:  # unreached from every source of this rank: dead for this pass
-            self._send(record.peer, message_id, None)
-            return
-        if node in plan.fired:
+        if node is None or node in plan.fired:  # None: no such recv function here
             return
         pending = plan.recv_mask[node] & ~plan.arrived
         for index in range(plan.n_sources):
@@ -324,7 +318,7 @@ class PassState:
         plan = self.plan
         if plan is None:
             return {}
-        reached = {node.record.message_id for node in plan.reached_recvs()}
+        reached = self._recv_nodes()  # by message id
         with self.ctx.lock:
             unused = [r.what for mid, r in self.ctx.recvs.items() if mid not in reached]
         stuck = plan.waiting_sources()

@@ -243,10 +243,6 @@ class Plan:
         """Every source has arrived: nothing is left to run."""
         return self.arrived == (1 << self.n_sources) - 1
 
-    def reached_recvs(self) -> list[Any]:
-        """The recv nodes this pass reaches from some source."""
-        return list(self.recv_mask)
-
     def waiting_sources(self) -> list[int]:
         """Sources that have not arrived although a region they feed has other sources that
         have: under FAST mode those regions can never run (their gradients are lost)."""

@@ -188,7 +188,6 @@ class ProgressEngine:
         #: the pool grows past ``num_threads`` only while every pool thread waits for a
         #: nested call and a request is queued (see _grow_if_starved_locked), up to this
         self.max_threads = max(MAX_POOL_THREADS, num_threads)
-        self._started = False
         self._grown = self._at_max = False  # (each logged once)
         self._threads = [
             threading.Thread(target=self._pool_main, name=f"{name}-pool-{i}", daemon=True)
@@ -200,8 +199,7 @@ class ProgressEngine:
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        with self._lock:
-            self._started = True
+        with self._lock:  # a copy: a started thread may grow the pool meanwhile
             threads = list(self._threads)
         for thread in threads:
             thread.start()
@@ -446,7 +444,7 @@ class ProgressEngine:
         request that waits for a nested call: without it those calls could wait for each
         other forever (e.g. chains of ``rpc_sync`` through every rank, from every rank at
         once, need more threads than ``num_worker_threads``). Called under the lock."""
-        if (not self._work or self._idle or self._stopping or not self._started
+        if (not self._work or self._idle or self._stopping
                 or self._blocked_work < self._running_work
                 or self._running_work < self._pool_size):
             return
