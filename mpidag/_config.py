@@ -19,7 +19,13 @@ variable                   field                  default    meaning
 ``MPIDAG_CUDA_AWARE``      ``cuda_aware``         detect     1/0: force CUDA-aware MPI
 ``MPIDAG_RECV_CACHE_MB``   ``recv_cache_bytes``   1024       MiB of recycled receive buffers
 ``MPIDAG_OPTIM_LOCKS``     ``optim_locks``        parameter  ``parameter`` or ``global``
+``MPIDAG_FT``              ``ft``                 0          1: fault-tolerant (ULFM) session
+``MPIDAG_INSPECT_DIR``     ``inspect_dir``        tmp dir    state files for mpidag.inspect
 =========================  =====================  =========  ==================================
+
+The launcher's variables (:class:`LaunchConfig`): ``MPIDAG_MPIRUN`` (the ``mpirun`` to
+use), ``MPIDAG_SRUN_MPI`` (``srun --mpi=`` plugin), ``MPIDAG_OVERSUBSCRIBE`` (1/0: force or
+forbid ``--oversubscribe``) and ``MPIDAG_FT`` (``--ft``).
 """
 
 from __future__ import annotations

@@ -94,8 +94,10 @@ class WorkerDiedError(RPCError):
 
 
 class WorkerFailedError(WorkerDiedError):
-    """A worker of the job failed (its process died: killed, crashed, or exited without
-    ``shutdown``), in a job started with fault tolerance (``python -m mpidag.run --ft``).
+    """A worker of the job failed (its process died of a signal: killed, crashed, or an
+    uncaught exception, which an ``--ft`` job turns into ``SIGKILL``), in a job started with
+    fault tolerance (``python -m mpidag.run --ft``). A process that exits normally without
+    ``shutdown`` is not reported by Open MPI (see ``docs/fault_tolerance.md``).
 
     Raised on every survivor by the calls, RRef uses, backward passes and optimizer steps
     that needed that worker: pending ones within the failure detector's delay, new ones at

@@ -2,15 +2,17 @@
 
 Data flow of ``rpc_sync(to, f, args)``::
 
-    caller thread: pickle (f, args) with tensors out -> transport.send(CALL, request_id)
-                   -> lead the progress engine until the future is done
+    caller thread: f's reference + pickle (args, kwargs), tensors out
+                   -> transport.send(CALL, request_id)
+                   -> lead the progress engine until the call record is done
     callee leader: transport.poll -> dispatch -> work item (run inline by a pool leader)
                    -> f(*args) -> transport.send(RESULT or ERROR, request_id)
-    caller leader: transport.poll -> dispatch -> pending[request_id].future.set_result
+    caller leader: transport.poll -> dispatch -> pending[request_id] gets the value and is
+                   done (rpc_async: its future's result is set)
 
 The agent owns the calls of one rank: pending calls, their futures and deadlines, the
 progress engine and the message counters of graceful shutdown. The layers above it own
-their own state and plug into the agent through four small interfaces:
+their own state and plug into the agent through five small interfaces:
 
 * :meth:`RpcAgent.register_handler`: named handlers for internal messages (RRef protocol
   steps, gradients), run as calls, notifications or in-order control messages;
@@ -19,7 +21,9 @@ their own state and plug into the agent through four small interfaces:
 * :meth:`RpcAgent.set_observer`: a :class:`CallObserver` that sees every call, reply and
   received message (distributed autograd records send/recv functions through it);
 * :meth:`RpcAgent.add_hooks`: work for the leader after each poll, "still busy" checks for
-  the termination test, and steps before a graceful shutdown.
+  the termination test, and steps before a graceful shutdown;
+* :meth:`RpcAgent.add_failure_listener`: a rank was found dead (fault-tolerant jobs), after
+  the calls pending to it failed.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``mpidag.autograd``: ``torch.distributed.autograd`` on MPI (FAST mode engine).
+"""``mpidag.autograd``: ``torch.distributed.autograd`` on MPI (FAST engine, SMART mode).
 
 Port a program by changing its imports::
 
@@ -14,8 +14,10 @@ Port a program by changing its imports::
 Every RPC made inside the ``with`` block (``rpc_sync``, ``rpc_async``, ``remote``,
 ``to_here``, RRef proxies, and calls nested in the remote functions) records a send
 function on the sender and a recv function on the receiver for its tensors that require
-grad. ``backward`` runs the FAST mode algorithm of PyTorch's design: see
-:mod:`mpidag.dist_autograd.engine` and the design overview of the documentation (``docs/``).
+grad. ``backward`` runs the FAST mode algorithm of PyTorch's design, completed by SMART mode
+(the default, ``mode="smart"``): RPC results that the loss leaves unused get "no gradient"
+instead of an error. See :mod:`mpidag.dist_autograd.engine` and the design overview of the
+documentation (``docs/``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 * :mod:`.graph`: regions of one rank's local graph, run by the native engine;
 * :mod:`.context`: contexts, send/recv functions, recording through the agent's observer;
-* :mod:`.engine`: the FAST mode backward pass across ranks (:class:`DistAutograd`).
+* :mod:`.engine`: the backward pass across ranks, FAST mode completed by SMART mode
+  (:class:`DistAutograd`).
 """
 
 from mpidag.dist_autograd.context import ContextContainer, DistAutogradContext

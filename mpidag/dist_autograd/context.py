@@ -17,8 +17,11 @@ Leaving the ``with`` block releases the context here and, through the ranks it e
 messages with, everywhere (the ``autograd.release`` control handler); ids of released
 contexts are remembered, so a late message does not bring one back.
 
-The container sees the agent's messages as its :class:`~mpidag.agent.agent.CallObserver`:
-that is the whole interface between the RPC agent and distributed autograd.
+The container sees the agent's messages as its :class:`~mpidag.agent.agent.CallObserver`
+(the one way autograd learns of RPC messages); besides that it registers the
+``autograd.release`` handler and a failure listener in the agent, and
+:class:`~mpidag.dist_autograd.engine.DistAutograd` registers the handlers of the backward
+pass.
 """
 
 from __future__ import annotations

@@ -380,8 +380,10 @@ class DistAutograd:
     """Distributed autograd of one rank: its contexts and its backward passes.
 
     Made with the agent it works through; registers the ``autograd.gradients`` handler (a
-    gradient message: a call, answered by the Dijkstra-Scholten rule above) and, through its
-    :class:`ContextContainer`, the ``autograd.release`` handler and the call observer.
+    gradient message, or SMART mode's "no gradient can come": a call, answered by the
+    Dijkstra-Scholten rule above) and the ``autograd.resolve`` handler (SMART mode's question
+    to a rank no message of the pass reached), and, through its :class:`ContextContainer`,
+    the ``autograd.release`` handler, the call observer and a failure listener.
 
     Example::
 

@@ -10,11 +10,13 @@ e.g. the trainers of a ``DistributedDataParallel`` model. With torch the user in
     if pg is not None:                               # mpidag.nn.parallel's DDP (torch's class)
         model = DistributedDataParallel(model, process_group=pg)
 
-How: every rank of the job takes part in two small non-blocking all-reduces over mpidag's
+How: every rank of the job takes part in three small non-blocking all-reduces over mpidag's
 transport (the RPC pool threads keep serving meanwhile): the first checks that all ranks
 passed the same arguments and that none failed locally, the second spreads the address of a
 ``torch.distributed.TCPStore`` that the group's first rank opened on a free port. The members
-then make the group with ``torch.distributed.init_process_group(store=...)``.
+then make the group with ``torch.distributed.init_process_group(store=...)``, and the third
+returns on every rank only once every member has made it (or raises everywhere if one
+could not).
 """
 
 from __future__ import annotations
@@ -52,8 +54,10 @@ def init_process_group(ranks: Sequence[int | str | WorkerInfo] | None = None,
     MPI job: the group's first rank opens a ``TCPStore`` on a free port and the others learn
     its address through mpidag's transport (no ``MASTER_ADDR``/``MASTER_PORT``).
 
-    Free it with ``torch.distributed.destroy_process_group()`` on the members before
-    :func:`~mpidag.rpc.shutdown`.
+    Free it with ``torch.distributed.destroy_process_group()`` on the members, before or
+    after :func:`~mpidag.rpc.shutdown`, once every member is done with it and the DDP
+    models that hold it are freed (a ``torch.distributed.barrier()`` first): a Gloo group
+    torn down while a peer has already left can hang (see the porting guide).
 
     Args:
         ranks: the members, as ranks, worker names or ``WorkerInfo`` (default: every rank).

@@ -317,9 +317,9 @@ class RRefContext:
                 self._maybe_delete_user(rec)
 
     def _maybe_delete_user(self, rec: UserRecord) -> None:
-        # G2: not before every child forked from this user is confirmed by the owner;
-        # and not before the owner answered the remote() that made it (a failed creation
-        # left no value to delete but the fork must still be dropped on the owner)
+        # G2: not before every child forked from this user is confirmed by the owner. The
+        # delete may overtake the remote() that made the value (the owner then keeps a
+        # tombstone for it); a failed creation's fork is counted too and is dropped alike
         if not rec.released or rec.pending_children or rec.delete_sent:
             return
         rec.delete_sent = True

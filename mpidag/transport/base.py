@@ -100,7 +100,8 @@ class FramedTransport(Transport):
     """Framing, tensor allocation and loopback; subclasses move the bytes.
 
     Subclasses implement :meth:`_send_frame0`, :meth:`_send_frame`, :meth:`_probe` and
-    :meth:`_recv_frame`, and set ``rank``, ``size``, ``cuda_aware`` and ``n_data_tags``.
+    :meth:`_recv_frame`, pass ``rank``, ``size`` and ``n_data_tags`` to ``__init__``, and set
+    ``cuda_aware`` when their transfers can read and write device memory.
     """
 
     cuda_aware: bool = False
