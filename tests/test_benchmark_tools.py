@@ -1,0 +1,60 @@
+"""benchmarks/compare_revisions.py: the table it prints from the runs' JSON files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import compare_revisions  # noqa: E402
+
+
+def write_run(out: Path, stem: str, rows: dict) -> None:
+    (out / f"{stem}.json").write_text(json.dumps({"rows": rows}))
+
+
+def rpc_row(mpidag: float, torch: float, raw: float) -> dict:
+    return {"rtt_noop_us": {"mpidag": mpidag, "torch_rpc": torch, "raw_mpi": raw,
+                            "mpidag_vs_torch": mpidag / torch, "mpidag_vs_raw": mpidag / raw}}
+
+
+def test_table_gives_medians_ranges_and_the_change_per_row(tmp_path):
+    for side, values in (("old", (40.0, 30.0, 50.0)), ("new", (20.0, 22.0, 24.0))):
+        for i, value in enumerate(values, 1):
+            write_run(tmp_path, f"rpc_{side}_{i}", rpc_row(value, 200.0, 2.0))
+    # autograd rows carry the interleaved engine overhead as samples; optim rows no raw
+    write_run(tmp_path, "autograd_old_1", {"autograd_ops_1000_ms": {
+        "mpidag": 14.0, "torch_rpc": 12.0, "samples": {"mpidag_vs_local_interleaved": [1.3, 1.5]}}})
+    write_run(tmp_path, "autograd_new_1", {"autograd_ops_1000_ms": {
+        "mpidag": 12.0, "torch_rpc": 12.0, "samples": {"mpidag_vs_local_interleaved": [1.2]}}})
+    text = compare_revisions.table(tmp_path, ("old (a)", "new (b)"))
+    lines = text.splitlines()
+    assert lines[0] == "| row | figure | old (a) | new (b) | new/old |"
+    assert "| `rtt_noop_us` | mpidag | 40.0 (30.0-50.0) | 22.0 (20.0-24.0) | 0.55 |" in lines
+    assert "| `rtt_noop_us` | mpidag_vs_raw | 20.0 (15.0-25.0) | 11.0 (10.0-12.0) | 0.55 |" in lines
+    # a ratio to torch is computed when the row has none, and the interleaved median is kept
+    assert "| `autograd_ops_1000_ms` | mpidag_vs_torch | 1.17 (1.17-1.17) | 1.00 (1.00-1.00) " \
+           "| 0.86 |" in lines
+    assert "| `autograd_ops_1000_ms` | interleaved | 1.40 (1.40-1.40) | 1.20 (1.20-1.20) " \
+           "| 0.86 |" in lines
+
+
+def test_a_row_measured_on_one_side_only_is_left_out(tmp_path):
+    write_run(tmp_path, "rpc_old_1", rpc_row(40.0, 200.0, 2.0))
+    write_run(tmp_path, "rpc_new_1", {"seed_unused_ms": {"mpidag": 1.0}})
+    assert compare_revisions.table(tmp_path, ("old", "new")).count("\n") == 1  # header only
+
+
+@pytest.mark.parametrize("args, message", [
+    (["a", "b", "--rounds", "0"], "--rounds must be at least 1"),
+    (["a", "b", "--table-only"], "--table-only needs --out"),
+])
+def test_bad_arguments_are_named(args, message):
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "compare_revisions.py"), *args],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr
