@@ -131,7 +131,7 @@ def state_snapshot(runtime: Runtime) -> dict[str, Any]:
         "engine": {"leader_busy": engine._leader_busy, "waiting_user_threads": engine._waiters,
                    "idle_pool_threads": engine._idle, "queued_requests": len(engine._work),
                    "running_requests": engine._running_work,
-                   "pool_threads": runtime.options.num_worker_threads},
+                   "pool_threads": engine.pool_size},
         "messages": {"sent": agent.sent, "handled": agent.processed},
         "failed": sorted(agent.workers[r].name for r in agent.failed),
         "rrefs": runtime.rrefs.debug_info(),

@@ -135,6 +135,35 @@ def test_base_exceptions_are_answers_and_the_pool_survives():
         on_every_rank(2, lambda r: runtimes[r].shutdown(timeout=TIMEOUT))
 
 
+#: the runtimes of test_the_pool_grows_for_nested_calls_and_reports_its_size, by rank
+_CHAIN_WORLD: list[Runtime] = []
+
+
+def chain(path: list[int], x: int) -> int:
+    """Runs on rank ``path[0]``: calls itself on ``path[1]`` (and so on) and adds 1 at the end."""
+    if len(path) == 1:
+        return x + 1
+    return call(_CHAIN_WORLD[path[0]], path[1], chain, path[1:], x * 2)
+
+
+def test_the_pool_grows_for_nested_calls_and_reports_its_size():
+    """One pool thread per rank, and a chain 0 -> 1 -> 0 -> 1: rank 1's only pool thread
+    waits in the first hop while the last one is queued, so rank 1 starts a second pool
+    thread; the state the inspector shows counts it."""
+    from mpidag._debug import state_snapshot
+
+    runtimes = start_world(2, num_worker_threads=1)
+    _CHAIN_WORLD[:] = runtimes
+    try:
+        assert call(runtimes[0], 1, chain, [1, 0, 1], 1) == ((1 * 2) * 2) + 1
+        assert runtimes[0].agent.engine.pool_size == 1
+        assert runtimes[1].agent.engine.pool_size == 2
+        assert state_snapshot(runtimes[1])["engine"]["pool_threads"] == 2
+    finally:
+        _CHAIN_WORLD.clear()
+        on_every_rank(2, lambda r: runtimes[r].shutdown(timeout=TIMEOUT))
+
+
 def test_internal_messages_name_handlers_not_functions(world):
     agent = world[0].agent
     payload, _, flags = agent._encode_call(1, world[0].rrefs._fetch, (7,), {})

@@ -184,18 +184,22 @@ class ProgressEngine:
         self._stopping = False
         self._main_cpu = MainThreadCPU()
         self._name = name
-        self._pool_size = num_threads
         #: the pool grows past ``num_threads`` only while every pool thread waits for a
         #: nested call and a request is queued (see _grow_if_starved_locked), up to this
         self.max_threads = max(MAX_POOL_THREADS, num_threads)
         self._grown = self._at_max = False  # (each logged once)
+        sentinel = threading.Thread(target=self._sentinel_main, name=f"{name}-sentinel",
+                                    daemon=True)
+        #: the pool threads, then the sentinel; grows by pool threads (under the lock)
         self._threads = [
             threading.Thread(target=self._pool_main, name=f"{name}-pool-{i}", daemon=True)
             for i in range(num_threads)
-        ]
-        self._threads.append(
-            threading.Thread(target=self._sentinel_main, name=f"{name}-sentinel", daemon=True)
-        )
+        ] + [sentinel]
+
+    @property
+    def pool_size(self) -> int:
+        """How many pool threads this rank has (``num_threads``, more if it grew)."""
+        return len(self._threads) - 1  # (the sentinel)
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -446,24 +450,23 @@ class ProgressEngine:
         once, need more threads than ``num_worker_threads``). Called under the lock."""
         if (not self._work or self._idle or self._stopping
                 or self._blocked_work < self._running_work
-                or self._running_work < self._pool_size):
+                or self._running_work < self.pool_size):
             return
-        if self._pool_size >= self.max_threads:
+        if self.pool_size >= self.max_threads:
             if not self._at_max:
                 self._at_max = True
                 log.error("%s: all %d pool threads wait for nested calls and requests are "
                           "queued; no more threads will be started (a deadlock unless a call "
-                          "times out)", self._name, self._pool_size)
+                          "times out)", self._name, self.pool_size)
             return
         if not self._grown:
             self._grown = True
             log.warning("%s: all %d pool threads wait for nested calls while a request is "
                         "queued; starting more threads (raise num_worker_threads to avoid "
-                        "this)", self._name, self._pool_size)
+                        "this)", self._name, self.pool_size)
         thread = threading.Thread(target=self._pool_main,
-                                  name=f"{self._name}-pool-{self._pool_size}", daemon=True)
-        self._pool_size += 1
-        self._threads.append(thread)
+                                  name=f"{self._name}-pool-{self.pool_size}", daemon=True)
+        self._threads.insert(-1, thread)  # before the sentinel
         thread.start()
 
     # ------------------------------------------------------------- user waits
