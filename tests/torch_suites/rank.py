@@ -1,0 +1,141 @@
+"""One MPI rank of a torch-suite job: runs the given tests of one class in order.
+
+Started by the runner as ``python -m mpidag.run -n W -m tests.torch_suites.rank ...``. Each
+rank appends JSON lines to ``<results>/rank<r>.jsonl``: ``start`` before a test, ``end`` with
+the outcome after it. Ranks wait for each other between tests (an MPI barrier, as torch's
+ranks are synchronised by starting together). After a test that fails on a rank, that rank
+shuts RPC down gracefully itself (the others may be in their graceful shutdown, waiting for
+it), so the job goes on with the next test; if that does not complete within
+``CLEANUP_SECONDS``, the rank ends the job (``MPI_Abort``) and the runner starts the next
+test in a fresh job.
+
+Example::
+
+    python -m mpidag.run -n 4 -m tests.torch_suites.rank --cls RpcTest \\
+        --tests test_add,test_self_add --results /tmp/r --store /tmp/s
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+import unittest
+from pathlib import Path
+from typing import Any
+
+from tests.torch_suites import shim, suites
+
+
+def _skip_reasons() -> dict[int, str]:
+    from torch.testing._internal.common_distributed import TEST_SKIPS
+
+    return {skip.exit_code: skip.message for skip in TEST_SKIPS.values()}
+
+
+#: how long a rank whose test failed waits for RPC's shutdown and the other ranks
+CLEANUP_SECONDS = 20.0
+
+
+def _clean_up_after_failure(comm: Any) -> bool:
+    """Shut RPC down if the test left it running, then meet the other ranks; False when
+    that did not complete within CLEANUP_SECONDS (the job must end)."""
+    import threading
+
+    from mpidag import _runtime
+    from mpidag import rpc as mpidag_rpc
+
+    def shut_down() -> None:
+        try:
+            if _runtime.current_or_none() is not None:
+                mpidag_rpc.shutdown(graceful=True)
+        except BaseException:  # noqa: BLE001 - a failed shutdown is reported by the deadline
+            pass
+
+    deadline = time.monotonic() + CLEANUP_SECONDS
+    worker = threading.Thread(target=shut_down, daemon=True)
+    worker.start()
+    worker.join(CLEANUP_SECONDS)
+    if worker.is_alive() or _runtime.current_or_none() is not None:
+        return False
+    request = comm.Ibarrier()
+    while not request.Test():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def run_one(cls: type, name: str, rank: int, store: str) -> tuple[str, str]:
+    """Run one test as torch's ranks do (the method only: no setUp, as in
+    ``MultiProcessTestCase.run_test``); returns (outcome, detail)."""
+    from torch.testing._internal import common_utils
+
+    test = suites.make_test(cls, name, rank, store)
+    common_utils.set_rng_seed()
+    try:
+        getattr(test, name)()
+    except unittest.SkipTest as skip:
+        return "skipped", str(skip)
+    except SystemExit as exc:  # torch's skip decorators exit with a skip code
+        reason = _skip_reasons().get(exc.code if isinstance(exc.code, int) else -1)
+        if reason is not None:
+            return "skipped", reason
+        return "failed", "".join(traceback.format_exc(limit=-12))
+    except BaseException:  # noqa: BLE001 - every failure is a result
+        return "failed", "".join(traceback.format_exc(limit=-12))
+    return "passed", ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cls", required=True, help="test class, e.g. RpcTest")
+    parser.add_argument("--tests", required=True, help="comma-separated test names")
+    parser.add_argument("--results", required=True, help="directory for rank<r>.jsonl")
+    parser.add_argument("--store", required=True, help="directory for the tests' store files")
+    args = parser.parse_args(argv)
+
+    shim.install()
+    cls = suites.test_class(suites.suite_of(args.cls), args.cls)
+    from mpi4py import MPI
+
+    from mpidag import _runtime
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    out = open(Path(args.results) / f"rank{rank}.jsonl", "a", buffering=1)  # noqa: SIM115
+
+    def record(**fields: Any) -> None:
+        out.write(json.dumps({"rank": rank, "time": time.time(), **fields}) + "\n")
+        out.flush()
+        os.fsync(out.fileno())
+
+    for name in args.tests.split(","):
+        store = str(Path(args.store) / f"{args.cls}.{name}")
+        record(event="start", test=name)
+        shim.reset_torch_internals_used()
+        began = time.monotonic()
+        outcome, detail = run_one(cls, name, rank, store)
+        left_running = _runtime.current_or_none() is not None
+        if outcome != "failed" and left_running:
+            outcome, detail = "failed", "the test left RPC running (no rpc.shutdown())"
+        record(event="end", test=name, outcome=outcome, detail=detail[-6000:],
+               seconds=round(time.monotonic() - began, 3),
+               torch_internals=shim.torch_internals_used())
+        if outcome == "failed":
+            sys.stderr.write(f"[rank {rank}] {args.cls}.{name} failed:\n{detail}\n")
+            sys.stderr.flush()
+            if not _clean_up_after_failure(comm):
+                record(event="abort", test=name)
+                comm.Abort(1)
+        else:
+            comm.Ibarrier().Wait()  # nonblocking, to match the failed ranks' Ibarrier
+    out.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

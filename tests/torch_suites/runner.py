@@ -1,0 +1,261 @@
+"""Run torch's own RPC suites against mpidag under MPI, and report per file.
+
+For each test class the runner starts one MPI job of the class's world size
+(``python -m mpidag.run -n W -m tests.torch_suites.rank``) with the tests still to run, in
+order; a rank ends the job when a test fails (see :mod:`tests.torch_suites.rank`), and a
+test that makes no progress for ``--timeout`` seconds is a hang: the job is killed. Either
+way the runner goes on with the next test in a new job, so one bad test costs one job start,
+never the run. A test passes only when it passed on every rank.
+
+Usage (from the repository root)::
+
+    .venv/bin/python -m tests.torch_suites                 # everything (about 20 min here)
+    .venv/bin/python -m tests.torch_suites --part ci       # the fixed part CI runs
+    .venv/bin/python -m tests.torch_suites -k rref --cls RpcTest --show-failures
+    .venv/bin/python -m tests.torch_suites --json out.json --markdown table.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tests.torch_suites import exclusions, shim, suites
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Result:
+    """The outcome of one test over all ranks."""
+
+    file: str
+    cls: str
+    test: str
+    outcome: str  #: passed, failed, skipped, hang, crashed, excluded
+    seconds: float = 0.0
+    detail: str = ""
+    reason: str = ""  #: the exclusion reason, for excluded tests
+    torch_internals: list[str] = field(default_factory=list)
+
+
+def plan(part: str, only_class: str | None, pattern: str | None) -> list[tuple[suites.Suite, str,
+                                                                               list[str]]]:
+    """(suite, class, tests) to run, in order; excluded tests are not in it."""
+    chosen = []
+    for suite in suites.SUITES:
+        for cls_name in suite.classes:
+            if only_class and cls_name != only_class:
+                continue
+            try:
+                names = suites.test_names(suites.test_class(suite, cls_name))
+            except Exception as exc:  # noqa: BLE001 - the whole class fails
+                chosen.append((suite, cls_name, [f"<import failed: {exc!r}>"]))
+                continue
+            names = [n for n in names if f"{cls_name}.{n}" not in exclusions.EXCLUDED]
+            if part == "ci":
+                names = [n for n in names if f"{cls_name}.{n}" in exclusions.CI_PART]
+            if pattern:
+                names = [n for n in names if pattern in n]
+            if names:
+                chosen.append((suite, cls_name, names))
+    return chosen
+
+
+def _world_size(suite: suites.Suite, cls_name: str, first_test: str) -> int:
+    cls = suites.test_class(suite, cls_name)
+    return int(suites.make_test(cls, first_test, 0, "").world_size)
+
+
+def _read_records(results: Path) -> list[dict]:
+    records = []
+    for path in sorted(results.glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:  # a line cut by the kill
+                    pass
+    return records
+
+
+def _kill(job: subprocess.Popen) -> None:
+    try:
+        os.killpg(job.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    job.wait()
+
+
+def run_class(suite: suites.Suite, cls_name: str, names: list[str], timeout: float,
+              workdir: Path, report) -> list[Result]:
+    """Run ``names`` of ``cls_name`` in as few jobs as failures allow."""
+    size = _world_size(suite, cls_name, names[0])
+    results: list[Result] = []
+    remaining = list(names)
+    job_no = 0
+    while remaining:
+        job_no += 1
+        jobdir = workdir / f"{cls_name}-{job_no}"
+        (jobdir / "store").mkdir(parents=True)
+        log = open(jobdir / "job.log", "w")  # noqa: SIM115
+        cmd = [sys.executable, "-m", "mpidag.run", "-n", str(size), "-m",
+               "tests.torch_suites.rank", "--cls", cls_name, "--tests", ",".join(remaining),
+               "--results", str(jobdir), "--store", str(jobdir / "store")]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "MPIDAG_ABORT_ON_ERROR": "1",
+               "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, start_new_session=True)
+        seen, last_progress, hung = 0, time.monotonic(), False
+        while job.poll() is None:
+            time.sleep(0.25)
+            count = sum(1 for _ in jobdir.glob("rank*.jsonl") for _ in open(_))
+            if count != seen:
+                seen, last_progress = count, time.monotonic()
+            elif time.monotonic() - last_progress > timeout:
+                hung = True
+                _kill(job)
+        log.close()
+        records = _read_records(jobdir)
+        done_here = 0
+        for name in remaining:
+            ends = [r for r in records if r["test"] == name and r["event"] == "end"]
+            started = any(r["test"] == name for r in records)
+            if not started:
+                break
+            outcomes = {r["outcome"] for r in ends}
+            seconds = max((r["seconds"] for r in ends), default=0.0)
+            internals = sorted({i for r in ends for i in r.get("torch_internals", [])})
+            failed = [r for r in ends if r["outcome"] == "failed"]
+            if failed:
+                result = Result(suite.file, cls_name, name, "failed", seconds,
+                                f"rank {failed[0]['rank']}: {failed[0]['detail']}",
+                                torch_internals=internals)
+            elif len(ends) < size:
+                tail = (jobdir / "job.log").read_text(errors="replace")[-3000:]
+                result = Result(suite.file, cls_name, name, "hang" if hung else "crashed",
+                                seconds, f"{len(ends)} of {size} ranks finished; job log:\n"
+                                f"{tail}", torch_internals=internals)
+            elif "skipped" in outcomes:
+                result = Result(suite.file, cls_name, name, "skipped", seconds,
+                                next(r["detail"] for r in ends if r["outcome"] == "skipped"))
+            else:
+                result = Result(suite.file, cls_name, name, "passed", seconds,
+                                torch_internals=internals)
+            results.append(result)
+            report(result)
+            done_here += 1
+            if result.outcome in ("hang", "crashed"):
+                break
+        if done_here == 0:  # the job died before its first test: so would the next one
+            tail = (jobdir / "job.log").read_text(errors="replace")[-3000:]
+            for name in remaining:
+                result = Result(suite.file, cls_name, name, "crashed", 0.0,
+                                f"the job ended before the test started; job log:\n{tail}")
+                results.append(result)
+                report(result)
+            done_here = len(remaining)
+        remaining = remaining[done_here:]
+    return results
+
+
+def excluded_results() -> list[Result]:
+    """The excluded tests as results (for the table), with their reasons."""
+    out = []
+    for key, (reason, why) in exclusions.EXCLUDED.items():
+        cls_name, _, test = key.partition(".")
+        out.append(Result(suites.suite_of(cls_name).file, cls_name, test, "excluded",
+                          reason=f"{exclusions.REASONS[reason]}: {why}"))
+    return out
+
+
+def table(results: list[Result]) -> str:
+    """A markdown table: per file, tests run / passed / failed / skipped / excluded."""
+    rows = []
+    files = [s.file for s in suites.SUITES]
+    total: Counter = Counter()
+    for file in files:
+        counts = Counter(r.outcome for r in results if r.file == file)
+        counts["failed"] += counts.pop("hang", 0) + counts.pop("crashed", 0)
+        run = counts["passed"] + counts["failed"]
+        total.update(counts)
+        rows.append((file, run, counts["passed"], counts["failed"], counts["skipped"],
+                     counts["excluded"]))
+    run = total["passed"] + total["failed"]
+    rows.append(("**all**", run, total["passed"], total["failed"], total["skipped"],
+                 total["excluded"]))
+    lines = ["| torch file | run | passed | failed | skipped (torch's own skips) | excluded |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {f} | {r} | {p} | {fa} | {s} | {e} |" for f, r, p, fa, s, e in rows]
+    rate = 100.0 * total["passed"] / run if run else 0.0
+    lines.append("")
+    lines.append(f"{total['passed']} of {run} tests outside the exclusion list pass "
+                 f"({rate:.1f} %).")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.torch_suites",
+        description="Run torch's own RPC suites against mpidag under MPI.")
+    parser.add_argument("--part", choices=("all", "ci"), default="all",
+                        help="all tests outside the exclusion list, or CI's fixed part")
+    parser.add_argument("--cls", help="only this test class, e.g. RpcTest")
+    parser.add_argument("-k", dest="pattern", help="only tests whose name contains this")
+    parser.add_argument("--timeout", type=float, default=120.0,
+                        help="seconds without progress before a test counts as a hang")
+    parser.add_argument("--json", type=Path, help="write every result here")
+    parser.add_argument("--markdown", type=Path, help="write the per-file table here")
+    parser.add_argument("--show-failures", action="store_true",
+                        help="print each failure's traceback as it happens")
+    parser.add_argument("--expect-pass", action="store_true",
+                        help="exit 1 unless every test run passed (CI)")
+    args = parser.parse_args(argv)
+
+    exclusions.check()
+    shim.install()
+    chosen = plan(args.part, args.cls, args.pattern)
+    total = sum(len(names) for _, _, names in chosen)
+    print(f"torch {__import__('torch').__version__}: {total} tests in {len(chosen)} classes "
+          f"({len(exclusions.EXCLUDED)} excluded by tests/torch_suites/exclusions.py)",
+          flush=True)
+    done = [0]
+    began = time.monotonic()
+
+    def report(result: Result) -> None:
+        done[0] += 1
+        print(f"[{done[0]:4d}/{total}] {result.cls}.{result.test} {result.outcome} "
+              f"({result.seconds:.1f} s)", flush=True)
+        if args.show_failures and result.outcome in ("failed", "hang", "crashed"):
+            print("    " + result.detail.replace("\n", "\n    ")[-4000:], flush=True)
+
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory(prefix="torch-suites-") as tmp:
+        for suite, cls_name, names in chosen:
+            results += run_class(suite, cls_name, names, args.timeout, Path(tmp), report)
+    every = results + (excluded_results() if args.part == "all" and not args.pattern
+                       and not args.cls else [])
+    text = table(every)
+    print(text)
+    print(f"wall time {time.monotonic() - began:.0f} s")
+    bad = [r for r in results if r.outcome in ("failed", "hang", "crashed")]
+    if bad:
+        print("not passing: " + ", ".join(f"{r.cls}.{r.test} ({r.outcome})" for r in bad))
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in every], indent=1))
+    if args.markdown:
+        args.markdown.write_text(text + "\n")
+    return 1 if (args.expect_pass and bad) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
