@@ -18,6 +18,7 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -81,18 +82,14 @@ def _read_records(results: Path) -> list[dict]:
     for path in sorted(results.glob("rank*.jsonl")):
         for line in path.read_text().splitlines():
             if line.strip():
-                try:
+                with contextlib.suppress(json.JSONDecodeError):  # a line cut by the kill
                     records.append(json.loads(line))
-                except json.JSONDecodeError:  # a line cut by the kill
-                    pass
     return records
 
 
 def _kill(job: subprocess.Popen) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(job.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     job.wait()
 
 
@@ -118,7 +115,7 @@ def run_class(suite: suites.Suite, cls_name: str, names: list[str], timeout: flo
         seen, last_progress, hung = 0, time.monotonic(), False
         while job.poll() is None:
             time.sleep(0.25)
-            count = sum(1 for _ in jobdir.glob("rank*.jsonl") for _ in open(_))
+            count = sum(path.stat().st_size for path in jobdir.glob("rank*.jsonl"))
             if count != seen:
                 seen, last_progress = count, time.monotonic()
             elif time.monotonic() - last_progress > timeout:
