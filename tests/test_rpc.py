@@ -304,3 +304,23 @@ def test_calls_are_served_while_a_rank_waits_in_its_own_mpi_collective(rpc_world
         value = np.array([rpc_world.rank], dtype=np.int64)
         comm.Allreduce(MPI.IN_PLACE, value, op=MPI.MIN)
         assert value[0] == 0
+
+
+def test_torch_private_agent_helpers_all_gather_barrier_and_debug_info(rpc_world):
+    agent = rpc._get_current_rpc_agent()
+    infos = agent.get_worker_infos()
+    assert [w.id for w in infos] == list(range(rpc_world.size))
+    assert agent.get_worker_info().id == rpc_world.rank
+    assert agent.get_worker_info(rpc_world.next).id == (rpc_world.rank + 1) % rpc_world.size
+    gathered = rpc.api._all_gather(rpc_world.rank * 10)
+    assert gathered == {f"worker{r}": r * 10 for r in range(rpc_world.size)}
+    # a barrier over a subset: the even ranks and the odd ranks each meet on their own
+    group = [w.name for w in infos if w.id % 2 == rpc_world.rank % 2]
+    rpc.api._barrier(group)
+    again = rpc.api._all_gather(f"x{rpc_world.rank}", worker_names=group)
+    assert again == {name: f"x{name[len('worker'):]}" for name in group}
+    info = rpc._get_debug_info()
+    assert info["agent.num_pending_requests"].isdigit()
+    agent_keys = agent.get_debug_info().keys()
+    assert agent_keys <= info.keys() and all(k.startswith("agent.") for k in agent_keys)
+    assert {"num_owner_rrefs", "num_forks", "num_autograd_contexts"} <= info.keys()

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -93,9 +94,34 @@ def _kill(job: subprocess.Popen) -> None:
     job.wait()
 
 
+def _settle(suite: suites.Suite, cls_name: str, name: str, records: list[dict], size: int,
+            job_over: bool, hung: bool, log_path: Path) -> Result | None:
+    """The result of ``name`` from the ranks' records, or None while it is still running."""
+    ends = [r for r in records if r["test"] == name and r["event"] == "end"]
+    seconds = max((r["seconds"] for r in ends), default=0.0)
+    internals = sorted({i for r in ends for i in r.get("torch_internals", [])})
+    failed = [r for r in ends if r["outcome"] == "failed"]
+    if failed:
+        return Result(suite.file, cls_name, name, "failed", seconds,
+                      f"rank {failed[0]['rank']}: {failed[0]['detail']}",
+                      torch_internals=internals)
+    if len(ends) == size:
+        skipped = [r for r in ends if r["outcome"] == "skipped"]
+        if skipped:
+            return Result(suite.file, cls_name, name, "skipped", seconds, skipped[0]["detail"])
+        return Result(suite.file, cls_name, name, "passed", seconds, torch_internals=internals)
+    if not job_over:
+        return None
+    tail = log_path.read_text(errors="replace")[-3000:]
+    return Result(suite.file, cls_name, name, "hang" if hung else "crashed", seconds,
+                  f"{len(ends)} of {size} ranks finished; job log:\n{tail}",
+                  torch_internals=internals)
+
+
 def run_class(suite: suites.Suite, cls_name: str, names: list[str], timeout: float,
-              workdir: Path, report) -> list[Result]:
-    """Run ``names`` of ``cls_name`` in as few jobs as failures allow."""
+              workdir: Path, report: Callable[[Result], None]) -> list[Result]:
+    """Run ``names`` of ``cls_name`` in as few jobs as failures allow, reporting each result
+    as soon as every rank has finished the test."""
     size = _world_size(suite, cls_name, names[0])
     results: list[Result] = []
     remaining = list(names)
@@ -104,57 +130,48 @@ def run_class(suite: suites.Suite, cls_name: str, names: list[str], timeout: flo
         job_no += 1
         jobdir = workdir / f"{cls_name}-{job_no}"
         (jobdir / "store").mkdir(parents=True)
-        log = open(jobdir / "job.log", "w")  # noqa: SIM115
+        log_path = jobdir / "job.log"
         cmd = [sys.executable, "-m", "mpidag.run", "-n", str(size), "-m",
                "tests.torch_suites.rank", "--cls", cls_name, "--tests", ",".join(remaining),
                "--results", str(jobdir), "--store", str(jobdir / "store")]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "MPIDAG_ABORT_ON_ERROR": "1",
+               "PYTORCH_PRINT_REPRO_ON_FAILURE": "0",
                "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                               stdin=subprocess.DEVNULL, start_new_session=True)
-        seen, last_progress, hung = 0, time.monotonic(), False
-        while job.poll() is None:
-            time.sleep(0.25)
-            count = sum(path.stat().st_size for path in jobdir.glob("rank*.jsonl"))
-            if count != seen:
-                seen, last_progress = count, time.monotonic()
-            elif time.monotonic() - last_progress > timeout:
-                hung = True
-                _kill(job)
-        log.close()
-        records = _read_records(jobdir)
-        done_here = 0
-        for name in remaining:
-            ends = [r for r in records if r["test"] == name and r["event"] == "end"]
-            started = any(r["test"] == name for r in records)
-            if not started:
+        with open(log_path, "w") as log:
+            job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
+                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   start_new_session=True)
+        seen, last_progress, hung, done_here = 0, time.monotonic(), False, 0
+        while True:
+            job_over = job.poll() is not None
+            if not job_over:
+                time.sleep(0.25)
+                count = sum(path.stat().st_size for path in jobdir.glob("rank*.jsonl"))
+                if count != seen:
+                    seen, last_progress = count, time.monotonic()
+                elif time.monotonic() - last_progress > timeout:
+                    hung = True
+                    _kill(job)
+                    job_over = True
+            records = _read_records(jobdir)
+            started = {r["test"] for r in records}
+            while done_here < len(remaining) and remaining[done_here] in started:
+                result = _settle(suite, cls_name, remaining[done_here], records, size,
+                                 job_over, hung, log_path)
+                if result is None:
+                    break
+                results.append(result)
+                report(result)
+                done_here += 1
+                if result.outcome in ("hang", "crashed"):
+                    job_over = True
+                    break
+            if job_over:
                 break
-            outcomes = {r["outcome"] for r in ends}
-            seconds = max((r["seconds"] for r in ends), default=0.0)
-            internals = sorted({i for r in ends for i in r.get("torch_internals", [])})
-            failed = [r for r in ends if r["outcome"] == "failed"]
-            if failed:
-                result = Result(suite.file, cls_name, name, "failed", seconds,
-                                f"rank {failed[0]['rank']}: {failed[0]['detail']}",
-                                torch_internals=internals)
-            elif len(ends) < size:
-                tail = (jobdir / "job.log").read_text(errors="replace")[-3000:]
-                result = Result(suite.file, cls_name, name, "hang" if hung else "crashed",
-                                seconds, f"{len(ends)} of {size} ranks finished; job log:\n"
-                                f"{tail}", torch_internals=internals)
-            elif "skipped" in outcomes:
-                result = Result(suite.file, cls_name, name, "skipped", seconds,
-                                next(r["detail"] for r in ends if r["outcome"] == "skipped"))
-            else:
-                result = Result(suite.file, cls_name, name, "passed", seconds,
-                                torch_internals=internals)
-            results.append(result)
-            report(result)
-            done_here += 1
-            if result.outcome in ("hang", "crashed"):
-                break
+        if job.poll() is None:
+            _kill(job)
         if done_here == 0:  # the job died before its first test: so would the next one
-            tail = (jobdir / "job.log").read_text(errors="replace")[-3000:]
+            tail = log_path.read_text(errors="replace")[-3000:]
             for name in remaining:
                 result = Result(suite.file, cls_name, name, "crashed", 0.0,
                                 f"the job ended before the test started; job log:\n{tail}")
