@@ -11,6 +11,10 @@ Names (one per kind of work, so ``key_averages()`` groups them):
   gradients one message brought (or on the roots: ``(roots)``);
 * ``mpidag.optim.step``: an owner's local optimizer step, locks included.
 
+These are the ranges of ``torch.profiler``. Under torch's legacy profiler
+(``torch.autograd.profiler_legacy.profile``) calls are profiled as torch profiles its RPCs
+instead: torch's keys and the callee's events (:mod:`mpidag._remote_profiling`).
+
 Calls are served by pool threads: a profiler sees the callee's side when it records every
 thread (``experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=
 True)``), as the example of :func:`span` shows.

@@ -275,7 +275,8 @@ def stacked(*layers: Layer) -> tuple[Layer, ...]:
 LAYERS: tuple[Layer, ...] = (
     *stacked(
         Layer("foundation", modules=("mpidag", "mpidag.errors", "mpidag._ids", "mpidag._config",
-                                     "mpidag._profiling", "mpidag._backoff", "mpidag._locks")),
+                                     "mpidag._profiling", "mpidag._remote_profiling",
+                                     "mpidag._backoff", "mpidag._locks")),
         Layer("transport", packages=("mpidag.transport",)),
         Layer("agent", packages=("mpidag.agent",)),
         Layer("autograd protocol", packages=("mpidag.dist_autograd",)),

@@ -283,6 +283,29 @@ def test_profiler_ranges_on_caller_and_callee(rpc_world):
     assert f"mpidag.rpc.serve#{add}({nxt} -> {me})" in names
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_legacy_profiler_records_torchs_keys_and_the_callees_events(rpc_world):
+    """Under torch's legacy profiler (the one torch profiles RPCs with) a call is a range
+    named by torch's key, and what ran on the callee comes back as remote events with the
+    callee's rank, nested calls under both keys."""
+    from torch.autograd.profiler_legacy import profile
+
+    me, nxt = rpc_world.name, rpc_world.next
+    with profile() as prof:
+        fut = rpc.rpc_async(nxt, torch.mul, args=(torch.ones(2), 3), timeout=10)
+        assert fut.wait().tolist() == [3.0, 3.0]
+        assert rpc.rpc_sync(nxt, f.nested_add, args=(me, 1, 2), timeout=10) == 4
+    events = prof.function_events
+    key = f"rpc_async#aten::mul({me} -> {nxt})"
+    ranges = [e for e in events if e.name == key]
+    assert len(ranges) == 1 and ranges[0].node_id == rpc_world.rank
+    mul = [e for e in events if e.name == f"{key}#remote_op: aten::mul"]
+    assert len(mul) == 1 and mul[0].is_remote
+    assert mul[0].node_id == (rpc_world.rank + 1) % rpc_world.size
+    nested = f"rpc_sync#nested_add({me} -> {nxt})#remote_op: rpc_sync#add({nxt} -> {me})"
+    assert nested in {e.name for e in events if e.is_remote}, sorted(e.name for e in events)
+
+
 @pytest.mark.parametrize("collective", ["barrier", "bcast", "allgather", "Allreduce"])
 def test_calls_are_served_while_a_rank_waits_in_its_own_mpi_collective(rpc_world, collective):
     """The user's own MPI calls on COMM_WORLD (mpidag uses a private duplicate) do not stop a

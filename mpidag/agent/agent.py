@@ -46,6 +46,18 @@ from mpidag._backoff import Backoff
 from mpidag._config import Config
 from mpidag._ids import IdGenerator
 from mpidag._profiling import profiling
+from mpidag._remote_profiling import (
+    call_profiling,
+    function_name,
+    legacy_profiling,
+    measure_gil_wait,
+    observing,
+    profiled_call,
+    rpc_profiling_key,
+    serve_profiled,
+    server_profiling,
+)
+from mpidag._remote_profiling import install as install_rpc_profiling
 from mpidag.agent.messages import FLAG_FUNCTION_REF, FLAG_HANDLER, REF_LENGTH, Kind
 from mpidag.agent.options import MPIRpcBackendOptions, WorkerInfo
 from mpidag.errors import (
@@ -161,6 +173,8 @@ class Handler:
     asynchronous: bool = False
     describe: Callable[..., str] | None = None
     detaches: Callable[..., bool] | None = None
+    #: ``profile_as(*args)``: (exec mode or None, name) of the user's call in a profile
+    profile_as: Callable[..., tuple[str | None, str]] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("call", "notify", "control"):
@@ -322,6 +336,7 @@ class RpcAgent:
             spin=config.poll_spin, max_sleep=max_sleep,
             sentinel_interval=config.sentinel_interval, name=f"mpidag-r{self.rank}",
         )
+        self._register_profiled_handlers()
 
     def start(self) -> None:
         """Start the progress engine's threads: from now on this rank receives and serves."""
@@ -341,7 +356,9 @@ class RpcAgent:
     def register_handler(self, name: str, fn: Callable[..., Any], *, mode: str = "call",
                          asynchronous: bool = False,
                          describe: Callable[..., str] | None = None,
-                         detaches: Callable[..., bool] | None = None) -> Handler:
+                         detaches: Callable[..., bool] | None = None,
+                         profile_as: Callable[..., tuple[str | None, str]] | None = None
+                         ) -> Handler:
         """Register ``fn`` as the handler of internal messages named ``name``.
 
         ``mode``: ``"call"`` (answered with its result; ``asynchronous``: it returns a
@@ -357,9 +374,24 @@ class RpcAgent:
         """
         if name in self._handlers:
             raise ValueError(f"a handler named {name!r} is already registered")
-        handler = Handler(name, fn, mode, asynchronous, describe, detaches)
+        handler = Handler(name, fn, mode, asynchronous, describe, detaches, profile_as)
         self._handlers[name] = handler
         return handler
+
+    def _register_profiled_handlers(self) -> None:
+        """The handlers that run a call under the callee's profile when its caller profiles
+        (see :mod:`mpidag._remote_profiling`): ``(options, func, args, kwargs)``."""
+        install_rpc_profiling(self.rank)
+        rank = self.rank
+        for name, asynchronous in (("agent.profiled", False), ("agent.profiled_async", True)):
+            self.register_handler(
+                name, lambda opts, f, a, k, _async=asynchronous: serve_profiled(
+                    rank, opts, f, a, k, _async),
+                asynchronous=asynchronous,
+                describe=lambda opts, f, a, k: describe(f, a),
+                detaches=lambda opts, f, a, k: detaches_parameters(f, a))
+        self._profiled = (self._handlers["agent.profiled"],
+                          self._handlers["agent.profiled_async"])
 
     def _handler_named(self, name: str) -> Handler:
         handler = self._handlers.get(name)
@@ -503,16 +535,19 @@ class RpcAgent:
         return float(timeout)
 
     def call(self, dst: int, func: Callable, args: tuple, kwargs: dict, timeout: float,
-             *, record: bool = True) -> RpcFuture:
+             *, record: bool = True, exec_mode: str = "async") -> RpcFuture:
         """Send a CALL and return the future of its answer.
 
         Inside a distributed autograd context (``record``: unless an internal message) the
         call carries the context id, and a send function is recorded for its tensors that
         require grad. While ``torch.profiler`` runs, the call is a range (see
-        :mod:`mpidag._profiling`) from here until its answer arrives.
+        :mod:`mpidag._profiling`) from here until its answer arrives; under torch's legacy
+        profiler, as torch profiles RPCs (``exec_mode`` in the key; the callee's events).
         """
-        if not profiling():
+        if not call_profiling():
             return self._call(dst, func, args, kwargs, timeout, record, True).future
+        if legacy_profiling():
+            return self._profiled_call(dst, func, args, kwargs, timeout, record, exec_mode)
         span = record_function(f"mpidag.rpc#{describe(func, args)}"
                                f"({self.info.name} -> {self.workers[dst].name})")
         span.__enter__()
@@ -536,9 +571,9 @@ class RpcAgent:
             >>> agent.call_sync(1, torch.add, (torch.ones(2), 1), {}, timeout=10)
             tensor([2., 2.])
         """
-        if profiling():
-            return self.wait(self.call(dst, func, args, kwargs, timeout, record=record),
-                             timeout)
+        if call_profiling():
+            return self.wait(self.call(dst, func, args, kwargs, timeout, record=record,
+                                       exec_mode="sync"), timeout)
         call = self._call(dst, func, args, kwargs, timeout, record, False)
         if not call.done:
             deadline = call.deadline or None
@@ -552,6 +587,25 @@ class RpcAgent:
             finally:
                 del error, call
         return call.value
+
+    def _profiled_call(self, dst: int, func: Callable, args: tuple, kwargs: dict,
+                       timeout: float, record: bool, exec_mode: str) -> RpcFuture:
+        """:meth:`call` under torch's legacy profiler: a range named by torch's key, the
+        call run by a profiled handler on ``dst`` (see :mod:`mpidag._remote_profiling`)."""
+        mode, name = function_name(func, args)
+        key = rpc_profiling_key(mode or exec_mode, name, self.info.name, self.workers[dst].name)
+        handler = self._profiled[_is_asynchronous(func)]
+
+        def send(options: tuple) -> RpcFuture:
+            return self._call(dst, handler, (options, func, args, kwargs), {}, timeout,
+                              record, True).future
+
+        def new_future() -> RpcFuture:
+            future = RpcFuture()
+            future._engine = self.engine
+            return future
+
+        return profiled_call(key, send, new_future)
 
     def _encode_call(self, dst: int, func: Callable, args: tuple, kwargs: dict
                      ) -> tuple[bytes | memoryview, list[torch.Tensor], int]:
@@ -797,7 +851,7 @@ class RpcAgent:
         Any exception of the function, ``SystemExit`` and other ``BaseException`` types
         included, is the answer (with its type); the serving thread goes on serving.
         """
-        if env.context_id or profiling():
+        if env.context_id or observing():
             self._serve_observed_call(env)
             return
         try:  # the common case: no autograd context, no profiler, a synchronous function
@@ -813,7 +867,8 @@ class RpcAgent:
 
     def _serve_observed_call(self, env: Envelope,
                              unpacked: tuple[Callable, tuple, dict] | None = None) -> None:
-        """:meth:`_serve_call` in an autograd context, under a profiler, or of an
+        """:meth:`_serve_call` in an autograd context, under a profiler (a server-wide one
+        profiles ``func``; GIL profiling measures the wait for the GIL first), or of an
         ``@async_execution`` function (``unpacked``: the call, if already unpickled)."""
         state = None
         span = None
@@ -829,13 +884,19 @@ class RpcAgent:
                                        f"({src_name} -> {self.info.name})")
                 span.__enter__()
             asynchronous = _is_asynchronous(func)
+            run = func
+            if server_profiling() and func is not self._profiled[0] and \
+                    func is not self._profiled[1]:  # a server-wide profile (not twice)
+                def run(*a: Any, _f: Callable = func, **k: Any) -> Any:
+                    return serve_profiled(self.rank, None, _f, a, k, asynchronous)
+            measure_gil_wait()
             if state is None:
-                result = func(*args, **kwargs)
+                result = run(*args, **kwargs)
             else:
                 token = self.observer.serving(state, env.message_id, lambda: (
                     f"the arguments of {describe(func, args)} from {src_name}"))
                 try:
-                    result = func(*args, **kwargs)
+                    result = run(*args, **kwargs)
                 finally:
                     self.observer.served(token)
         except BaseException as exc:  # noqa: BLE001 - the caller gets it, with its type

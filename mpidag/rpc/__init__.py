@@ -21,6 +21,7 @@ from mpidag.agent.options import (
 from mpidag.errors import RemoteTraceback, RPCError, RPCTimeoutError, WorkerFailedError
 from mpidag.rpc import functions
 from mpidag.rpc.api import (
+    enable_gil_profiling,
     failed_workers,
     get_worker_info,
     init_rpc,
@@ -31,6 +32,9 @@ from mpidag.rpc.api import (
 )
 from mpidag.rpc.process_group import init_process_group
 from mpidag.rpc.rref import RRef, remote
+from mpidag.rpc.server_process_global_profiler import (
+    _server_process_global_profile,  # noqa: F401 - torch's private name, used by its tests
+)
 
 __all__ = [
     "BackendType",
@@ -46,6 +50,7 @@ __all__ = [
     "UNSET_RPC_TIMEOUT",
     "WorkerFailedError",
     "WorkerInfo",
+    "enable_gil_profiling",
     "failed_workers",
     "functions",
     "get_worker_info",

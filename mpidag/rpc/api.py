@@ -21,6 +21,7 @@ import torch
 from mpidag import _runtime
 from mpidag._config import Config
 from mpidag._debug import StateWatcher, configure_logging, install_signal_dump
+from mpidag._remote_profiling import set_gil_profiling
 from mpidag._runtime import Runtime
 from mpidag.agent.options import (
     DEFAULT_SHUTDOWN_TIMEOUT,
@@ -340,3 +341,19 @@ def rpc_sync(to: str | WorkerInfo | int, func: Callable, args: tuple | None = No
     runtime = _runtime.current()
     args, kwargs = check_call(func, args, kwargs)
     return runtime.agent.call_sync(runtime.to_rank(to), func, args, kwargs, timeout)
+
+
+# ------------------------------------------------------------------------ profiling
+def enable_gil_profiling(flag: bool) -> None:
+    """Measure (``True``) or not how long this process's serving threads wait for the GIL,
+    as torch's ``rpc.enable_gil_profiling``: while on, each served call first lets go of
+    the GIL and times taking it back, and the agent's debug info has
+    ``agent.gil_average_wait_time_us`` (the average, microseconds). Off by default.
+
+    Example::
+
+        >>> rpc.enable_gil_profiling(True)
+        >>> "agent.gil_average_wait_time_us" in rpc._get_current_rpc_agent().get_debug_info()
+        True
+    """
+    set_gil_profiling(bool(flag))

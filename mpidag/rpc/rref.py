@@ -7,10 +7,14 @@ protocol in :mod:`mpidag.rref.protocol`; this module adds what needs the current
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from mpidag import _runtime
+from mpidag._remote_profiling import legacy_profiling, take_profiled_future
 from mpidag.agent.options import UNSET_RPC_TIMEOUT, WorkerInfo
 from mpidag.rref.handle import RRefHandle
 
@@ -44,6 +48,27 @@ class RRef(RRefHandle):
         self._fork_id = None
         self._rref_id = rrefs.create_local_record(value)
 
+    def _get_profiling_future(self) -> torch.futures.Future:
+        """torch's: the future of the ``remote()`` call that made this reference, completed
+        once its profiled range ended (under torch's legacy profiler); otherwise a
+        completed future.
+
+        Example::
+
+            >>> with torch.autograd.profiler_legacy.profile() as prof:
+            ...     rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
+            ...     rref._get_profiling_future().wait()
+        """
+        future = _profiling_futures.get(self)
+        if future is None:
+            future = torch.futures.Future()
+            future.set_result(None)
+        return future
+
+
+#: RRef -> the future of its profiled remote() call (see RRef._get_profiling_future)
+_profiling_futures: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
 
 def check_call(func: Callable, args: Any, kwargs: Any) -> tuple[tuple, dict]:
     """The ``args`` and ``kwargs`` of a call as a tuple and a dict; a clear error when
@@ -68,4 +93,9 @@ def remote(to: str | WorkerInfo | int, func: Callable, args: tuple | None = None
     """
     runtime = _runtime.current()
     args, kwargs = check_call(func, args, kwargs)
-    return runtime.rrefs.remote(runtime.to_rank(to), func, args, kwargs, timeout)
+    rref = runtime.rrefs.remote(runtime.to_rank(to), func, args, kwargs, timeout)
+    if legacy_profiling():  # the call was profiled: keep its future
+        future = take_profiled_future()
+        if future is not None:
+            _profiling_futures[rref] = future
+    return rref

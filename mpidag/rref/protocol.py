@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from mpidag._remote_profiling import function_name
 from mpidag.agent.agent import RpcAgent, RpcFuture, describe, detaches_parameters
 from mpidag.dist_autograd import DistAutograd
 from mpidag.errors import RPCError, frameless, future_error
@@ -130,14 +131,18 @@ class RRefContext:
         self._create = register(
             "rref.create", self._run_on_owner,
             describe=lambda rref_id, fork, func, args, kwargs: f"remote({describe(func, args)})",
+            profile_as=lambda rref_id, fork, func, args, kwargs: (
+                "remote", function_name(func, args)[1]),
             detaches=lambda rref_id, fork, func, args, kwargs: detaches_parameters(func, args))
         self._fetch = register(
             "rref.fetch", self._on_fetch, asynchronous=True,
             describe=lambda rref_id: f"RRef(0x{rref_id:x}).to_here()",
+            profile_as=lambda rref_id: (None, "to_here"),
             detaches=self._fetch_detaches)
         self._invoke = register(
             "rref.invoke", self._on_invoke,
-            describe=lambda rref, name, *_: f"RRef(0x{rref._rref_id:x}).{name}()")
+            describe=lambda rref, name, *_: f"RRef(0x{rref._rref_id:x}).{name}()",
+            profile_as=lambda rref, name, *_: (None, name))
         self._backward = register(
             "rref.backward", self._on_backward,
             describe=lambda rref_id, *_: f"RRef(0x{rref_id:x}).backward()")
