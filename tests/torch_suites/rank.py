@@ -5,9 +5,10 @@ rank appends JSON lines to ``<results>/rank<r>.jsonl``: ``start`` before a test,
 the outcome after it. Ranks wait for each other between tests (an MPI barrier, as torch's
 ranks are synchronised by starting together). After a test that fails on a rank, that rank
 shuts RPC down gracefully itself (the others may be in their graceful shutdown, waiting for
-it), so the job goes on with the next test; if that does not complete within
-``CLEANUP_SECONDS``, the rank ends the job (``MPI_Abort``) and the runner starts the next
-test in a fresh job.
+it) and every rank leaves, because a failed test may leave state behind (a process group, a
+thread): the runner starts the next test in a new job, as torch starts new processes for
+every test. If the rank cannot meet the others within ``CLEANUP_SECONDS``, it ends the job
+(``MPI_Abort``).
 
 Example::
 
@@ -18,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import array
 import json
 import os
 import sys
@@ -40,9 +42,9 @@ def _skip_reasons() -> dict[int, str]:
 CLEANUP_SECONDS = 20.0
 
 
-def _clean_up_after_failure(comm: Any) -> bool:
-    """Shut RPC down if the test left it running, then meet the other ranks; False when
-    that did not complete within CLEANUP_SECONDS (the job must end)."""
+def _shut_rpc_down(deadline: float) -> bool:
+    """Shut RPC down gracefully if the test left it running (the other ranks may be in
+    their graceful shutdown, waiting for this one); False if that did not end in time."""
     import threading
 
     from mpidag import _runtime
@@ -52,21 +54,28 @@ def _clean_up_after_failure(comm: Any) -> bool:
         try:
             if _runtime.current_or_none() is not None:
                 mpidag_rpc.shutdown(graceful=True)
-        except BaseException:  # noqa: BLE001 - a failed shutdown is reported by the deadline
+        except BaseException:  # noqa: BLE001 - a failed shutdown is reported below
             pass
 
-    deadline = time.monotonic() + CLEANUP_SECONDS
     worker = threading.Thread(target=shut_down, daemon=True)
     worker.start()
-    worker.join(CLEANUP_SECONDS)
-    if worker.is_alive() or _runtime.current_or_none() is not None:
-        return False
-    request = comm.Ibarrier()
+    worker.join(max(0.0, deadline - time.monotonic()))
+    return not worker.is_alive() and _runtime.current_or_none() is None
+
+
+def _any_rank_failed(comm: Any, failed: bool, deadline: float | None) -> bool | None:
+    """Whether the test failed on any rank (a nonblocking all-reduce, so a rank whose test
+    failed can give up at ``deadline``: None)."""
+    from mpi4py import MPI
+
+    flags = array.array("i", [int(failed)])
+    total = array.array("i", [0])
+    request = comm.Iallreduce(flags, total, op=MPI.SUM)
     while not request.Test():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+        if deadline is not None and time.monotonic() > deadline:
+            return None
+        time.sleep(0.005)
+    return total[0] > 0
 
 
 def run_one(cls: type, name: str, rank: int, store: str) -> tuple[str, str]:
@@ -125,14 +134,23 @@ def main(argv: list[str] | None = None) -> int:
         record(event="end", test=name, outcome=outcome, detail=detail[-6000:],
                seconds=round(time.monotonic() - began, 3),
                torch_internals=shim.torch_internals_used())
-        if outcome == "failed":
+        failed = outcome == "failed"
+        deadline = None
+        if failed:
             sys.stderr.write(f"[rank {rank}] {args.cls}.{name} failed:\n{detail}\n")
             sys.stderr.flush()
-            if not _clean_up_after_failure(comm):
-                record(event="abort", test=name)
-                comm.Abort(1)
-        else:
-            comm.Ibarrier().Wait()  # nonblocking, to match the failed ranks' Ibarrier
+            deadline = time.monotonic() + CLEANUP_SECONDS
+            if not _shut_rpc_down(deadline):
+                deadline = time.monotonic()  # give up at once
+        verdict = _any_rank_failed(comm, failed, deadline)
+        if verdict is None:  # the others did not come: end the job
+            record(event="abort", test=name)
+            comm.Abort(1)
+        if verdict:  # a failed test may leave state behind: the next test gets a new job
+            out.close()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
     out.close()
     return 0
 

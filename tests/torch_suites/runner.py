@@ -122,8 +122,12 @@ def run_class(suite: suites.Suite, cls_name: str, names: list[str], timeout: flo
               workdir: Path, report: Callable[[Result], None]) -> list[Result]:
     """Run ``names`` of ``cls_name`` in as few jobs as failures allow, reporting each result
     as soon as every rank has finished the test."""
-    size = _world_size(suite, cls_name, names[0])
     results: list[Result] = []
+    if names[0].startswith("<import failed"):
+        result = Result(suite.file, cls_name, names[0], "crashed", detail=names[0])
+        report(result)
+        return [result]
+    size = _world_size(suite, cls_name, names[0])
     remaining = list(names)
     job_no = 0
     while remaining:
