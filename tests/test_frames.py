@@ -47,6 +47,8 @@ def roundtrip(obj):
             t = torch.empty(spec.shape, dtype=spec.dtype)
             t.view(-1).view(torch.uint8).copy_(frames.byte_view(src))
         received.append(frames.finish_tensor(t, spec))
+    if header.sparse:
+        received = frames.assemble_sparse(received, header.sparse)
     return frames.loads(out.payload, received), header.data_tag, specs
 
 
@@ -193,3 +195,75 @@ def test_codecs_see_the_context_and_undo_their_side_effects_when_pickling_fails(
     # the next pickle in this thread starts clean
     frames.dumps([Token("d")], codecs=codecs, context=5)
     assert undone == ["c", "b"]
+
+
+def build_sparse(coalesce=False, requires_grad=False, dtype=torch.float32):
+    """torch's dist_autograd_test ``build_sparse_tensor``: uncoalesced unless asked."""
+    tensor = torch.sparse_coo_tensor([[0, 1, 1, 0], [2, 0, 2, 2]], [3.2, 4.1, 5.3, 1.0],
+                                     (3, 3), requires_grad=requires_grad, dtype=dtype)
+    return tensor.coalesce() if coalesce else tensor
+
+
+def assert_same_sparse(got, sent):
+    assert got.layout is torch.sparse_coo and got.shape == sent.shape
+    assert got.dtype == sent.dtype and got.is_coalesced() == sent.is_coalesced()
+    assert got.sparse_dim() == sent.sparse_dim() and got.dense_dim() == sent.dense_dim()
+    assert torch.equal(got._indices(), sent._indices())   # as sent: not coalesced on the way
+    assert torch.equal(got._values(), sent._values().detach())
+
+
+def test_sparse_coo_tensors_roundtrip_with_size_coalesced_flag_and_requires_grad():
+    uncoalesced, coalesced = build_sparse(), build_sparse(coalesce=True)
+    assert not uncoalesced.is_coalesced() and coalesced.is_coalesced()
+    leaf = build_sparse(requires_grad=True, dtype=torch.float64)
+    hybrid = torch.sparse_coo_tensor([[0, 4]], torch.arange(6.0).reshape(2, 3), (5, 3))
+    empty = torch.sparse_coo_tensor(torch.empty(2, 0, dtype=torch.long), [], (4, 7))
+    ints = torch.sparse_coo_tensor([[1, 3]], torch.tensor([7, -2], dtype=torch.int32), (6,))
+    big = torch.randn(frames.INLINE_LIMIT // 4 + 10, 2).to_sparse()  # parts in own frames
+    dense = torch.arange(4.0)
+    sent = {"plain": [uncoalesced, coalesced], "nested": ({"leaf": leaf}, [hybrid, empty]),
+            "ints": ints, "big": big, "dense": dense}
+    got, _, specs = roundtrip(sent)
+    pairs = [(got["plain"][0], uncoalesced), (got["plain"][1], coalesced),
+             (got["nested"][0]["leaf"], leaf), (got["nested"][1][0], hybrid),
+             (got["nested"][1][1], empty), (got["ints"], ints), (got["big"], big)]
+    for received, original in pairs:
+        assert_same_sparse(received, original)
+        assert received.requires_grad == original.requires_grad
+    assert got["nested"][0]["leaf"].is_leaf and got["nested"][1][0].dense_dim() == 1
+    assert torch.equal(got["dense"], dense) and got["dense"].layout is torch.strided
+    # on the wire: the indices and values of each sparse tensor (two specs each), no
+    # requires_grad on the parts (the rebuilt sparse tensor carries it)
+    assert len(specs) == 2 * 7 + 1 and not any(spec.requires_grad for spec in specs)
+    assert any(spec.inline_offset == -1 for spec in specs)  # big's values: a frame of its own
+
+
+def test_the_same_sparse_tensor_twice_arrives_once_and_its_bytes_stay_out_of_the_pickle():
+    s = build_sparse(coalesce=True)
+    payload, tensors = frames.dumps([s, {"again": s}])
+    assert tensors == [s]                     # one table entry: autograd records it whole
+    assert s._values().numpy().tobytes() not in payload
+    (a, b), _, _ = roundtrip([s, {"again": s}])
+    assert a is b["again"]
+    assert_same_sparse(a, s)
+
+
+def test_other_layouts_are_refused_with_a_type_error_naming_the_layout():
+    dense = torch.eye(3)
+    for tensor, name in ((dense.to_sparse_csr(), "sparse_csr"),
+                         (dense.to_sparse_csc(), "sparse_csc"),
+                         (dense.to_sparse_bsr((1, 1)), "sparse_bsr")):
+        payload, tensors = frames.dumps([tensor])
+        env = Envelope(kind=1, payload=payload, tensors=tensors)
+        with pytest.raises(TypeError, match=rf"layout torch\.{name} cannot be sent over RPC"
+                                            r".*sparse COO"):
+            frames.encode(env, ["cpu"], data_tag=5)
+    with pytest.raises(TypeError, match="only CPU and CUDA tensors"):
+        frames.encode(Envelope(kind=1, tensors=[build_sparse().to("meta")]), ["cpu"], 5)
+
+
+def test_make_spec_of_a_sparse_tensor_counts_its_parts():
+    s = build_sparse(requires_grad=True)
+    spec = frames.make_spec(s, "cpu", -1)
+    assert spec.shape == (3, 3) and spec.requires_grad and spec.dtype == torch.float32
+    assert spec.nbytes == s._indices().nbytes + s._values().nbytes

@@ -186,7 +186,23 @@ RECV_NODE_TYPE: type = RecvRPC._backward_cls
 class GradientMap:
     """The gradients of one context: ``{leaf tensor: gradient}``, accumulated like
     ``AccumulateGrad`` does for ``.grad`` (a stored gradient is never shared with anything
-    else, so adding in place is safe)."""
+    else, so adding in place is safe).
+
+    Sparse COO gradients (``nn.Embedding(sparse=True)``) are kept sparse, as torch keeps
+    them: a sparse gradient is stored without a copy when its indices and values are
+    contiguous (cloned otherwise, or when one buffer reaches two leaves); a later sparse or
+    dense gradient is added into a stored dense one in place, a sparse one into a stored
+    sparse one in place (the sum stays sparse, uncoalesced), and a dense gradient onto a
+    stored sparse one makes a new dense sum.
+
+    Example::
+
+        >>> grads = GradientMap()
+        >>> grads.add(weight, torch.sparse_coo_tensor([[1]], [[1.0, 2.0]], (4, 2)))
+        >>> grads.add(weight, torch.ones(4, 2))       # sparse + dense: a dense sum
+        >>> grads.snapshot()[weight][1]
+        tensor([2., 3.])
+    """
 
     __slots__ = ("grads", "_owned", "_storage", "lock")
 
@@ -201,16 +217,18 @@ class GradientMap:
             old = self.grads.get(variable)
             if old is None:
                 new = _own_copy(grad, variable)
-                if new is grad and (grad.data_ptr() in self._storage or not grad.numel()):
-                    new = grad.clone()  # one engine buffer handed to two leaves (a + b)
+                if new is grad:
+                    data = grad._values() if grad.is_sparse else grad
+                    if data.data_ptr() in self._storage or not data.numel():
+                        new = grad.clone()  # one engine buffer handed to two leaves (a + b)
                 self.grads[variable] = new
-                self._storage.add(new.data_ptr())
+                self._storage.add((new._values() if new.is_sparse else new).data_ptr())
                 self._owned.add(id(new))
-            elif id(old) in self._owned and not old.is_sparse and not grad.is_sparse:
-                old.add_(grad)
+            elif id(old) in self._owned and (grad.is_sparse or not old.is_sparse):
+                old.add_(grad)  # dense += dense or sparse; sparse += sparse
             else:
                 self._owned.discard(id(old))
-                self.grads[variable] = new = old + grad
+                self.grads[variable] = new = grad + old if old.is_sparse else old + grad
                 self._owned.add(id(new))
 
     def snapshot(self) -> dict[torch.Tensor, torch.Tensor]:
@@ -225,8 +243,14 @@ def _own_copy(grad: torch.Tensor, variable: torch.Tensor) -> torch.Tensor:
     """``grad`` as a tensor this map may keep and change: taken as it is when it has the
     variable's layout (only the engine's own buffers and received gradients reach here; one
     buffer handed to two leaves is caught by the caller), copied when it is a broadcast or
-    laid out otherwise (copying a 1024x1024 weight gradient costs 1.8 ms here)."""
-    if grad.is_sparse or grad.layout is not torch.strided:
+    laid out otherwise (copying a 1024x1024 weight gradient costs 1.8 ms here). A sparse
+    COO gradient is taken as it is when its indices and values are contiguous (torch's
+    ``AccumulateGrad`` rule), cloned otherwise."""
+    if grad.is_sparse:
+        if grad._indices().is_contiguous() and grad._values().is_contiguous():
+            return grad
+        return grad.clone()
+    if grad.layout is not torch.strided:
         return grad.clone()
     if grad.shape == variable.shape and grad.stride() == variable.stride() \
             and not grad.is_conj() and not grad.is_neg():

@@ -59,6 +59,14 @@ def edge_of(tensor: torch.Tensor) -> GradientEdge:
         >>> edge_of(torch.ones(1, requires_grad=True)).node.name()
         'torch::autograd::AccumulateGrad'
     """
+    if tensor.layout is not torch.strided and tensor.requires_grad:
+        # a sparse tensor: torch finds a leaf's accumulator (and keeps a Python node's
+        # graph alive) through a view, which sparse tensors lack; a clone's node leads to
+        # the same edge and owns the graph behind it
+        with torch.enable_grad():
+            token = tensor.clone().grad_fn
+        node, output_nr = token.next_functions[0]
+        return GradientEdge(node, output_nr, ownership_token=token)
     return get_gradient_edge(tensor)
 
 

@@ -199,6 +199,8 @@ class FramedTransport(Transport):
             if header.specs:
                 env.tensors = [self._receive_tensor(frame0, header, spec, src)
                                for spec in header.specs]
+                if header.sparse:  # sparse COO tensors arrive as indices and values
+                    env.tensors = frames.assemble_sparse(env.tensors, header.sparse)
         except WorkerFailedError:  # the sender died mid-message: drop it (reported)
             log.warning("rank %d failed while sending a message to rank %d; dropped",
                         src, self.rank)

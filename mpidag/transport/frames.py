@@ -21,6 +21,11 @@ What the pickler takes out of the pickle (into the tensor table, sent as raw byt
   autograd records them like plain tensors);
 * ``nn.Parameter``: see :class:`_TensorPickler`;
 * numpy arrays of the dtypes torch can hold (sent zero-copy, rebuilt as numpy arrays);
+* sparse COO tensors stay one entry of the table (distributed autograd records them as one
+  tensor, as torch does); on the wire they are a spec of their own (size, ``requires_grad``,
+  whether coalesced) followed by their indices and values as two plain tensors, rebuilt with
+  ``torch.sparse_coo_tensor`` on arrival (:func:`assemble_sparse`). Other layouts (CSR, CSC,
+  BSR, BSC, mkldnn) are refused with a ``TypeError`` that names the layout;
 * objects of types registered by the layers above in a :class:`Codecs` (RRefs): reduced by
   their layer's function to a name and a state, rebuilt by the function registered for the
   name on the receiving side.
@@ -54,6 +59,7 @@ __all__ = [
     "TensorSpec",
     "dumps",
     "loads",
+    "assemble_sparse",
     "byte_view",
 ]
 
@@ -66,6 +72,8 @@ INLINE_LIMIT = 128 * 1024
 PAYLOAD_FRAME_LIMIT = 1 << 20
 #: wire flag: the payload is the first frame on the data tag, not part of frame 0
 WIRE_PAYLOAD_FRAME = 1
+#: wire flag: some specs describe sparse COO tensors (decoded by the slower loop)
+WIRE_SPARSE = 2
 ALIGN = 16
 
 
@@ -83,6 +91,12 @@ DTYPES = [getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)]
 DTYPE_CODE = {dt: i for i, dt in enumerate(DTYPES)}
 _DEVICE_TYPES = ["cpu", "cuda"]
 _REQUIRES_GRAD = 1
+#: spec flag: a sparse COO tensor, made of the next two specs (indices, values); the spec's
+#: shape is the sparse tensor's size, its dtype the values' dtype
+_SPARSE = 2
+#: spec flag (with ``_SPARSE``): the sparse tensor is coalesced
+_COALESCED = 4
+_STRIDED = torch.strided
 #: the spec of a tensor of each number of dimensions: dtype code, ndim, flags, device type,
 #: device index, inline offset (-1: own frame), nbytes, then the shape (one pack per tensor)
 _SPEC_NDIM = [struct.Struct(f"<BBBBhqq{ndim}q") for ndim in range(9)]
@@ -122,6 +136,25 @@ class TensorSpec:
             spec_struct.unpack_from(buf, pos)
         spec = cls(DTYPES[code], tuple(shape), _device_name(dev_type, dev_index),
                    bool(flags & _REQUIRES_GRAD), offset, nbytes)
+        return spec, pos + spec_struct.size
+
+
+@dataclass(slots=True)
+class SparseSpec:
+    """A sparse COO tensor of a message: made of the received tensors ``at`` (indices) and
+    ``at + 1`` (values) of the message's wire specs."""
+
+    at: int
+    shape: tuple[int, ...]
+    requires_grad: bool
+    coalesced: bool
+
+    @classmethod
+    def unpack_from(cls, buf: memoryview, pos: int, at: int) -> tuple[SparseSpec, int]:
+        spec_struct = _spec_struct(buf[pos + 1])
+        _code, _ndim, flags, _dev_type, _dev_index, _offset, _nbytes, *shape = \
+            spec_struct.unpack_from(buf, pos)
+        spec = cls(at, tuple(shape), bool(flags & _REQUIRES_GRAD), bool(flags & _COALESCED))
         return spec, pos + spec_struct.size
 
 
@@ -531,10 +564,71 @@ def pack_spec(tensor: torch.Tensor, device: str, inline_offset: int) -> bytes:
 
 
 def make_spec(tensor: torch.Tensor, device: str, inline_offset: int) -> TensorSpec:
-    """The :class:`TensorSpec` of ``tensor`` landing on ``device``."""
+    """The :class:`TensorSpec` of ``tensor`` landing on ``device`` (a sparse COO tensor's
+    ``nbytes`` counts its indices and values)."""
     _dtype_code(tensor)
+    if tensor.layout is not _STRIDED:
+        indices, values = sparse_parts(tensor)
+        nbytes = indices.nbytes + values.nbytes
+    else:
+        nbytes = tensor.nbytes
     return TensorSpec(tensor.dtype, tuple(tensor.shape), device, tensor.requires_grad,
-                      inline_offset, tensor.nbytes)
+                      inline_offset, nbytes)
+
+
+def sparse_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indices and values of a sparse COO tensor, detached, as they travel (a
+    ``TypeError`` naming the layout for any other non-strided tensor).
+
+    Example::
+
+        >>> s = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,))
+        >>> [t.tolist() for t in sparse_parts(s)]
+        [[[0, 2]], [1.0, 2.0]]
+    """
+    layout = tensor.layout
+    if layout is not torch.sparse_coo:
+        raise TypeError(
+            f"tensors of layout {layout} cannot be sent over RPC: only strided (dense) and "
+            f"sparse COO (torch.sparse_coo) tensors can; convert it first with .to_dense() "
+            f"or, for a sparse one, .to_sparse() (COO)")
+    return tensor._indices().detach(), tensor._values().detach()
+
+
+def _sparse_head(tensor: torch.Tensor, device: str) -> bytes:
+    """The wire spec that announces a sparse COO tensor (its two parts follow it)."""
+    size = tensor.shape
+    dev_type, dev_index = _device_codes.get(device) or _device_code(device)
+    flags = _SPARSE | (_REQUIRES_GRAD if tensor.requires_grad else 0) \
+        | (_COALESCED if tensor.is_coalesced() else 0)
+    return _spec_struct(len(size)).pack(_dtype_code(tensor), len(size), flags, dev_type,
+                                        dev_index, 0, 0, *size)
+
+
+def assemble_sparse(received: list[torch.Tensor], sparse: list[SparseSpec]
+                    ) -> list[torch.Tensor]:
+    """The tensors of a message from its received wire tensors: each sparse COO tensor
+    rebuilt from its indices and values (``sparse``: the header's :class:`SparseSpec` list),
+    coalesced if it was, with its ``requires_grad`` flag.
+
+    Example::
+
+        >>> env, header = decode_header(frame0)        # header.sparse is not None
+        >>> tensors = assemble_sparse(received, header.sparse)
+    """
+    out: list[torch.Tensor] = []
+    pos = 0
+    for spec in sparse:
+        out.extend(received[pos:spec.at])
+        indices, values = received[spec.at], received[spec.at + 1]
+        tensor = torch.sparse_coo_tensor(indices, values, spec.shape,
+                                         is_coalesced=spec.coalesced, check_invariants=False)
+        if spec.requires_grad and (values.is_floating_point() or values.is_complex()):
+            tensor.requires_grad_(True)
+        out.append(tensor)
+        pos = spec.at + 2
+    out.extend(received[pos:])
+    return out
 
 
 #: zero bytes to pad parts of frame 0 to :data:`ALIGN`
@@ -580,22 +674,29 @@ def encode(env: Envelope, devices: list[str], data_tag: int
     inline: list[bytes] = []
     inline_total = 0
     for tensor, device in zip(tensors, devices, strict=True):
-        nbytes = tensor.nbytes
-        if nbytes == 0:
-            packed.append(pack_spec(tensor, device, 0))
-        elif inline_total + nbytes <= INLINE_LIMIT:
-            packed.append(pack_spec(tensor, device, inline_total))
-            inline.append(_tensor_bytes(tensor))
-            padded = _align(nbytes)
-            if padded != nbytes:
-                inline.append(_ZEROS[:padded - nbytes])
-            inline_total += padded
-        else:
-            packed.append(pack_spec(tensor, device, -1))
-            separate.append(tensor)
+        if tensor.layout is _STRIDED:
+            parts: tuple[torch.Tensor, ...] = (tensor,)
+        else:  # a sparse COO tensor: its spec, then its indices and values as tensors
+            parts = sparse_parts(tensor)
+            packed.append(_sparse_head(tensor, device))
+            wire |= WIRE_SPARSE
+        for part in parts:
+            nbytes = part.nbytes
+            if nbytes == 0:
+                packed.append(pack_spec(part, device, 0))
+            elif inline_total + nbytes <= INLINE_LIMIT:
+                packed.append(pack_spec(part, device, inline_total))
+                inline.append(_tensor_bytes(part))
+                padded = _align(nbytes)
+                if padded != nbytes:
+                    inline.append(_ZEROS[:padded - nbytes])
+                inline_total += padded
+            else:
+                packed.append(pack_spec(part, device, -1))
+                separate.append(part)
     specs_blob = b"".join(packed)
     head_len = HEADER.size + len(in_frame0) + len(specs_blob)
-    header = HEADER.pack(env.kind, env.flags, wire, len(tensors), data_tag, env.request_id,
+    header = HEADER.pack(env.kind, env.flags, wire, len(packed), data_tag, env.request_id,
                          env.context_id, env.message_id, len(payload), len(specs_blob),
                          inline_total)
     # one copy of every part into the frame (a bytes join), inline tensors 16-aligned
@@ -612,6 +713,9 @@ class Header:
     inline_start: int
     payload_length: int
     payload_separate: bool  # the payload is the first frame on the data tag
+    #: the sparse COO tensors made of the received tensors (``None``: none); the receiver
+    #: passes the tensors of ``specs`` through :func:`assemble_sparse`
+    sparse: list[SparseSpec] | None = None
 
 
 def decode_header(frame: bytearray | bytes) -> tuple[Envelope, Header | None]:
@@ -629,17 +733,28 @@ def decode_header(frame: bytearray | bytes) -> tuple[Envelope, Header | None]:
     in_frame0 = 0 if separate else payload_len
     payload = b"" if separate else view[pos:pos + payload_len]
     specs: list[TensorSpec] = []
+    sparse: list[SparseSpec] | None = None
     inline_start = 0
     if n_tensors:
         pos += in_frame0
         end = pos + specs_len
-        while pos < end:
-            spec, pos = TensorSpec.unpack_from(frame, pos)
-            specs.append(spec)
+        if wire & WIRE_SPARSE:
+            sparse = []
+            while pos < end:
+                if frame[pos + 2] & _SPARSE:
+                    head, pos = SparseSpec.unpack_from(frame, pos, len(specs))
+                    sparse.append(head)
+                else:
+                    spec, pos = TensorSpec.unpack_from(frame, pos)
+                    specs.append(spec)
+        else:
+            while pos < end:
+                spec, pos = TensorSpec.unpack_from(frame, pos)
+                specs.append(spec)
         inline_start = _align(end)
     env = Envelope(kind=kind, request_id=request_id, flags=flags, context_id=context_id,
                    message_id=message_id, payload=payload)
-    return env, Header(data_tag, specs, inline_start, payload_len, separate)
+    return env, Header(data_tag, specs, inline_start, payload_len, separate, sparse)
 
 
 def inline_tensor(frame: bytearray, inline_start: int, spec: TensorSpec) -> torch.Tensor:
