@@ -20,6 +20,11 @@ __all__ = [
     "WorkerFailedError",
     "SerializationError",
     "RemoteBaseException",
+    "WrappedError",
+    "wrap_error",
+    "node_error",
+    "operator_error",
+    "async_result_error",
     "storable",
     "pack_exception",
     "unpack_exception",
@@ -158,6 +163,157 @@ class RemoteBaseException(RPCError):
         return type(self), (self.exception,)
 
 
+class WrappedError(RuntimeError):
+    """A ``RuntimeError`` carrying another exception, where torch reports a
+    ``RuntimeError`` with a message of its own: a backward pass that failed on some rank
+    (``"Error on Node 1: ..."``), a function or class the callee cannot find, a torch
+    operator called with arguments that none of its schemas takes, an
+    ``@async_execution`` function that returned no future.
+
+    The message starts with torch's wording; the carried exception is ``original`` and
+    ``__cause__``. The class also derives from the carried exception's type (it is named
+    ``WrappedError[ValueError]`` and so on), so code that caught that type still does.
+
+    Example::
+
+        >>> try:
+        ...     dist_autograd.backward(context_id, [loss])  # a ValueError on worker1's part
+        ... except RuntimeError as exc:                     # torch's type; ValueError works too
+        ...     print(exc, "|", type(exc.original).__name__, isinstance(exc, ValueError))
+        Error on Node 1: bad gradient | ValueError True
+    """
+
+    #: the type this class also derives from (``None`` for ``WrappedError`` itself)
+    carried_type: type[BaseException] | None = None
+    original: BaseException | None = None
+
+    def __str__(self) -> str:  # the message as given, whatever the carried type's __str__
+        return str(self.args[0]) if len(self.args) == 1 else RuntimeError.__str__(self)
+
+    def __reduce__(self) -> tuple:  # the class is made at run time: rebuilt from its parts
+        state = {k: v for k, v in self.__dict__.items() if k != "original"}
+        carried = self.original if self.original is not None else self.carried_type
+        return _rebuild_wrapped, (carried, str(self), state)
+
+
+_wrapped_types: dict[type, type[WrappedError]] = {}
+
+
+def _wrapped_type(base: type[BaseException] | None) -> type[WrappedError]:
+    """``WrappedError[base]``, a subclass of ``WrappedError`` and ``base`` (made once per
+    type); ``WrappedError`` itself where ``base`` is none, ``RuntimeError``, or cannot be
+    combined with it."""
+    if (base is None or base is RuntimeError or issubclass(base, WrappedError)
+            or not issubclass(base, Exception)):
+        return WrappedError
+    cls = _wrapped_types.get(base)
+    if cls is None:
+        try:
+            cls = type(f"WrappedError[{base.__qualname__}]", (WrappedError, base),
+                       {"__module__": __name__, "carried_type": base})
+            base.__new__(cls, "probe")  # a type whose construction cannot be combined
+        except Exception:
+            cls = WrappedError
+        _wrapped_types[base] = cls
+    return cls
+
+
+def wrap_error(carried: BaseException | type[BaseException] | None, message: str,
+               **attrs: object) -> WrappedError:
+    """A :class:`WrappedError` with ``message``, carrying ``carried`` (an exception, which
+    becomes ``original`` and ``__cause__`` and whose attributes it copies, or just the type
+    to derive from); ``attrs`` become its attributes.
+
+    Example::
+
+        >>> exc = wrap_error(ValueError("bad"), "Error on Node 1: bad", node=1)
+        >>> isinstance(exc, RuntimeError), isinstance(exc, ValueError), exc.node
+        (True, True, 1)
+    """
+    original = carried if isinstance(carried, BaseException) else None
+    cls = _wrapped_type(type(carried) if original is not None else carried)
+    try:
+        exc = (cls.carried_type or WrappedError).__new__(cls, message)
+        BaseException.__init__(exc, message)
+    except Exception:
+        exc = WrappedError(message)
+    if original is not None:
+        for key, value in getattr(original, "__dict__", {}).items():  # e.g. a failed rank
+            exc.__dict__.setdefault(key, value)
+    exc.__dict__.update(attrs)
+    exc.original = original
+    exc.__cause__ = original
+    return exc
+
+
+def _rebuild_wrapped(carried: BaseException | type[BaseException] | None, message: str,
+                     state: dict) -> WrappedError:
+    exc = wrap_error(carried, message)
+    exc.__dict__.update(state)
+    return exc
+
+
+def node_error(exc: BaseException, node: int) -> BaseException:
+    """What a distributed backward pass raises for ``exc``, met on rank ``node``: torch's
+    ``RuntimeError("Error on Node {node}: {message}")`` (a :class:`WrappedError`, so also
+    of ``exc``'s type, with ``exc`` as its cause and ``node`` as an attribute). An error
+    already reported that way is returned as it is.
+
+    Example::
+
+        >>> str(node_error(ValueError("bad gradient"), 1))
+        'Error on Node 1: bad gradient'
+    """
+    if isinstance(exc, WrappedError) and getattr(exc, "node", None) is not None:
+        return exc
+    return wrap_error(exc, f"Error on Node {node}: {exc}", node=node)
+
+
+def operator_error(func: object, exc: BaseException) -> BaseException:
+    """``exc`` as the caller should see it: a ``TypeError`` of a torch operator (``func``)
+    called with arguments none of its schemas takes becomes torch's ``RuntimeError``
+    wording ("Overloaded torch operator invoked from Python failed to match any schema"),
+    a :class:`WrappedError` that is still a ``TypeError``; any other ``exc`` is returned.
+
+    Example::
+
+        >>> try:
+        ...     torch.add()
+        ... except TypeError as exc:
+        ...     print(str(operator_error(torch.add, exc)).splitlines()[0])
+        Overloaded torch operator invoked from Python failed to match any schema:
+    """
+    if type(exc) is not TypeError or func is None:
+        return exc
+    try:
+        from torch.jit._builtins import _find_builtin
+
+        name = _find_builtin(func)
+    except Exception:
+        return exc
+    if name is None:
+        return exc
+    return wrap_error(exc, f"Overloaded torch operator invoked from Python failed to match "
+                           f"any schema:\n{name}: {exc}")
+
+
+def async_result_error(what: str, result: object) -> WrappedError:
+    """The error of an ``@rpc.functions.async_execution`` function (``what``) that returned
+    ``result``, not a ``torch.futures.Future``: torch's ``RuntimeError`` wording, a
+    :class:`WrappedError` that is also a ``TypeError``.
+
+    Example::
+
+        >>> str(async_result_error("f", 3)).split(",")[0]
+        'Functions decorated with @rpc.async_function must return a torch.futures.Future object'
+    """
+    return wrap_error(TypeError, f"Functions decorated with @rpc.async_function must return a "
+                                 f"torch.futures.Future object, but got {type(result)}: {what} "
+                                 f"is decorated with @rpc.functions.async_execution; return the "
+                                 f"future of the work it starts (e.g. rpc.rpc_async(...) or "
+                                 f"fut.then(...))")
+
+
 def storable(exc: BaseException) -> Exception:
     """``exc`` as something a ``torch.futures.Future`` can hold (see
     :class:`RemoteBaseException`)."""
@@ -220,7 +376,10 @@ def unpack_exception(data: bytes) -> BaseException:
             exc = None
     if exc is None:
         exc = RPCError(f"{module}.{qualname}: {message}")
-    exc.__cause__ = RemoteTraceback(text)
+    if isinstance(exc, WrappedError) and exc.original is not None:
+        exc.original.__cause__ = RemoteTraceback(text)  # the wrapper's cause stays its original
+    else:
+        exc.__cause__ = RemoteTraceback(text)
     return exc
 
 

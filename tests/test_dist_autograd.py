@@ -16,6 +16,7 @@ import mpidag.autograd as dist_autograd
 import mpidag.rpc as rpc
 from mpidag import testing
 from tests import autograd_funcs as af
+from tests import rpc_funcs
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -229,9 +230,23 @@ def test_end_to_end_remote_leaves_and_rref_backward(rpc_world):
     mine = rpc.RRef(torch.sum(x * 2))
     mine.backward()  # local: only the owner may, and it fills .grad
     close(x.grad, torch.full((4,), 2.0))
-    with pytest.raises(RuntimeError, match="only the owner"):
+    with pytest.raises(RuntimeError, match="only the owner") as info:
         total.backward()
-    del rref1, rref2, total, mine
+    assert str(info.value).startswith(
+        "User RRefs require 'dist_autograd_ctx_id' to be specified")  # torch's words first
+    with dist_autograd.context() as context_id:  # torch's test_user_rref_backward errors
+        text = rpc.remote(owner, rpc_funcs.identity, args=("foo",))
+        with pytest.raises(RuntimeError, match=r"RRef should contain a tensor for .backward\(\)"):
+            text.backward(context_id)
+    with pytest.raises(RuntimeError, match=r"RRef should contain a tensor for .backward\(\)"):
+        rpc.RRef("foo").backward()  # torch's test_owner_rref_backward errors
+    with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar"):
+        rpc.RRef(torch.rand(10, requires_grad=True)).backward()
+    with pytest.raises(RuntimeError, match="does not require grad and does not have a grad_fn"):
+        rpc.RRef(torch.rand(10)).backward()
+    with pytest.raises(RuntimeError, match="Could not find autograd context with id: 100"):
+        rpc.RRef(torch.rand(10, requires_grad=True).sum()).backward(100)
+    del rref1, rref2, total, mine, info, text
 
 
 def test_error_in_a_remote_backward_reaches_the_caller(rpc_world):
@@ -240,7 +255,12 @@ def test_error_in_a_remote_backward_reaches_the_caller(rpc_world):
         y = rpc.rpc_sync(rpc_world.next, af.fails_in_backward, args=(x,))
         with pytest.raises(ValueError, match="failed on purpose") as info:
             dist_autograd.backward(context_id, [y.sum()])
-        assert rpc_world.next in str(info.value.__cause__)  # the remote traceback
+        # torch's RuntimeError("Error on Node {rank}: ..."), the original as its cause
+        assert isinstance(info.value, RuntimeError)
+        assert str(info.value) == (f"Error on Node {(rpc_world.rank + 1) % rpc_world.size}: "
+                                   f"backward of FailingBackward failed on purpose")
+        assert type(info.value.__cause__) is ValueError
+        assert rpc_world.next in str(info.value.__cause__.__cause__)  # the remote traceback
         del info
     # every rank goes on working
     with dist_autograd.context() as context_id:
@@ -320,3 +340,13 @@ def test_many_iterations_leave_nothing_alive(rpc_world):
     assert info == {k: 0 for k in info}, info
     assert rss[1] - rss[0] < 20, f"memory grew from {rss[0]:.1f} to {rss[1]:.1f} MiB"
     testing.quiesce()
+
+
+def test_max_context_id_is_this_workers_last(rpc_world):
+    from mpidag import _runtime
+
+    ids = _runtime.current().agent.ids
+    top = dist_autograd._get_max_id()
+    assert ids.creator(top) == rpc_world.rank and ids.local_counter(top) == 2**ids.counter_bits - 1
+    with dist_autograd.context() as context_id:
+        assert ids.creator(context_id) == rpc_world.rank and context_id < top

@@ -3,6 +3,7 @@ forward_async, remote_parameters, the nn.Module methods it forbids, and clear er
 
 from __future__ import annotations
 
+import io
 import pickle
 
 import pytest
@@ -159,8 +160,12 @@ def test_travels_over_rpc_not_by_pickle(rpc_world):
     back = rpc.rpc_sync(rpc_world.next, rmf.echo, args=(remote,))
     assert isinstance(back, RemoteModule)
     close(back(x), rmf.MLP(6)(x))
-    with pytest.raises(RPCError, match="can only be pickled"):
+    torchs = ("Cannot pickle RemoteModule in python pickler. RemoteModule can only be pickled "
+              "when using RPC")  # torch's test_remote_module_py_pickle_not_supported
+    with pytest.raises(RPCError, match=torchs):
         pickle.dumps(remote)
+    with pytest.raises(RuntimeError, match=torchs):
+        torch.save(remote, io.BytesIO())
     del remote, back
 
 

@@ -5,6 +5,7 @@ Run with ``mpirun -n 2`` (and ``-n 3``) ``python -m pytest --with-mpi -m mpi tes
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -151,8 +152,17 @@ def test_async_execution(rpc_world):
     torch.testing.assert_close(out, torch.full((2,), 3.0))
     with pytest.raises(ValueError, match="inner failure"):
         rpc.rpc_sync(rpc_world.next, f.async_fail, args=(rpc_world.prev,), timeout=30)
-    with pytest.raises(TypeError, match="must return a torch.futures.Future"):
+    # torch's RuntimeError and wording (still a TypeError), through remote() too
+    wrong = ("Functions decorated with @rpc\\.async_function must return a "
+             "torch\\.futures\\.Future object,")
+    with pytest.raises(TypeError, match="must return a torch.futures.Future") as info:
         rpc.rpc_sync(rpc_world.next, f.async_not_a_future, timeout=30)
+    assert isinstance(info.value, RuntimeError) and re.search(wrong, str(info.value))
+    with pytest.raises(RuntimeError, match=wrong):
+        rpc.rpc_async(rpc_world.next, f.async_not_a_future, timeout=30).wait()
+    with pytest.raises(RuntimeError, match=wrong):
+        rpc.remote(rpc_world.next, f.async_not_a_future, timeout=30).to_here()
+    del info
 
 
 def test_remote_exception_keeps_type_message_and_traceback(rpc_world):
@@ -244,8 +254,13 @@ def test_function_missing_on_callee(rpc_world):
     try:
         if rpc_world.rank == 0:
             sys.modules["only_on_rank_zero"] = mod
-            with pytest.raises(ModuleNotFoundError, match="must be importable on the callee"):
+            with pytest.raises(ModuleNotFoundError, match="must be importable on the callee"
+                               ) as info:
                 rpc.rpc_sync("worker1", _defined_only_on_rank_zero, timeout=10)
+            # torch's RuntimeError and wording (test_function_not_on_callee)
+            assert isinstance(info.value, RuntimeError)
+            assert "Default RPC pickler does not serialize function code" in str(info.value)
+            del info
             assert rpc.rpc_sync("worker0", _defined_only_on_rank_zero, timeout=10) == "found"
             assert rpc.rpc_sync("worker1", f.add, args=(1, 2), timeout=10) == 3
     finally:
@@ -347,3 +362,53 @@ def test_torch_private_agent_helpers_all_gather_barrier_and_debug_info(rpc_world
     agent_keys = agent.get_debug_info().keys()
     assert agent_keys <= info.keys() and all(k.startswith("agent.") for k in agent_keys)
     assert {"num_owner_rrefs", "num_forks", "num_autograd_contexts"} <= info.keys()
+
+
+# ------------------------------------------- torch's private helpers and wording (issue 21)
+
+
+def test_default_timeout_get_set_and_torchs_timeout_wording(rpc_world):
+    default = rpc.get_rpc_timeout()
+    assert default == rpc.constants.DEFAULT_RPC_TIMEOUT_SEC  # the fixture's options
+    try:
+        rpc._set_rpc_timeout(0.05)
+        assert rpc.get_rpc_timeout() == 0.05
+        fut = rpc.rpc_async(rpc_world.next, f.sleep_then, args=(0.5, "late"))  # default
+        with pytest.raises(RuntimeError, match="RPC ran for more than") as info:
+            fut.wait()
+        assert isinstance(info.value, RPCTimeoutError) and "50 ms" in str(info.value)
+        assert "sleep_then" in str(info.value)  # mpidag's detail follows torch's words
+        rpc._set_rpc_timeout(0)  # none
+        assert rpc.rpc_sync(rpc_world.next, f.sleep_then, args=(0.1, "ok")) == "ok"
+        with pytest.raises(ValueError, match="rpc_timeout must be"):
+            rpc._set_rpc_timeout(-1)
+    finally:
+        rpc._set_rpc_timeout(default)
+    assert rpc.get_rpc_timeout() == default
+    del info
+
+
+def test_wait_all_collects_and_waits_rpc_async_futures(rpc_world):
+    from mpidag.rpc.api import _thread_local_var, _wait_all
+
+    with _wait_all():
+        assert _thread_local_var.future_list == []
+        futs = [rpc.rpc_async(rpc_world.next, f.sleep_then, args=(0.05, i)) for i in range(5)]
+        assert _thread_local_var.future_list == futs
+    assert not hasattr(_thread_local_var, "future_list")
+    assert all(fut.done() for fut in futs) and [fut.value() for fut in futs] == list(range(5))
+    with pytest.raises(ValueError, match="Expected error"), _wait_all():
+        rpc.rpc_async(rpc_world.next, f.raise_value_error, args=("Expected error",))
+    assert not hasattr(_thread_local_var, "future_list")
+    with pytest.raises(RuntimeError, match="RPC ran for more than"), _wait_all():
+        rpc.rpc_async(rpc_world.next, f.sleep_then, args=(0.5, "late"), timeout=0.05)
+
+
+def test_builtin_with_wrong_arguments_is_torchs_schema_error(rpc_world):
+    pattern = "Overloaded torch operator invoked from Python failed to match any schema"
+    with pytest.raises(RuntimeError, match=pattern) as info:
+        rpc.rpc_sync(rpc_world.next, torch.add, args=(), timeout=10)
+    assert isinstance(info.value, TypeError)  # what torch.add() itself raises
+    with pytest.raises(RuntimeError, match=pattern):
+        rpc.remote(rpc_world.next, torch.add, args=(), timeout=10).to_here()
+    del info

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import io
 import random
+import re
 import time
 
 import pytest
@@ -49,6 +51,10 @@ def test_local_value_on_a_user_is_an_error(rpc_world):
     with pytest.raises(RPCError, match="non-owner") as info:
         rref.local_value()
     assert isinstance(info.value, RuntimeError)
+    me, owner = rpc.get_worker_info(), rpc.get_worker_info(rpc_world.next)
+    assert f"can't call localValue() on user {me}. Call it on owner {owner}" in str(info.value)
+    assert str(info.value).startswith(f"For UserRRef(rref_id=GloballyUniqueId(created_on="
+                                      f"{rpc_world.rank}, local_id=")
     assert rref.rpc_sync(timeout=30).get_tag() == "x"
     del rref, info  # the traceback's frames hold the RRef too
     testing.assert_no_leaks()
@@ -122,8 +128,12 @@ def test_bad_rrefs(rpc_world):
     import pickle
 
     rref = rpc.RRef(1)
-    with pytest.raises(RPCError, match="only be pickled as an argument"):
-        pickle.dumps(rref)
+    with pytest.raises(RPCError, match="Can not pickle rref in python pickler") as info:
+        pickle.dumps(rref)  # torch's words (test_rref_py_pickle_not_supported), then ours
+    assert "as an argument or return value of rpc_sync" in str(info.value)
+    with pytest.raises(RuntimeError, match="Can not pickle rref in python pickler"):
+        torch.save(rref, io.BytesIO())
+    del info
     del rref
     testing.assert_no_leaks()
 
@@ -174,3 +184,33 @@ def test_delayed_and_reordered_control_messages_keep_g1_and_g2(rpc_world):
         testing.settle()
     assert delays.delayed > 0
     testing.assert_no_leaks()
+
+
+def test_torch_rref_helpers_str_type_and_debug_info(rpc_world):
+    """torch's ``str(rref)``, ``RRef._get_type`` and ``_rref_context_get_debug_info``."""
+    mine = rpc.RRef(rpc_world.rank)
+    match = re.fullmatch(rf"OwnerRRef\(GloballyUniqueId\(created_on={rpc_world.rank}, "
+                         rf"local_id=(\d+)\)\)", str(mine))
+    assert match, str(mine)
+    theirs = rpc.remote(rpc_world.next, torch.add, args=(torch.ones(2, 2), 1))
+    match = re.fullmatch(rf"UserRRef\(RRefId = GloballyUniqueId\(created_on={rpc_world.rank}, "
+                         rf"local_id=(\d+)\), ForkId = GloballyUniqueId\(created_on="
+                         rf"{rpc_world.rank}, local_id=(\d+)\)\)", repr(theirs))
+    assert match and int(match[2]) == int(match[1]) + 1, repr(theirs)
+    assert theirs._get_type() is torch.Tensor and mine._get_type() is int
+    fut = theirs._get_type(blocking=False)
+    assert fut is theirs._get_type(blocking=False) and fut.wait() is torch.Tensor
+    theirs.to_here()
+    testing.settle()
+    info = rpc._rref_context_get_debug_info()
+    assert set(info) == {"num_owner_rrefs", "num_forks", "num_pending_users",
+                         "num_pending_futures"}
+    assert all(isinstance(v, str) and v.isdigit() for v in info.values()), info
+    # a local RRef is not counted until shared (as torch); the value the previous rank's
+    # `theirs` refers to is
+    assert info["num_pending_users"] == info["num_pending_futures"] == "0"
+    assert info["num_owner_rrefs"] == info["num_forks"] == "1", info
+    testing.quiesce()  # every rank has read its counts before any deletes its RRefs
+    del mine, theirs, fut
+    testing.settle()
+    assert rpc._rref_context_get_debug_info()["num_owner_rrefs"] == "0"

@@ -67,11 +67,14 @@ from mpidag.errors import (
     SerializationError,
     WorkerDiedError,
     WorkerFailedError,
+    async_result_error,
     detached_copy,
     future_error,
+    operator_error,
     pack_exception,
     storable,
     unpack_exception,
+    wrap_error,
 )
 from mpidag.transport.base import PEER_FAILED, Transport
 from mpidag.transport.frames import Codecs, Envelope, dumps, is_plain, loads
@@ -742,9 +745,9 @@ class RpcAgent:
         seconds = call.seconds
         dst_name = self.workers[call.dst].name
         call.set_exception(RPCTimeoutError(
-            f"RPC of {call.what} to {dst_name} ran for more than the set timeout "
-            f"({seconds * 1000:.0f} ms) and was marked with an error; pass a larger timeout= "
-            f"or rpc_timeout in the backend options"
+            f"RPC ran for more than the set timeout ({seconds * 1000:.0f} ms) and will now be "
+            f"marked with an error: the call of {call.what} to {dst_name}; pass a larger "
+            f"timeout= or rpc_timeout in the backend options"
         ))
         self.engine.wake_waiters()
 
@@ -839,6 +842,10 @@ class RpcAgent:
                       f"{self.where()}: {exc}. The function and the classes of its arguments "
                       f"must be importable on the callee (defined at module level in a module "
                       f"every rank imports).")
+            if isinstance(exc, AttributeError | ImportError):  # torch's RuntimeError text
+                raise wrap_error(exc, f"{exc}. Default RPC pickler does not serialize "
+                                      f"function code. Ensure that UDFs are defined on both "
+                                      f"caller and callee modules: {detail}") from exc
             try:
                 raise type(exc)(detail) from exc
             except TypeError:  # an exception type whose __init__ takes other arguments
@@ -854,6 +861,7 @@ class RpcAgent:
         if env.context_id or observing():
             self._serve_observed_call(env)
             return
+        func = None
         try:  # the common case: no autograd context, no profiler, a synchronous function
             func, args, kwargs = self._unpack_call(env)
             if _is_asynchronous(func):
@@ -861,7 +869,7 @@ class RpcAgent:
                 return
             result = func(*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - the caller gets it, with its type
-            self._reply_error(env, exc)
+            self._reply_error(env, operator_error(func, exc))
             return
         self._reply_value(env, result, (func, args))
 
@@ -872,6 +880,7 @@ class RpcAgent:
         ``@async_execution`` function (``unpacked``: the call, if already unpickled)."""
         state = None
         span = None
+        func = None
         asynchronous = False
         src_name = self.workers[env.src].name
         try:
@@ -900,15 +909,13 @@ class RpcAgent:
                 finally:
                     self.observer.served(token)
         except BaseException as exc:  # noqa: BLE001 - the caller gets it, with its type
-            self._reply_error(env, exc)
+            self._reply_error(env, operator_error(func, exc))
             if span is not None:
                 span.__exit__(None, None, None)
             return
         if asynchronous:
             if not isinstance(result, torch._C.Future):
-                self._reply_error(env, TypeError(
-                    f"{describe(func)} is decorated with @async_execution and must return a "
-                    f"torch.futures.Future, but returned {type(result).__name__}"))
+                self._reply_error(env, async_result_error(describe(func), result))
             else:
                 result.add_done_callback(
                     lambda fut: self._reply_future(env, fut, (func, args)))

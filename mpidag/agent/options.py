@@ -11,11 +11,13 @@ import torch
 
 __all__ = [
     "BackendType",
+    "DEFAULT_INIT_METHOD",
     "DEFAULT_NUM_WORKER_THREADS",
     "DEFAULT_RPC_TIMEOUT_SEC",
     "DEFAULT_SHUTDOWN_TIMEOUT",
     "UNSET_RPC_TIMEOUT",
     "MPIRpcBackendOptions",
+    "RpcBackendOptions",
     "TensorPipeRpcBackendOptions",
     "WorkerInfo",
 ]
@@ -24,6 +26,7 @@ DEFAULT_RPC_TIMEOUT_SEC = 60.0
 DEFAULT_SHUTDOWN_TIMEOUT = 0
 UNSET_RPC_TIMEOUT = -1.0
 DEFAULT_NUM_WORKER_THREADS = 16
+DEFAULT_INIT_METHOD = "env://"
 
 DeviceLike = int | str | torch.device
 
@@ -67,7 +70,25 @@ def _device(d: DeviceLike) -> torch.device:
     return dev
 
 
-class MPIRpcBackendOptions:
+class RpcBackendOptions:
+    """The base class of backend options (torch's ``RpcBackendOptions``): a default
+    timeout and an init method. :class:`MPIRpcBackendOptions` is the one backend's options;
+    a subclass of this one that is not that is refused by ``init_rpc``.
+
+    Example::
+
+        >>> opts = rpc.RpcBackendOptions(rpc_timeout=20)
+        >>> opts.rpc_timeout, opts.init_method
+        (20.0, 'env://')
+    """
+
+    def __init__(self, rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC,
+                 init_method: str = DEFAULT_INIT_METHOD) -> None:
+        self.rpc_timeout = float(rpc_timeout)
+        self.init_method = init_method
+
+
+class MPIRpcBackendOptions(RpcBackendOptions):
     """Options of the MPI RPC backend; same arguments as ``TensorPipeRpcBackendOptions``.
 
     Args:
@@ -92,7 +113,7 @@ class MPIRpcBackendOptions:
         *,
         num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS,
         rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC,
-        init_method: str = "env://",
+        init_method: str = DEFAULT_INIT_METHOD,
         device_maps: Mapping[str, Mapping[DeviceLike, DeviceLike]] | None = None,
         devices: list[DeviceLike] | None = None,
         max_sleep: float | None = None,
@@ -171,9 +192,16 @@ class MPIRpcBackendOptions:
                 device_maps=dict(getattr(options, "device_maps", {}) or {}),
                 devices=list(getattr(options, "devices", []) or []),
             )
+        if isinstance(options, RpcBackendOptions) or any(
+                c.__name__ == "RpcBackendOptions" for c in type(options).__mro__):
+            raise TypeError(
+                f"Could not infer backend for options {options!r}: `rpc_backend_options` must "
+                f"be a `TensorPipeRpcBackendOptions` (mpidag.rpc.MPIRpcBackendOptions, the "
+                f"one backend's options), got {type(options).__name__}")
         raise TypeError(
-            f"rpc_backend_options must be mpidag.rpc.MPIRpcBackendOptions (or torch's "
-            f"TensorPipeRpcBackendOptions), got {type(options).__name__}"
+            f"Argument rpc_backend_options must be an instance of RpcBackendOptions: pass "
+            f"mpidag.rpc.MPIRpcBackendOptions (or torch's TensorPipeRpcBackendOptions), got "
+            f"{type(options).__name__}"
         )
 
 

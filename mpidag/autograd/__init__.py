@@ -111,9 +111,11 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
 
     Gradients of the leaves on every rank accumulate in that rank's share of the context
     (read them with :func:`get_gradients`), never in ``.grad``. Returns when the pass is
-    done on every rank; raises the first error any rank met (with its type and remote
-    traceback). ``retain_graph=True`` keeps the graph for another backward in the same
-    context, whose gradients add to these.
+    done on every rank; raises the first error any rank met as torch does, a
+    ``RuntimeError("Error on Node {rank}: {message}")`` (an
+    :class:`~mpidag.errors.WrappedError`, also of the original's type, which is its
+    ``__cause__`` with the remote traceback). ``retain_graph=True`` keeps the graph for
+    another backward in the same context, whose gradients add to these.
 
     ``mode="smart"`` (the default) gives exactly the gradients of the same computation done
     locally, for any graph recorded in the context, also when the loss does not use some
@@ -162,6 +164,19 @@ def _retrieve_context(context_id: int) -> DistAutogradContext:
 def _is_valid_context(context_id: int) -> bool:
     """Whether this rank has a context with this id."""
     return context_id in _container().contexts
+
+
+def _get_max_id() -> int:
+    """The largest id this worker can give a context (torch's private helper): its rank
+    in the high bits (16 or more, as the world needs), the counter's maximum below.
+
+    Example::
+
+        >>> dist_autograd._get_max_id() >> 47      # on worker 1 of a job of 2
+        1
+    """
+    ids = _runtime.current().agent.ids
+    return (ids.rank << ids.counter_bits) | ((1 << ids.counter_bits) - 1)
 
 
 def _get_debug_info() -> dict[str, int]:

@@ -57,7 +57,7 @@ from mpidag.dist_autograd.context import (
     DistAutogradContext,
 )
 from mpidag.dist_autograd.graph import Plan, edge_of
-from mpidag.errors import detached_copy, frameless, future_error
+from mpidag.errors import detached_copy, frameless, future_error, node_error
 
 __all__ = ["DistAutograd", "PassState", "UnusedRPCGradientError", "UnusedRPCWarning",
            "check_roots"]
@@ -165,8 +165,9 @@ class PassState:
             except Exception as exc:
                 log.debug("backward pass %x failed on %s", self.pass_id, self.agent.where(),
                           exc_info=True)
-                with self.lock:
-                    self.errors.append(frameless(exc, self.agent.where()))
+                with self.lock:  # torch's "Error on Node {rank}: ...", original as cause
+                    self.errors.append(node_error(frameless(exc, self.agent.where()),
+                                                  self.agent.rank))
             if reply is not None:
                 reply.set_result(self._own_report())
         self._maybe_finish()

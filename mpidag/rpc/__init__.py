@@ -15,14 +15,18 @@ from mpidag.agent.options import (
     UNSET_RPC_TIMEOUT,
     BackendType,
     MPIRpcBackendOptions,
+    RpcBackendOptions,
     TensorPipeRpcBackendOptions,
     WorkerInfo,
 )
 from mpidag.errors import RemoteTraceback, RPCError, RPCTimeoutError, WorkerFailedError
-from mpidag.rpc import functions
+from mpidag.rpc import api, backend_registry, constants, functions  # noqa: F401 - as torch's
 from mpidag.rpc.api import (
+    _rref_context_get_debug_info,  # noqa: F401 - torch's private helper, used by its tests
+    _set_rpc_timeout,  # noqa: F401 - torch's private helper, used by its tests
     enable_gil_profiling,
     failed_workers,
+    get_rpc_timeout,
     get_worker_info,
     init_rpc,
     is_available,
@@ -44,6 +48,7 @@ __all__ = [
     "MPIRpcBackendOptions",
     "RPCError",
     "RRef",
+    "RpcBackendOptions",
     "RPCTimeoutError",
     "RemoteTraceback",
     "TensorPipeRpcBackendOptions",
@@ -53,6 +58,7 @@ __all__ = [
     "enable_gil_profiling",
     "failed_workers",
     "functions",
+    "get_rpc_timeout",
     "get_worker_info",
     "init_process_group",
     "init_rpc",

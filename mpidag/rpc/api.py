@@ -8,12 +8,14 @@ Every function here works on the current :class:`~mpidag._runtime.Runtime` (made
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -41,6 +43,7 @@ __all__ = [
     "get_worker_info",
     "failed_workers",
     "is_available",
+    "get_rpc_timeout",
 ]
 
 log = logging.getLogger(__name__)
@@ -163,8 +166,10 @@ def _check_init_arguments(name, backend, rank, world_size) -> Exception | None:
     if name is not None and (not isinstance(name, str) or not name or ":" in name):
         return ValueError(f"worker name must be a non-empty str without ':', got {name!r}")
     if backend is not None and backend not in (BackendType.MPI, BackendType.TENSORPIPE) and \
-            str(backend).upper().rsplit(".", 1)[-1] not in ("MPI", "TENSORPIPE"):
-        return ValueError(f"unknown backend {backend!r}; use mpidag.rpc.BackendType.MPI")
+            getattr(backend, "name", None) not in ("MPI", "TENSORPIPE"):  # torch's enum too
+        return TypeError(f"Argument backend must be a member of BackendType: "
+                         f"mpidag.rpc.BackendType.MPI (or TENSORPIPE, which runs on MPI), got "
+                         f"{backend!r}")
     if rank is not None and (not isinstance(rank, int) or rank < -1):
         return ValueError(f"rank must be a non-negative int or -1, got {rank!r}")
     if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
@@ -323,7 +328,10 @@ def rpc_async(to: str | WorkerInfo | int, func: Callable, args: tuple | None = N
     """
     runtime = _runtime.current()
     args, kwargs = check_call(func, args, kwargs)
-    return runtime.agent.call(runtime.to_rank(to), func, args, kwargs, timeout)
+    fut = runtime.agent.call(runtime.to_rank(to), func, args, kwargs, timeout)
+    if hasattr(_thread_local_var, "future_list"):  # inside `with _wait_all():`
+        _thread_local_var.future_list.append(fut)
+    return fut
 
 
 def rpc_sync(to: str | WorkerInfo | int, func: Callable, args: tuple | None = None,
@@ -341,6 +349,99 @@ def rpc_sync(to: str | WorkerInfo | int, func: Callable, args: tuple | None = No
     runtime = _runtime.current()
     args, kwargs = check_call(func, args, kwargs)
     return runtime.agent.call_sync(runtime.to_rank(to), func, args, kwargs, timeout)
+
+
+# ----------------------------------------------------------------------------------------
+# torch's private helpers that its test suites use, with the same meaning
+
+
+#: torch's switch of the RRef leak check at shutdown (``True``: leaks are not an error).
+#: mpidag releases every user RRef still referenced at a graceful shutdown and logs how
+#: many there were, whatever this says.
+_ignore_rref_leak = True
+
+#: per thread: ``future_list``, the futures of ``rpc_async`` inside ``with _wait_all():``
+_thread_local_var = threading.local()
+
+
+@contextlib.contextmanager
+def _wait_all() -> Iterator[None]:
+    """Collect the futures of every ``rpc_async`` made in the block by this thread and wait
+    for all of them at its end (torch's private helper); the first error is raised.
+
+    Example::
+
+        >>> with rpc.api._wait_all():
+        ...     fut_1 = rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 1))
+        ...     fut_2 = rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 2))
+        >>> fut_1.done() and fut_2.done()
+        True
+    """
+    _thread_local_var.future_list = []
+    try:
+        yield
+    finally:
+        try:
+            torch.futures.wait_all(_thread_local_var.future_list)
+        finally:
+            del _thread_local_var.future_list
+
+
+def get_rpc_timeout() -> float:
+    """The default timeout of calls of this worker, in seconds (torch's
+    ``get_rpc_timeout``): the backend options' ``rpc_timeout``, or what
+    :func:`_set_rpc_timeout` set since.
+
+    Example::
+
+        >>> rpc.init_rpc(rpc_backend_options=rpc.MPIRpcBackendOptions(rpc_timeout=20))
+        >>> rpc.get_rpc_timeout()
+        20.0
+    """
+    return float(_runtime.current().agent.default_timeout)
+
+
+def _set_rpc_timeout(rpc_timeout: float) -> None:
+    """Set the default timeout of this worker's calls made from now on, in seconds; 0
+    means none (torch's ``_set_rpc_timeout``). Calls already made keep theirs.
+
+    Example::
+
+        >>> rpc._set_rpc_timeout(0.5)
+        >>> rpc.get_rpc_timeout()
+        0.5
+    """
+    if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, int | float) or \
+            not rpc_timeout >= 0:
+        raise ValueError(f"rpc_timeout must be a number of seconds >= 0 (0: no timeout), got "
+                         f"{rpc_timeout!r}")
+    _runtime.current().agent.default_timeout = float(rpc_timeout)
+
+
+def _rref_context_get_debug_info() -> dict[str, str]:
+    """torch's counters of this worker's RRefs, as strings: ``num_owner_rrefs`` (values
+    this worker owns that some other worker references or is still making),
+    ``num_forks`` (references to them on other workers), ``num_pending_users``
+    (references not confirmed yet) and ``num_pending_futures`` (protocol steps not
+    finished: forks of user RRefs waiting for the owner, releases not sent yet).
+
+    Example::
+
+        >>> rpc._rref_context_get_debug_info()["num_owner_rrefs"]
+        '0'
+    """
+    rrefs = _runtime.current().rrefs
+    info = rrefs.debug_info()  # carries out queued releases first
+    with rrefs.lock:
+        shared = sum(1 for rec in rrefs.owners.values()
+                     if rec.forks or rec.tombstones or not rec.created)
+        releasing = len(rrefs.releases) + rrefs.releasing
+    return {
+        "num_owner_rrefs": str(shared),
+        "num_forks": str(info["num_forks"]),
+        "num_pending_users": str(info["num_pending_users"]),
+        "num_pending_futures": str(info["num_pending_children"] + releasing),
+    }
 
 
 # ------------------------------------------------------------------------ profiling

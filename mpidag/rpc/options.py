@@ -14,6 +14,7 @@ from mpidag.agent.options import (
     UNSET_RPC_TIMEOUT,
     BackendType,
     MPIRpcBackendOptions,
+    RpcBackendOptions,
     TensorPipeRpcBackendOptions,
     WorkerInfo,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "DEFAULT_RPC_TIMEOUT_SEC",
     "DEFAULT_SHUTDOWN_TIMEOUT",
     "MPIRpcBackendOptions",
+    "RpcBackendOptions",
     "TensorPipeRpcBackendOptions",
     "UNSET_RPC_TIMEOUT",
     "WorkerInfo",

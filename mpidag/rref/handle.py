@@ -9,10 +9,19 @@ alive exactly as long as some handle exists.
 
 from __future__ import annotations
 
+import types
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from mpidag.agent.options import UNSET_RPC_TIMEOUT, WorkerInfo
-from mpidag.errors import RPCError, RPCNotInitializedError, detached_copy
+from mpidag.errors import (
+    RPCError,
+    RPCNotInitializedError,
+    RPCTimeoutError,
+    detached_copy,
+    future_error,
+)
 
 if TYPE_CHECKING:
     from mpidag.rref.protocol import RRefContext
@@ -31,7 +40,7 @@ class RRefHandle:
         torch.Size([2])
     """
 
-    __slots__ = ("_rref_id", "_fork_id", "_owner", "_ctx", "__weakref__")
+    __slots__ = ("_rref_id", "_fork_id", "_owner", "_ctx", "_type_future", "__weakref__")
 
     _rref_id: int
     _fork_id: int | None
@@ -52,20 +61,43 @@ class RRefHandle:
         if ctx is not None:
             ctx.releases.append((self._rref_id, self._fork_id))
 
+    def __class_getitem__(cls, item: Any) -> types.GenericAlias:
+        """``RRef[T]`` in annotations, as torch's ``RRef`` (a ``Generic``)."""
+        return types.GenericAlias(cls, item)
+
+    def _gid(self, any_id: int) -> str:
+        """An id in torch's form: ``GloballyUniqueId(created_on=0, local_id=3)``."""
+        ids = self._ctx.ids
+        return (f"GloballyUniqueId(created_on={ids.creator(any_id)}, "
+                f"local_id={ids.local_counter(any_id) - 1})")  # torch counts from 0
+
     def __repr__(self) -> str:
-        kind = "OwnerRRef" if self.is_owner() else "UserRRef"
-        return f"{kind}(rref_id=0x{self._rref_id:x}, owner={self.owner_name()})"
+        """torch's form: ``OwnerRRef(GloballyUniqueId(created_on=0, local_id=0))`` or
+        ``UserRRef(RRefId = GloballyUniqueId(...), ForkId = GloballyUniqueId(...))``.
+
+        Example::
+
+            >>> rpc.RRef(1)                  # the first RRef of worker0
+            OwnerRRef(GloballyUniqueId(created_on=0, local_id=0))
+            >>> str(rpc.remote("worker1", torch.ones, args=(2,)))[:61]
+            'UserRRef(RRefId = GloballyUniqueId(created_on=0, local_id=1)'
+        """
+        if self._fork_id is None:
+            return f"OwnerRRef({self._gid(self._rref_id)})"
+        return f"UserRRef(RRefId = {self._gid(self._rref_id)}, ForkId = {self._gid(self._fork_id)})"
 
     def __reduce__(self) -> tuple:
-        raise RPCError("an RRef can only be pickled as an argument or return value of an RPC "
-                       "(rpc_sync, rpc_async, remote)")
+        raise RPCError("Can not pickle rref in python pickler, rref can only be pickled when "
+                       "using RPC: as an argument or return value of rpc_sync, rpc_async or "
+                       "remote")
 
-    def _live(self) -> RRefContext:
+    def _live(self, operation: str = "use") -> RRefContext:
         ctx = self._ctx
         if not ctx.agent.running:
             raise RPCNotInitializedError(
-                f"the RPC session of {self!r} was shut down; an RRef is usable only in the "
-                f"session that made it (call mpidag.rpc.init_rpc first for a new one)")
+                f"{self!r} has been deleted. Cannot call {operation} on it after deletion. "
+                f"The RPC session that made it was shut down, and an RRef is usable only in "
+                f"that session (call mpidag.rpc.init_rpc first for a new one)")
         return ctx
 
     # ---------------------------------------------------------------- queries
@@ -124,9 +156,11 @@ class RRefHandle:
         """
         if self._fork_id is not None:
             raise RPCError(
-                f"RRef.local_value() called on a non-owner: this is "
-                f"{self._ctx.agent.info.name}, the value lives on {self.owner_name()}. Call "
-                f"to_here() for a copy, or rpc_sync().method(...) to run a method there."
+                f"For UserRRef(rref_id={self._gid(self._rref_id)}, "
+                f"fork_id={self._gid(self._fork_id)}), can't call localValue() on user "
+                f"{self._ctx.agent.info}. Call it on owner {self.owner()}: local_value() "
+                f"works only where the value lives; on a non-owner RRef call to_here() for a "
+                f"copy, or rpc_sync().method(...) to run a method there."
             )
         return self._ctx.owner_value(self._rref_id)
 
@@ -141,13 +175,46 @@ class RRefHandle:
             >>> rpc.remote("worker1", torch.ones, args=(2,)).to_here()
             tensor([1., 1.])
         """
-        ctx = self._live()
+        ctx = self._live("to_here()")
         if self._fork_id is None:
-            return self.local_value()
+            try:
+                return self.local_value()
+            except RPCTimeoutError as exc:  # remote() to this worker timed out
+                raise _creation_timed_out(exc) from None
         rec = ctx.users.get(self._fork_id)
         if rec is not None and rec.creation_error is not None:
-            raise detached_copy(rec.creation_error)
+            error = rec.creation_error
+            if isinstance(error, RPCTimeoutError):
+                raise _creation_timed_out(error)
+            raise detached_copy(error)
         return ctx.fetch(self, timeout)
+
+    def _get_type(self, timeout: float = UNSET_RPC_TIMEOUT,
+                  blocking: bool = True) -> type | torch.futures.Future:
+        """The type of the value (torch's private helper): asked of the owner once, then
+        kept. ``blocking=False`` returns a ``torch.futures.Future`` of it (the same one on
+        every call). A value still being made by ``remote()`` is waited for, up to
+        ``timeout`` (as for :func:`mpidag.rpc.rpc_sync`).
+
+        Example::
+
+            >>> rpc.remote("worker1", torch.ones, args=(2,))._get_type()
+            <class 'torch.Tensor'>
+        """
+        fut = getattr(self, "_type_future", None)
+        if fut is None or (fut.done() and future_error(fut) is not None):  # (re)ask
+            ctx = self._live("_get_type()")
+            if self._fork_id is None:
+                fut = torch.futures.Future()
+                try:
+                    fut.set_result(type(self.local_value()))
+                except Exception as exc:
+                    exc.__traceback__ = None  # no frames (of this handle) in the future
+                    fut.set_exception(exc)
+            else:
+                fut = ctx.agent.call(self._owner, _value_type, (self,), {}, timeout)
+            self._type_future = fut
+        return fut.wait() if blocking else fut
 
     def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
         """Run a backward pass with the value (a scalar tensor) as the root, on the owner.
@@ -162,13 +229,14 @@ class RRefHandle:
             ...     rref = rpc.remote("worker1", torch.sum, args=(x,))   # x requires grad
             ...     rref.backward(context_id)
         """
-        ctx = self._live()
+        ctx = self._live("backward()")
         if dist_autograd_ctx_id is None:
             dist_autograd_ctx_id = -1
         if self._fork_id is not None and dist_autograd_ctx_id == -1:
             raise RuntimeError(
-                f"RRef.backward() without a dist_autograd_ctx_id runs a local backward pass, "
-                f"which only the owner ({self.owner_name()}) can do; pass the context id of "
+                f"User RRefs require 'dist_autograd_ctx_id' to be specified: RRef.backward() "
+                f"without one runs a local backward pass, which only the owner "
+                f"({self.owner_name()}) can do; pass the context id of "
                 f"`with mpidag.autograd.context() as context_id` for a distributed one")
         ctx.backward(self, dist_autograd_ctx_id, retain_graph)
 
@@ -217,7 +285,23 @@ class _Proxy:
         rref, mode, timeout = self._rref, self._mode, self._timeout
 
         def method(*args: Any, **kwargs: Any) -> Any:
-            return rref._live().invoke(rref, mode, name, args, kwargs, timeout)
+            return rref._live(f"{mode}().{name}()").invoke(rref, mode, name, args, kwargs,
+                                                           timeout)
 
         method.__name__ = name
         return method
+
+
+def _value_type(rref: RRefHandle) -> type:
+    """On the owner: the type of the value (``RRef._get_type``)."""
+    return type(rref.local_value())
+
+
+def _creation_timed_out(error: BaseException) -> RPCTimeoutError:
+    """torch's error of ``to_here()`` after the ``remote()`` that makes the value timed
+    out; the timeout is its cause."""
+    exc = RPCTimeoutError(
+        f"RRef creation via rpc.remote() timed out, and it is possible that the RRef on the "
+        f"owner node does not exist: {error}")
+    exc.__cause__ = error
+    return exc

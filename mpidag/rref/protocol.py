@@ -40,10 +40,11 @@ from typing import Any
 
 import torch
 
+from mpidag._ids import IdGenerator
 from mpidag._remote_profiling import function_name
 from mpidag.agent.agent import RpcAgent, RpcFuture, describe, detaches_parameters
 from mpidag.dist_autograd import DistAutograd
-from mpidag.errors import RPCError, frameless, future_error
+from mpidag.errors import RPCError, async_result_error, frameless, future_error, operator_error
 from mpidag.rref.handle import RRefHandle
 
 __all__ = ["RRefContext", "OwnerRecord", "UserRecord"]
@@ -108,6 +109,9 @@ class RRefContext:
         self.autograd = autograd
         self.handle_type = handle_type
         self.rank = agent.rank
+        #: RRef and fork ids, counted apart from the agent's ids (as torch's RRef context
+        #: does), so a rank's n-th RRef id reads as torch's (``repr`` of an RRef)
+        self.ids = IdGenerator(agent.rank, agent.world_size)
         self.owners: dict[int, OwnerRecord] = {}
         self.users: dict[int, UserRecord] = {}  # by fork id
         self.lock = threading.RLock()
@@ -173,7 +177,7 @@ class RRefContext:
 
     def create_local_record(self, value: Any) -> int:
         """An owner record holding ``value`` at once (``RRef(value)``); returns its id."""
-        rref_id = self.agent.ids.next()
+        rref_id = self.ids.next()
         with self.lock:
             rec = self.owner_record(rref_id)
             rec.value.set_result(value)
@@ -403,13 +407,14 @@ class RRefContext:
         agent = self.agent
         dst = scope.context
         if dst is None:
-            raise RPCError("an RRef can only be pickled as an argument or return value of an "
-                           "RPC (rpc_sync, rpc_async, remote)")
+            raise RPCError("Can not pickle rref in python pickler, rref can only be pickled "
+                           "when using RPC: as an argument or return value of rpc_sync, "
+                           "rpc_async or remote")
         if handle._ctx is not self:
             raise RPCError(f"{handle!r} belongs to an RPC session that was shut down")
         if handle._owner in agent.failed:
             raise agent.failed_error(handle._owner, f"sending {handle!r}")
-        child = agent.ids.next()
+        child = self.ids.next()
         rref_id, fork_id = handle._rref_id, handle._fork_id
         if fork_id is None:  # the owner forks: count the child at once
             self.register_fork(rref_id, child, dst, pending=True)
@@ -451,7 +456,7 @@ class RRefContext:
                timeout: float) -> RRefHandle:
         """Run ``func(*args, **kwargs)`` on ``dst``; a handle to the result, at once."""
         agent = self.agent
-        rref_id = agent.ids.next()
+        rref_id = self.ids.next()
         if dst == self.rank:
             with self.lock:
                 self.owner_record(rref_id).local_handles += 1
@@ -460,7 +465,7 @@ class RRefContext:
                              timeout)
             fut.add_done_callback(lambda f: self._creation_timeout(rref_id, f))
             return handle
-        fork_id = agent.ids.next()
+        fork_id = self.ids.next()
         self.add_user(rref_id, fork_id, dst, confirmed=False)
         handle = self._handle(rref_id, dst, fork_id)
         fut = agent.call(dst, self._create, (rref_id, fork_id, func, args, kwargs), {},
@@ -535,15 +540,17 @@ class RRefContext:
         """On the owner: count the creator's fork, then run the function behind
         ``remote()`` and store its value or error."""
         if creator_fork is not None:  # made (by id) on the rank that called remote()
-            self.register_fork(rref_id, creator_fork, self.agent.ids.creator(creator_fork))
+            self.register_fork(rref_id, creator_fork, self.ids.creator(creator_fork))
         try:
             value = func(*args, **kwargs)
-            if getattr(func, "_wrapped_async_rpc_function", None) is not None and isinstance(
-                    value, torch._C.Future):
+            if getattr(func, "_wrapped_async_rpc_function", None) is not None:
+                if not isinstance(value, torch._C.Future):
+                    raise async_result_error(describe(func), value)
                 value = value.wait()
         except Exception as exc:
+            exc = operator_error(func, exc)
             self.finish_creation(rref_id, error=exc)
-            raise  # the caller of remote() learns of it too
+            raise exc  # the caller of remote() learns of it too
         self.finish_creation(rref_id, value=value,
                              detach_parameters=detaches_parameters(func, args))
 
@@ -561,11 +568,12 @@ class RRefContext:
         """On the owner: backward from the value (distributed when given a context)."""
         value = self.owner_value(rref_id)
         if not isinstance(value, torch.Tensor):
-            raise TypeError(f"RRef.backward() needs a tensor value, but the RRef holds a "
-                            f"{type(value).__name__}")
+            raise RuntimeError(f"RRef should contain a tensor for .backward(), but the RRef "
+                               f"holds a {type(value).__name__}")
         if context_id == -1:
-            if value.numel() != 1:
-                raise RuntimeError(f"RRef.backward(): the value must be a scalar tensor, got "
+            if value.numel() != 1 and value.requires_grad:  # else torch's error, as torch
+                raise RuntimeError(f"grad can be implicitly created only for scalar outputs: "
+                                   f"RRef.backward() needs a scalar tensor, the value has "
                                    f"shape {tuple(value.shape)}")
             value.backward(retain_graph=retain_graph)
             return

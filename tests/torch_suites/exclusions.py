@@ -19,6 +19,51 @@ REASONS: dict[str, str] = {
 
 #: "Class.test_name" -> (reason, why this test needs it)
 EXCLUDED: dict[str, tuple[str, str]] = {
+    # TorchScript over RPC: scripted functions sent by rpc/remote, rpc called from script
+    "RpcTest.test_profiler_with_script_async_rpc": (
+        "torchscript", "rpc_async of a script function"),
+    "RpcTest.test_profiler_with_script_async_rpc_single_threaded": (
+        "torchscript", "rpc_async of a script function"),
+    "RpcTest.test_profiler_with_script_sync_rpc": ("torchscript", "rpc_sync of a script function"),
+    "RpcTest.test_profiler_with_script_sync_rpc_single_threaded": (
+        "torchscript", "rpc_sync of a script function"),
+    "RpcTest.test_profiler_with_script_remote_rpc": ("torchscript", "remote of a script function"),
+    "RpcTest.test_profiler_with_script_remote_rpc_single_threaded": (
+        "torchscript", "remote of a script function"),
+    "RpcTest.test_async_record_function_cbs_jit_call": (
+        "torchscript", "rpc_async called from a script function"),
+    "RpcTest.test_rref_get_future": (
+        "torchscript", "its third case is remote of a script function"),
+    "RpcTest.test_wait_all_exit_early_script_function": (
+        "torchscript", "rpc_async of a script function"),
+    "RpcTest.test_stress_heavy_rpc_torchscript": ("torchscript", "rpc_sync of a script function"),
+    "DistAutogradTest.test_backward_simple_script_call": (
+        "torchscript", "rpc of a script function in a context"),
+    "DistAutogradTest.test_trainer_ps_torchscript_functions": (
+        "torchscript", "script functions as the trainer's RPC targets"),
+    "TensorPipeAgentDistAutogradTest.test_backward_simple_script_call_sparse": (
+        "torchscript", "rpc of a script function in a context"),
+    "RemoteModuleTest.test_forward_async_script": (
+        "torchscript", "RemoteModule with a TorchScript module interface"),
+    "RemoteModuleTest.test_forward_sync_script": (
+        "torchscript", "RemoteModule with a TorchScript module interface"),
+    "RemoteModuleTest.test_remote_module_py_pickle_not_supported_script": (
+        "torchscript", "RemoteModule with a TorchScript module interface"),
+    "ThreeWorkersRemoteModuleTest.test_send_remote_module_over_the_wire_script_not_supported": (
+        "torchscript", "RemoteModule with a TorchScript module interface"),
+    # torch's agent internals
+    "RpcTest.test_register_rpc_backend_and_set_and_start_rpc_backend": (
+        "torch_internal", "registers a backend type into torch's C++ agent registry"),
+    "RpcTest.test_use_rpc_pickler": (
+        "torch_internal", "swaps torch's internal _default_pickler"),
+    "RpcTest.test_wait_all_workers_timeout": (
+        "torch_internal", "monkeypatches torch's private api._wait_all_workers, which "
+        "mpidag's shutdown does not call"),
+    "RpcTest.test_shutdown_errors": (
+        "torch_internal", "monkeypatches torch's private _broadcast_to_followers and "
+        "_delete_all_user_and_unforked_owner_rrefs inside shutdown"),
+    "TensorPipeAgentRpcTest.test_infer_backend_from_options": (
+        "tensorpipe", "asserts the agent is an instance of torch's C++ TensorPipeAgent"),
 }
 
 #: the fixed part CI runs ("Class.test_name"); the full run is one command away

@@ -78,6 +78,15 @@ def _any_rank_failed(comm: Any, failed: bool, deadline: float | None) -> bool | 
     return total[0] > 0
 
 
+def _destroy_process_group() -> None:
+    """Destroy the default process group a test made (torch's ranks exit after each test,
+    so its tests make one without checking for an old one)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def run_one(cls: type, name: str, rank: int, store: str) -> tuple[str, str]:
     """Run one test as torch's ranks do (the method only: no setUp, as in
     ``MultiProcessTestCase.run_test``); returns (outcome, detail)."""
@@ -143,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             if not _shut_rpc_down(deadline):
                 deadline = time.monotonic()  # give up at once
         verdict = _any_rank_failed(comm, failed, deadline)
+        _destroy_process_group()  # every rank is past the test: torch's would exit here
         if verdict is None:  # the others did not come: end the job
             record(event="abort", test=name)
             comm.Abort(1)

@@ -86,7 +86,10 @@ def test_class(suite: Suite, class_name: str) -> type:
     suite_class = getattr(module, class_name)
     generated = type(f"TensorPipe{class_name}",
                      (suite_class, TensorPipeRpcAgentTestFixture, MultiProcessTestCase), {})
-    generated.__module__ = suite.module  # as torch's generate_tests does, for pickling
+    # as torch's generate_tests does: the class lives in a module, so methods of the test
+    # (e.g. a trainer's bound method sent by RPC) pickle by reference
+    generated.__module__ = suite.module
+    setattr(module, generated.__name__, generated)
     return generated
 
 

@@ -24,6 +24,7 @@ from torch import nn
 
 import mpidag.rpc as rpc
 from mpidag import _runtime
+from mpidag.transport import frames
 
 __all__ = ["RemoteModule", "parse_remote_device"]
 
@@ -305,7 +306,14 @@ class RemoteModule(nn.Module):
         return f"on={self.on}, device={self.device}, module={self._module_name}"
 
     def __reduce__(self) -> tuple:
-        # the RRef refuses plain pickling (an RPCError); over RPC it forks for the receiver
+        # over RPC (the agent's pickler is at work in this thread) the RRef forks for the
+        # receiver; any other pickler (pickle.dumps, torch.save) is refused, as by torch
+        pickler = getattr(frames._local, "pickler", None)
+        if pickler is None or not pickler.busy:
+            raise rpc.RPCError(
+                "Cannot pickle RemoteModule in python pickler. RemoteModule can only be "
+                "pickled when using RPC: pass it as an argument or return value of "
+                "rpc_sync, rpc_async or remote")
         return (_rebuild, (self.on, self.device, self.is_device_map_set, self.module_rref,
                            self._module_name))
 
