@@ -151,3 +151,50 @@ def test_ddp_rpc_example_equals_local_training_at_4_ranks():
     assert "[master] RemoteModule(on=ps, device=cpu, module=EmbeddingBag)" in proc.stdout
     for trainer in ("trainer0", "trainer1"):
         assert f"[{trainer}] epoch 2/2 loss " in proc.stdout
+
+
+class _SparseBag(nn.Module):
+    """An EmbeddingBag with sparse gradients under a dense layer (DDP's sparse case)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(10, 4, mode="sum", sparse=True)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.bag(indices, offsets))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ddp_averages_sparse_embedding_gradients_inside_distributed_autograd(rpc_world):
+    rank, size = rpc_world.rank, rpc_world.size
+    pg = rpc.init_process_group(timeout=60)
+    model = None
+    try:
+        torch.manual_seed(rank)  # DDP broadcasts rank 0's parameters
+        model = DDP(_SparseBag(), process_group=pg)
+        torch.manual_seed(0)
+        reference = _SparseBag()
+        # every rank its own rows of the table; the last rank's bag is empty (no rows:
+        # an all-zero gradient, which still joins the sparse all-reduce)
+        inputs = [(torch.tensor([r, r + 1, 7]), torch.tensor([0, 2])) for r in range(size)]
+        inputs[-1] = (torch.tensor([], dtype=torch.long), torch.tensor([0, 0]))
+        per_rank = []
+        for r in range(size):
+            loss = (reference(*inputs[r]) * 2).pow(2).sum()
+            per_rank.append(torch.autograd.grad(loss, list(reference.parameters())))
+        mean = [sum(g[i].to_dense() for g in per_rank) / size for i in range(3)]
+        for _ in range(2):
+            with dist_autograd.context() as context_id:
+                out = rpc.rpc_sync(rpc_world.next, torch.mul, args=(model(*inputs[rank]), 2))
+                dist_autograd.backward(context_id, [out.pow(2).sum()])
+                grads = dist_autograd.get_gradients(context_id)
+            weight = model.module.bag.weight
+            assert grads[weight].is_sparse and weight.grad is None
+            close(grads[weight].to_dense(), mean[0])
+            close([grads[p] for p in list(model.parameters())[1:]], mean[1:])
+    finally:
+        dist.barrier()
+        model = None
+        gc.collect()
+        dist.destroy_process_group()

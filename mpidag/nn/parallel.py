@@ -11,7 +11,10 @@ forward and backward outside a distributed autograd context are untouched). A fo
 an ``mpidag.autograd.context()`` runs the module with its parameters passed through one
 identity function whose backward all-reduces their gradients over the process group (one
 flat all-reduce per dtype, divided by the group's size, as DDP does) before they reach the
-context; DDP's own reducer is bypassed for that forward (``no_sync``).
+context; DDP's own reducer is bypassed for that forward (``no_sync``). The parameters of
+``nn.Embedding``/``nn.EmbeddingBag`` modules made with ``sparse=True`` (DDP's own rule for
+expecting a sparse gradient) get sparse gradients: each is all-reduced as a sparse tensor
+of its own (gloo sums the members' indices and values) and averaged, and stays sparse.
 """
 
 from __future__ import annotations
@@ -29,11 +32,14 @@ __all__ = ["DistributedDataParallel"]
 
 
 class _AverageGradients(torch.autograd.Function):
-    """Identity on the parameters; backward: their gradients averaged over ``group``."""
+    """Identity on the parameters; backward: their gradients averaged over ``group``
+    (``sparse[i]``: parameter ``i`` gets a sparse gradient, all-reduced on its own)."""
 
     @staticmethod
-    def forward(ctx: Any, group: Any, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, group: Any, sparse: tuple[bool, ...], *params: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
         ctx.group = group
+        ctx.sparse = sparse
         return tuple(p.view_as(p) for p in params)
 
     @staticmethod
@@ -41,17 +47,26 @@ class _AverageGradients(torch.autograd.Function):
         group = ctx.group
         out: list[torch.Tensor | None] = [None] * len(grads)
         by_kind: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-        for i, grad in enumerate(grads):  # undefined gradients arrive as zeros
-            by_kind.setdefault((grad.dtype, grad.device), []).append(i)
         size = dist.get_world_size(group)
+        dense: list[torch.Tensor] = list(grads)
+        for i, grad in enumerate(grads):  # undefined gradients arrive as zeros
+            if ctx.sparse[i]:  # every member, in parameter order (an unused one: empty)
+                # an embedding's gradient has its rows sparse (sparse_dim 1), on every member
+                sparse = grad if grad.is_sparse else grad.to_sparse(1)
+                dist.all_reduce(sparse, group=group)  # gloo: a coalesced sparse sum
+                out[i] = sparse.div_(size)
+                continue
+            if grad.is_sparse:
+                dense[i] = grad.to_dense()
+            by_kind.setdefault((grad.dtype, grad.device), []).append(i)
         for indices in by_kind.values():  # same order on every member: parameter order
-            flat = torch.cat([grads[i].reshape(-1) for i in indices])
+            flat = torch.cat([dense[i].reshape(-1) for i in indices])
             dist.all_reduce(flat, group=group)
             flat.div_(size)
-            for i, part in zip(indices, flat.split([grads[i].numel() for i in indices]),
+            for i, part in zip(indices, flat.split([dense[i].numel() for i in indices]),
                                strict=True):
-                out[i] = part.view_as(grads[i])
-        return (None, *out)
+                out[i] = part.view(dense[i].shape)
+        return (None, None, *out)
 
 
 class DistributedDataParallel(_TorchDDP):
@@ -97,7 +112,8 @@ class DistributedDataParallel(_TorchDDP):
                  if p.requires_grad]
         if not named:
             return super().forward(*inputs, **kwargs)
-        averaged = _AverageGradients.apply(self.process_group, *(p for _, p in named))
+        sparse = tuple(id(p) in self._mpidag_sparse_params() for _, p in named)
+        averaged = _AverageGradients.apply(self.process_group, sparse, *(p for _, p in named))
         swapped = {name: a for (name, _), a in zip(named, averaged, strict=True)}
         self._mpidag_inner.active = True
         try:
@@ -105,6 +121,13 @@ class DistributedDataParallel(_TorchDDP):
                 return torch.func.functional_call(self, swapped, inputs, kwargs)
         finally:
             self._mpidag_inner.active = False
+
+    def _mpidag_sparse_params(self) -> set[int]:
+        """Ids of the parameters that get sparse gradients: those of ``nn.Embedding`` and
+        ``nn.EmbeddingBag`` modules with ``sparse=True`` (torch DDP's rule)."""
+        return {id(p) for module in self.module.modules()
+                if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+                and module.sparse for p in module.parameters(recurse=False)}
 
     def _in_distributed_context(self) -> bool:
         runtime = _runtime.current_or_none()
