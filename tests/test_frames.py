@@ -267,3 +267,31 @@ def test_make_spec_of_a_sparse_tensor_counts_its_parts():
     spec = frames.make_spec(s, "cpu", -1)
     assert spec.shape == (3, 3) and spec.requires_grad and spec.dtype == torch.float32
     assert spec.nbytes == s._indices().nbytes + s._values().nbytes
+
+
+def test_non_contiguous_tensors_arrive_with_their_strides_like_torch():
+    """torch's RPC sends a view's storage: the receiver's tensor has the same strides
+    (rpc_test.py test_non_cont_tensors); a small view of a big storage is copied (torch's
+    cloneSparseTensors rule) and arrives contiguous."""
+    base = torch.arange(25.0).reshape(5, 5)
+    narrow, strided = base.narrow(1, 2, 2), torch.arange(120.0).reshape(10, 12)[::3, 1::4]
+    expanded = torch.tensor([1.5, 2.5]).expand(300, 2)
+    big_view = torch.rand(100, 100)[:, :3]  # 40,000 bytes of storage for 1,200 used
+    obj = {"narrow": narrow, "t": base.t(), "strided": strided, "expanded": expanded,
+           "again": narrow, "big_view": big_view, "contiguous": base}
+    payload, tensors = frames.dumps(obj)
+    assert len(tensors) == 6  # "again" is the same tensor: sent once
+    assert tensors[0].shape == (22,) and tensors[0].is_contiguous()  # narrow's span only
+    got, _, _ = roundtrip(obj)
+    for key in ("narrow", "t", "strided", "expanded"):
+        assert not got[key].is_contiguous(), key
+        assert got[key].stride() == obj[key].stride(), key
+        assert torch.equal(got[key], obj[key]), key
+    assert got["again"] is got["narrow"]
+    assert got["big_view"].is_contiguous() and torch.equal(got["big_view"], big_view)
+    assert got["contiguous"].stride() == (5, 1)
+    alone, _, _ = roundtrip(narrow)  # a lone tensor (a result) too
+    assert alone.stride() == (5, 1) and torch.equal(alone, narrow)
+    grad = torch.rand(4, 4, requires_grad=True).t()  # autograd leaves stay as they were
+    got_grad, _, _ = roundtrip(grad)
+    assert got_grad.requires_grad and torch.equal(got_grad, grad)

@@ -318,7 +318,8 @@ class _TensorPickler(pickle.Pickler):
         self.buffer = io.BytesIO()
         super().__init__(self.buffer, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors: list[torch.Tensor] = []
-        self._seen: dict[int, int] = {}  # id of a plain tensor -> its index in the table
+        #: id of a plain tensor -> its index in the table (with its view, if strided)
+        self._seen: dict[int, int | tuple] = {}
         self.busy = False
         #: what the caller of :func:`dumps` passed as ``context`` (the destination rank)
         self.context: Any = None
@@ -348,6 +349,13 @@ class _TensorPickler(pickle.Pickler):
             return None
         index = self._seen.get(id(obj))
         if index is None:  # a tensor seen twice arrives once
+            if not _contiguous(obj):
+                span = _storage_span(obj)
+                if span is not None:  # (index, size, stride): a view of the span sent
+                    index = (len(self.tensors), tuple(obj.shape), obj.stride())
+                    self._seen[id(obj)] = index
+                    self.tensors.append(span)
+                    return index
             index = self._seen[id(obj)] = len(self.tensors)
             self.tensors.append(obj)
         return index
@@ -435,7 +443,7 @@ def dumps(obj: Any, detach_parameters: Callable[[], bool] = _always,
     """
     if is_plain(obj):
         return prefix + pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), []
-    if type(obj) is _Tensor and not prefix:
+    if type(obj) is _Tensor and not prefix and _contiguous(obj):
         return _LONE_TENSOR, [obj]
     pickler = getattr(_local, "pickler", None)
     if pickler is None or pickler.busy:  # busy: a __reduce__ that pickles again
@@ -479,7 +487,50 @@ class _TableUnpickler(pickle.Unpickler):
     """Unpickler that resolves persistent ids to the message's received tensors."""
 
     def persistent_load(self, pid: Any) -> torch.Tensor:
+        if type(pid) is tuple:  # a non-contiguous tensor: its strides over the span sent
+            views = self.__dict__.setdefault("views", {})  # one view per tensor sent
+            view = views.get(pid[0])
+            if view is None:
+                view = views[pid[0]] = _local.table[pid[0]].as_strided(pid[1], pid[2])
+            return view
         return _local.table[pid]
+
+
+def _contiguous(tensor: torch.Tensor) -> bool:
+    try:
+        return tensor.is_contiguous()
+    except RuntimeError:  # sparse CSR & co. (refused with their layout where framed)
+        return True
+
+
+#: torch's rule (``cloneSparseTensors`` of its RPC): a view that uses less than half of a
+#: storage of at least this many bytes travels as a copy (contiguous), else with its storage
+RECOPY_BYTES = 8 * 1024
+
+
+def _storage_span(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The part of a non-contiguous tensor's storage that its elements lie in, as a
+    contiguous 1-D view (no copy), sent with the tensor's shape and strides so that the
+    receiver gets a tensor of the same strides, as torch's RPC does (it sends the storage);
+    ``None`` (sent as a contiguous copy): a tensor that is not strided, requires grad, has
+    no elements, or uses less than half of a span of at least :data:`RECOPY_BYTES`.
+
+    Example::
+
+        >>> view = torch.arange(25.0).reshape(5, 5).narrow(1, 2, 2)
+        >>> span = _storage_span(view)
+        >>> span.shape, span.as_strided(view.shape, view.stride()).equal(view)
+        (torch.Size([22]), True)
+    """
+    if tensor.layout is not _STRIDED or tensor.requires_grad or tensor.numel() == 0:
+        return None
+    stride = tensor.stride()
+    if any(s < 0 for s in stride):
+        return None
+    extent = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, stride, strict=True))
+    if extent * tensor.element_size() >= RECOPY_BYTES and extent >= 2 * tensor.numel():
+        return None
+    return tensor.as_strided((extent,), (1,))
 
 
 _Tensor = torch.Tensor
