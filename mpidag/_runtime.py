@@ -30,12 +30,17 @@ from mpidag._locks import ParameterLocks
 from mpidag.agent.agent import RpcAgent
 from mpidag.agent.options import MPIRpcBackendOptions, WorkerInfo
 from mpidag.dist_autograd import DistAutograd
-from mpidag.errors import RPCError, RPCNotInitializedError, UnknownWorkerError
+from mpidag.errors import (
+    InvalidArgumentError,
+    RPCError,
+    RPCNotInitializedError,
+    UnknownWorkerError,
+)
 from mpidag.rref.handle import RRefHandle
 from mpidag.rref.protocol import RRefContext
 from mpidag.transport.base import Transport
 
-__all__ = ["Runtime", "current", "current_or_none", "install", "uninstall"]
+__all__ = ["Runtime", "current", "current_or_none", "install", "uninstall", "world_mismatch"]
 
 log = logging.getLogger(__name__)
 
@@ -86,14 +91,8 @@ class Runtime:
         the rank, on every other one, so no rank waits for a rank that gave up.
         """
         my_rank, size = transport.rank, transport.size
-        if problem is None and rank not in (-1, None) and rank != my_rank:
-            problem = ValueError(
-                f"init_rpc(rank={rank!r}) but this process is MPI rank {my_rank} of {size}: "
-                f"ranks come from the MPI launcher; omit rank= or pass the MPI rank")
-        if problem is None and world_size is not None and world_size != size:
-            problem = ValueError(
-                f"init_rpc(world_size={world_size!r}) but the MPI job has {size} ranks: "
-                f"launch with `python -m mpidag.run -n {world_size} ...` or omit world_size=")
+        if problem is None:
+            problem = world_mismatch(rank, world_size, my_rank, size)
         options = options or MPIRpcBackendOptions()
         my_name = name if name is not None else f"worker{my_rank}"
         maps = {k: {str(a): str(b) for a, b in v.items()} for k, v in options.device_maps.items()}
@@ -186,8 +185,10 @@ class Runtime:
                 raise UnknownWorkerError(
                     f"unknown destination rank {to!r}; ranks are 0..{agent.world_size - 1}")
             return to
-        raise TypeError(f"`to` must be a worker name, a WorkerInfo or a rank, got "
-                        f"{type(to).__name__}")
+        raise InvalidArgumentError(  # torch's ValueError, with its wording first
+            f"Cannot get WorkerInfo from name {to}: `to` must be a worker name (str), a "
+            f"WorkerInfo or a rank (int), got {type(to).__name__}; workers: "
+            f"{sorted(agent.by_name)}")
 
     def debug_info(self) -> dict[str, Any]:
         """Counters of the agent, the RRefs and the autograd contexts (torch's names)."""
@@ -204,6 +205,29 @@ class Runtime:
         return info
 
 
+def world_mismatch(rank: int | None, world_size: int | None, my_rank: int,
+                   size: int) -> ValueError | None:
+    """The error of a ``rank`` or ``world_size`` given to ``init_rpc`` that is not this
+    process's MPI rank (``my_rank``) or the MPI job's ``size`` (``None``/-1: not given).
+
+    Example::
+
+        >>> world_mismatch(None, 1, 0, 2).args[0][:56]
+        'init_rpc(world_size=1) but the MPI job has 2 ranks: laun'
+    """
+    if rank not in (-1, None) and rank != my_rank:
+        return ValueError(
+            f"init_rpc(rank={rank!r}) but this process is MPI rank {my_rank} of {size}: "
+            f"ranks come from the MPI launcher; omit rank= or pass the MPI rank")
+    if world_size is not None and world_size != size:
+        return ValueError(
+            f"init_rpc(world_size={world_size!r}) but the MPI job has {size} ranks: "
+            f"launch with `python -m mpidag.run -n {world_size} ...` (or `mpirun -n "
+            f"{world_size}`) or omit world_size=. The RPC world is the whole MPI job: every "
+            f"rank calls init_rpc, a subset of the ranks cannot start RPC alone")
+    return None
+
+
 def _check_gathered(gathered: list, my_rank: int) -> Exception | None:
     failed = [(r, err) for r, (_, err, _, _) in enumerate(gathered) if err is not None]
     if failed:
@@ -211,9 +235,12 @@ def _check_gathered(gathered: list, my_rank: int) -> Exception | None:
         return RPCError(f"init_rpc failed on {ranks}; no rank started RPC")
     names = [n for n, _, _, _ in gathered]
     if len(set(names)) != len(names):
-        dup = sorted({n for n in names if names.count(n) > 1})
-        return ValueError(f"worker names must be unique, but {dup} are used by several ranks: "
-                          f"{names}")
+        dup = next(n for n in names if names.count(n) > 1)
+        first, second = [r for r, n in enumerate(names) if n == dup][:2]
+        return RPCError(  # torch's RuntimeError and wording first
+            f"RPC worker name {dup} is not unique. Workers {first} and {second} share the same "
+            f"name: every rank needs a name of its own (init_rpc(name=...)); leave name= out "
+            f"for worker{{rank}}. Names by rank: {names}")
     for rank, (_, _, maps, _) in enumerate(gathered):
         unknown = sorted(set(maps) - set(names))
         if unknown:

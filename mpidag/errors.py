@@ -16,6 +16,7 @@ __all__ = [
     "RPCTimeoutError",
     "RemoteTraceback",
     "UnknownWorkerError",
+    "InvalidArgumentError",
     "WorkerDiedError",
     "WorkerFailedError",
     "SerializationError",
@@ -82,6 +83,19 @@ class UnknownWorkerError(ValueError, RPCError):
         >>> rpc.rpc_sync("worker9", torch.add, args=(1, 2))   # a job of 2 ranks
         Traceback (most recent call last):
         UnknownWorkerError: unknown destination worker 'worker9'; workers: ['worker0', 'worker1']
+    """
+
+
+class InvalidArgumentError(ValueError, RPCError):
+    """An argument of an RPC call that can never be right (a negative or NaN ``timeout``, a
+    ``to`` that is no worker name, ``WorkerInfo`` or rank), raised on the caller before
+    anything is sent. A ``ValueError`` and a ``RuntimeError`` (torch's type for these).
+
+    Example::
+
+        >>> rpc.rpc_sync("worker1", torch.add, args=(1, 2), timeout=-5)
+        Traceback (most recent call last):
+        InvalidArgumentError: timeout=-5 is not a valid timeout: pass seconds >= 0 (0: no ...
     """
 
 

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from mpidag.errors import InvalidArgumentError
+
 __all__ = [
     "BackendType",
+    "check_timeout",
     "DEFAULT_INIT_METHOD",
     "DEFAULT_NUM_WORKER_THREADS",
     "DEFAULT_RPC_TIMEOUT_SEC",
@@ -29,6 +34,43 @@ DEFAULT_NUM_WORKER_THREADS = 16
 DEFAULT_INIT_METHOD = "env://"
 
 DeviceLike = int | str | torch.device
+
+
+def check_timeout(timeout: Any, name: str = "timeout") -> float:
+    """The ``timeout`` of a call, checked on the caller by torch's rules.
+
+    ``UNSET_RPC_TIMEOUT`` (-1.0; also ``None``) takes the default of the backend options,
+    0 means no timeout (so does ``inf``), any other value is seconds and must be >= 0.
+    Anything else raises at once, naming the argument: ``TypeError`` for what is not a
+    number, :class:`~mpidag.errors.InvalidArgumentError` (a ``ValueError`` and torch's
+    ``RuntimeError``) for a negative or NaN number, which torch takes and then fails the
+    call with a timeout.
+
+    Example::
+
+        >>> check_timeout(2), check_timeout(UNSET_RPC_TIMEOUT), check_timeout(math.inf)
+        (2, -1.0, 0.0)
+        >>> check_timeout(-5)
+        Traceback (most recent call last):
+        InvalidArgumentError: timeout=-5 is not a valid timeout: pass seconds >= 0 (0: no ...
+    """
+    kind = timeout.__class__
+    if (kind is float or kind is int) and 0 <= timeout < math.inf:  # the common case
+        return timeout
+    if timeout is None:
+        return UNSET_RPC_TIMEOUT
+    if kind is bool or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds (0: no timeout), got "
+                        f"{kind.__name__}: {timeout!r}")
+    seconds = float(timeout)
+    if seconds == UNSET_RPC_TIMEOUT:
+        return UNSET_RPC_TIMEOUT
+    if not seconds >= 0:  # negative or NaN
+        raise InvalidArgumentError(
+            f"{name}={timeout!r} is not a valid timeout: pass seconds >= 0 (0: no timeout), or "
+            f"leave {name}= out (UNSET_RPC_TIMEOUT, {UNSET_RPC_TIMEOUT}) for the default "
+            f"timeout of the backend options (rpc_timeout)")
+    return 0.0 if seconds == math.inf else seconds
 
 
 class BackendType(enum.Enum):
@@ -124,7 +166,7 @@ class MPIRpcBackendOptions(RpcBackendOptions):
             raise ValueError(
                 f"num_worker_threads must be a positive int, got {num_worker_threads!r}"
             )
-        if rpc_timeout < 0:
+        if not rpc_timeout >= 0:  # NaN too
             raise ValueError(f"rpc_timeout must be >= 0 seconds (0: no timeout), got "
                              f"{rpc_timeout!r}")
         self.num_worker_threads = num_worker_threads

@@ -31,6 +31,7 @@ from mpidag.agent.options import (
     BackendType,
     MPIRpcBackendOptions,
     WorkerInfo,
+    check_timeout,
 )
 from mpidag.errors import RPCError
 from mpidag.rpc.rref import RRef, check_call
@@ -66,25 +67,64 @@ def is_available() -> bool:
     return True
 
 
+class _FromMPI:
+    """The default ``world_size`` of ``init_rpc``: the size of the MPI job."""
+
+    def __repr__(self) -> str:
+        return "<the MPI job's size>"
+
+
+_FROM_MPI: Any = _FromMPI()
+
+#: variables that MPI launchers (mpirun of Open MPI, MPICH, Intel MPI; srun) give the
+#: processes they start, and that a process's children inherit
+_LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+
+
+def _started_again_in_a_child() -> RPCError | None:
+    """The error for a child process of an MPI rank (``torch.multiprocessing.spawn``,
+    ``multiprocessing.Process``) that would start MPI: it inherits the launcher's
+    variables and would start MPI again as its parent's rank, which hangs or crashes."""
+    import multiprocessing
+
+    if multiprocessing.parent_process() is None:
+        return None
+    found = [v for v in _LAUNCHER_VARIABLES if v in os.environ]
+    if not found:
+        return None
+    return RPCError(
+        f"init_rpc called in a child process of MPI rank {os.environ[found[0]]} "
+        f"(multiprocessing / torch.multiprocessing.spawn under an MPI launcher: {found[0]} is "
+        f"set): the child would start MPI again as its parent's rank, which hangs or crashes. "
+        f"With mpidag each worker is an MPI rank: drop mp.spawn and launch one rank per "
+        f"worker with `python -m mpidag.run -n N prog.py` (or mpirun -n N), calling init_rpc "
+        f"in every rank")
+
+
 def init_rpc(
     name: str | None = None,
     backend: BackendType | None = None,
     rank: int = -1,
-    world_size: int | None = None,
+    world_size: int | None = _FROM_MPI,
     rpc_backend_options: Any = None,
 ) -> None:
     """Start RPC on this rank; collective: every rank of ``COMM_WORLD`` calls it.
 
     With no arguments the rank and world size come from MPI and the worker is named
-    ``worker{rank}``. torch-style arguments are checked against MPI: a mismatch raises a
-    ``ValueError`` on the rank that passed it, and an ``RPCError`` naming that rank on the
-    others, so no rank hangs.
+    ``worker{rank}``. torch-style arguments are checked against MPI: a ``rank`` or
+    ``world_size`` that does not match raises a ``ValueError`` at once on the rank that
+    passed it, before any collective call (the other ranks may not call ``init_rpc`` at
+    all); any other bad argument or setting raises on the rank that passed it, and an
+    ``RPCError`` naming that rank on the others, so no rank hangs.
 
     Args:
         name: this worker's unique name (default ``worker{rank}``).
         backend: ``BackendType.MPI`` (default); ``TENSORPIPE`` is accepted and runs on MPI.
-        rank: must equal the MPI rank, or -1/None to take it from MPI.
-        world_size: must equal the MPI world size, or None.
+        rank: must equal the MPI rank, or -1/None to take it from MPI; with a rank, pass
+            ``world_size`` too (without one torch starts its dynamic membership, which
+            mpidag does not have).
+        world_size: must equal the MPI world size; leave it out to take it from MPI
+            (``None`` is refused, as torch refuses it without a rank).
         rpc_backend_options: :class:`MPIRpcBackendOptions` (torch's
             ``TensorPipeRpcBackendOptions`` is the same class here).
 
@@ -100,8 +140,23 @@ def init_rpc(
     with _runtime.lifecycle_lock:
         if _runtime.current_or_none() is not None:
             raise RPCError("RPC is already initialized; call mpidag.rpc.shutdown() first")
-        from mpidag.transport.mpi import MPITransport
+        problem = _started_again_in_a_child()
+        if problem is not None:  # before MPI starts: it would hang or crash
+            raise problem
+        from mpidag.transport.mpi import MPITransport, thread_level_error, world_rank_and_size
 
+        # what this rank finds alone is raised at once, before any collective call
+        problem = thread_level_error()  # the same on every rank
+        if problem is not None:
+            raise problem
+        problem = _check_world(rank, world_size, *world_rank_and_size())
+        if problem is not None:
+            # other ranks may wait for this one in init_rpc: uncaught, it ends the job
+            problem._mpidag_abort_if_uncaught = True  # type: ignore[attr-defined]
+            _install_process_hooks()
+            raise problem
+        if world_size is _FROM_MPI:
+            world_size = None
         config = Config()
         problem = _check_init_arguments(name, backend, rank, world_size)
         options = None
@@ -170,10 +225,35 @@ def _check_init_arguments(name, backend, rank, world_size) -> Exception | None:
         return TypeError(f"Argument backend must be a member of BackendType: "
                          f"mpidag.rpc.BackendType.MPI (or TENSORPIPE, which runs on MPI), got "
                          f"{backend!r}")
+    return None
+
+
+def _check_world(rank: Any, world_size: Any, my_rank: int, size: int) -> Exception | None:
+    """The error of a ``rank``/``world_size`` of ``init_rpc`` that does not fit the MPI job
+    (this process is ``my_rank`` of ``size``). Found by this rank alone, it is raised at
+    once, before any collective call: the other ranks may never call ``init_rpc`` (torch's
+    world of a subset of the processes, ``init_rpc(world_size=1)`` on rank 0 only)."""
     if rank is not None and (not isinstance(rank, int) or rank < -1):
         return ValueError(f"rank must be a non-negative int or -1, got {rank!r}")
-    if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
+    explicit_none = world_size is None
+    if world_size is _FROM_MPI:
+        world_size = None
+    elif world_size is not None and (not isinstance(world_size, int) or world_size < 1):
         return ValueError(f"world_size must be a positive int, got {world_size!r}")
+    problem = _runtime.world_mismatch(rank, world_size, my_rank, size)
+    if problem is not None:
+        return problem
+    if world_size is None and rank not in (-1, None):
+        return ValueError(
+            f"init_rpc(rank={rank!r}) without a world_size is torch's dynamic membership "
+            f"(workers that join and leave one by one), which mpidag does not have: the RPC "
+            f"world is the MPI job ({size} ranks), started and shut down together. Pass "
+            f"world_size={size}, or leave out rank= too")
+    if explicit_none:
+        return ValueError(
+            f"init_rpc(world_size=None) needs a rank (torch's dynamic membership), which mpidag "
+            f"does not have: the RPC world is the MPI job ({size} ranks). Leave world_size= "
+            f"out, or pass world_size={size}")
     return None
 
 
@@ -191,6 +271,14 @@ def _install_process_hooks() -> None:
 
     def abort_on_uncaught(exc_type, exc, tb):
         previous(exc_type, exc, tb)
+        if getattr(exc, "_mpidag_abort_if_uncaught", False):  # see init_rpc
+            from mpidag.transport.mpi import abort_world
+
+            sys.stderr.write(
+                "mpidag: init_rpc failed on this rank alone (above); aborting the MPI job, "
+                "whose other ranks may wait for this one in init_rpc\n")
+            sys.stderr.flush()
+            abort_world(1)
         runtime = _runtime.current_or_none()
         if runtime is not None and runtime.config.ft:
             sys.stderr.write(
@@ -328,7 +416,7 @@ def rpc_async(to: str | WorkerInfo | int, func: Callable, args: tuple | None = N
     """
     runtime = _runtime.current()
     args, kwargs = check_call(func, args, kwargs)
-    fut = runtime.agent.call(runtime.to_rank(to), func, args, kwargs, timeout)
+    fut = runtime.agent.call(runtime.to_rank(to), func, args, kwargs, check_timeout(timeout))
     if hasattr(_thread_local_var, "future_list"):  # inside `with _wait_all():`
         _thread_local_var.future_list.append(fut)
     return fut
@@ -348,7 +436,8 @@ def rpc_sync(to: str | WorkerInfo | int, func: Callable, args: tuple | None = No
     """
     runtime = _runtime.current()
     args, kwargs = check_call(func, args, kwargs)
-    return runtime.agent.call_sync(runtime.to_rank(to), func, args, kwargs, timeout)
+    return runtime.agent.call_sync(runtime.to_rank(to), func, args, kwargs,
+                                   check_timeout(timeout))
 
 
 # ----------------------------------------------------------------------------------------

@@ -8,14 +8,14 @@ protocol in :mod:`mpidag.rref.protocol`; this module adds what needs the current
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from mpidag import _runtime
 from mpidag._remote_profiling import legacy_profiling, take_profiled_future
-from mpidag.agent.options import UNSET_RPC_TIMEOUT, WorkerInfo
+from mpidag.agent.options import UNSET_RPC_TIMEOUT, WorkerInfo, check_timeout
 from mpidag.rref.handle import RRefHandle
 
 __all__ = ["RRef", "check_call", "remote"]
@@ -71,11 +71,55 @@ _profiling_futures: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def check_call(func: Callable, args: Any, kwargs: Any) -> tuple[tuple, dict]:
-    """The ``args`` and ``kwargs`` of a call as a tuple and a dict; a clear error when
-    ``func`` cannot be called."""
+    """The ``args`` and ``kwargs`` of a call as a tuple and a dict, checked on the caller:
+    a ``TypeError`` naming the argument when ``func`` is not callable, ``args`` is not a
+    tuple or list (or ``None``), or ``kwargs`` is not a mapping with str keys (or ``None``).
+    torch sends such a call and reports the remote ``TypeError`` of ``func(*args,
+    **kwargs)`` instead.
+
+    Example::
+
+        >>> check_call(torch.add, [torch.ones(2), 1], None)
+        ((tensor([1., 1.]), 1), {})
+        >>> check_call(torch.ones, 5, None)
+        Traceback (most recent call last):
+        TypeError: args must be a tuple (or list) of the positional arguments of ...
+    """
     if not callable(func):
         raise TypeError(f"function should be callable, got {type(func).__name__}")
-    return (tuple(args) if args else ()), (dict(kwargs) if kwargs else {})
+    if args.__class__ is not tuple:
+        if args is None:
+            args = ()
+        elif isinstance(args, tuple | list):
+            args = tuple(args)
+        else:
+            raise TypeError(
+                f"args must be a tuple (or list) of the positional arguments of "
+                f"{_name(func)}, got {type(args).__name__}: {_short(args)}; for one argument "
+                f"write args=({_short(args)},)")
+    if kwargs is None:
+        kwargs = {}
+    elif isinstance(kwargs, Mapping):
+        kwargs = dict(kwargs)
+        bad = [k for k in kwargs if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"kwargs of {_name(func)} must have str keys (argument names), "
+                            f"got {_short(bad[0])}")
+    else:
+        raise TypeError(
+            f"kwargs must be a dict of the keyword arguments of {_name(func)}, got "
+            f"{type(kwargs).__name__}: {_short(kwargs)}; positional arguments go in "
+            f"args=(...)")
+    return args, kwargs
+
+
+def _name(func: Callable) -> str:
+    return getattr(func, "__qualname__", None) or type(func).__name__
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def remote(to: str | WorkerInfo | int, func: Callable, args: tuple | None = None,
@@ -93,7 +137,8 @@ def remote(to: str | WorkerInfo | int, func: Callable, args: tuple | None = None
     """
     runtime = _runtime.current()
     args, kwargs = check_call(func, args, kwargs)
-    rref = runtime.rrefs.remote(runtime.to_rank(to), func, args, kwargs, timeout)
+    rref = runtime.rrefs.remote(runtime.to_rank(to), func, args, kwargs,
+                                check_timeout(timeout))
     if legacy_profiling():  # the call was profiled: keep its future
         future = take_profiled_future()
         if future is not None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mpidag.agent.options import UNSET_RPC_TIMEOUT, WorkerInfo
+from mpidag.agent.options import UNSET_RPC_TIMEOUT, WorkerInfo, check_timeout
 from mpidag.errors import (
     RPCError,
     RPCNotInitializedError,
@@ -175,6 +175,7 @@ class RRefHandle:
             >>> rpc.remote("worker1", torch.ones, args=(2,)).to_here()
             tensor([1., 1.])
         """
+        timeout = check_timeout(timeout)
         ctx = self._live("to_here()")
         if self._fork_id is None:
             try:
@@ -201,6 +202,7 @@ class RRefHandle:
             >>> rpc.remote("worker1", torch.ones, args=(2,))._get_type()
             <class 'torch.Tensor'>
         """
+        timeout = check_timeout(timeout)
         fut = getattr(self, "_type_future", None)
         if fut is None or (fut.done() and future_error(fut) is not None):  # (re)ask
             ctx = self._live("_get_type()")
@@ -212,7 +214,7 @@ class RRefHandle:
                     exc.__traceback__ = None  # no frames (of this handle) in the future
                     fut.set_exception(exc)
             else:
-                fut = ctx.agent.call(self._owner, _value_type, (self,), {}, timeout)
+                fut = ctx.agent.call(self._owner, _rref_typeof_on_owner, (self,), {}, timeout)
             self._type_future = fut
         return fut.wait() if blocking else fut
 
@@ -250,7 +252,7 @@ class RRefHandle:
             >>> rref.rpc_sync().size()
             torch.Size([2])
         """
-        return _Proxy(self, "rpc_sync", timeout)
+        return _Proxy(self, "rpc_sync", check_timeout(timeout))
 
     def rpc_async(self, timeout: float = UNSET_RPC_TIMEOUT) -> _Proxy:
         """Proxy: ``rref.rpc_async().m(*a)`` returns a future of ``value.m(*a)``.
@@ -260,7 +262,7 @@ class RRefHandle:
             >>> rref.rpc_async().size().wait()
             torch.Size([2])
         """
-        return _Proxy(self, "rpc_async", timeout)
+        return _Proxy(self, "rpc_async", check_timeout(timeout))
 
     def remote(self, timeout: float = UNSET_RPC_TIMEOUT) -> _Proxy:
         """Proxy: ``rref.remote().m(*a)`` returns an RRef to ``value.m(*a)`` on the owner.
@@ -270,7 +272,7 @@ class RRefHandle:
             >>> rref.remote().size().to_here()
             torch.Size([2])
         """
-        return _Proxy(self, "remote", timeout)
+        return _Proxy(self, "remote", check_timeout(timeout))
 
 
 class _Proxy:
@@ -292,7 +294,7 @@ class _Proxy:
         return method
 
 
-def _value_type(rref: RRefHandle) -> type:
+def _rref_typeof_on_owner(rref: RRefHandle) -> type:
     """On the owner: the type of the value (``RRef._get_type``)."""
     return type(rref.local_value())
 

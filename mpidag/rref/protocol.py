@@ -44,7 +44,16 @@ from mpidag._ids import IdGenerator
 from mpidag._remote_profiling import function_name
 from mpidag.agent.agent import RpcAgent, RpcFuture, describe, detaches_parameters
 from mpidag.dist_autograd import DistAutograd
-from mpidag.errors import RPCError, async_result_error, frameless, future_error, operator_error
+from mpidag.errors import (
+    RemoteBaseException,
+    RPCError,
+    async_result_error,
+    detached_copy,
+    frameless,
+    future_error,
+    operator_error,
+    storable,
+)
 from mpidag.rref.handle import RRefHandle
 
 __all__ = ["RRefContext", "OwnerRecord", "UserRecord"]
@@ -201,8 +210,8 @@ class RRefContext:
             self._maybe_free(rec)
         if error is None:
             fut.set_result(value)
-        else:
-            fut.set_exception(error)
+        else:  # a future holds Exceptions only; its wait() raises a SystemExit as itself
+            fut.set_exception(storable(error))
 
     def register_fork(self, rref_id: int, fork_id: int, holder: int,
                       pending: bool = False) -> None:
@@ -306,6 +315,8 @@ class RRefContext:
             rec = self.users.get(fork_id)
             if rec is not None:
                 rec.confirmed = True
+                if isinstance(error, RemoteBaseException):  # to_here() raises SystemExit &co.
+                    error = error.exception
                 if error is not None:
                     rec.creation_error = frameless(error, self.agent.where())
                 self._maybe_delete_user(rec)
@@ -480,8 +491,13 @@ class RRefContext:
 
     def fetch(self, handle: RRefHandle, timeout: float) -> Any:
         """A copy of a user handle's value, from its owner (``to_here()``)."""
-        return self.agent.call_sync(handle._owner, self._fetch, (handle._rref_id,), {},
-                                    timeout)
+        try:
+            return self.agent.call_sync(handle._owner, self._fetch, (handle._rref_id,), {},
+                                        timeout)
+        except RemoteBaseException as exc:  # the value failed with SystemExit & co.
+            error = detached_copy(exc.exception)
+            error.__suppress_context__ = True  # its cause is the remote traceback
+            raise error  # noqa: B904 - the cause is kept
 
     def invoke(self, handle: RRefHandle, mode: str, name: str, args: tuple, kwargs: dict,
                timeout: float) -> Any:
@@ -547,7 +563,7 @@ class RRefContext:
                 if not isinstance(value, torch._C.Future):
                     raise async_result_error(describe(func), value)
                 value = value.wait()
-        except Exception as exc:
+        except BaseException as exc:  # noqa: BLE001 - SystemExit & co. fail the value too
             exc = operator_error(func, exc)
             self.finish_creation(rref_id, error=exc)
             raise exc  # the caller of remote() learns of it too

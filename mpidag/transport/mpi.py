@@ -29,10 +29,11 @@ from typing import Any
 import torch
 
 from mpidag._backoff import Backoff
-from mpidag.errors import WorkerFailedError
+from mpidag.errors import RPCError, WorkerFailedError
 from mpidag.transport.base import CHUNK, FramedTransport
 
-__all__ = ["CHUNK", "HEADER_TAG", "MPITransport", "detect_cuda_aware"]
+__all__ = ["CHUNK", "HEADER_TAG", "MPITransport", "abort_world", "detect_cuda_aware",
+           "thread_level_error", "world_rank_and_size"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,66 @@ def detect_cuda_aware(forced: bool | None = None) -> bool:
         query.restype = ctypes.c_int
         return bool(query())
     return False
+
+
+def world_rank_and_size() -> tuple[int, int]:
+    """This process's rank in MPI's ``COMM_WORLD`` and the size of that world, with no
+    collective call (MPI starts here if it has not: ``from mpi4py import MPI``).
+
+    Example::
+
+        >>> world_rank_and_size()          # on rank 1 of `python -m mpidag.run -n 2`
+        (1, 2)
+    """
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
+def abort_world(code: int = 1) -> None:
+    """End the whole MPI job (``MPI_Abort`` on ``COMM_WORLD``): for a rank whose error
+    leaves other ranks waiting for it in a collective call they will never finish.
+
+    Example::
+
+        >>> abort_world(1)                 # every rank of the job ends
+    """
+    from mpi4py import MPI
+
+    MPI.COMM_WORLD.Abort(code)
+
+
+def thread_level_error() -> RPCError | None:
+    """The error to raise when MPI runs at a thread level mpidag cannot use, else ``None``.
+
+    mpidag makes MPI calls from several threads: ``MPI_THREAD_MULTIPLE`` is needed, or
+    ``MPI_THREAD_SERIALIZED``, under which one lock serializes the calls (slower).
+    ``MPI_THREAD_FUNNELED`` and ``SINGLE`` (``mpi4py.rc.thread_level`` set to ``"funneled"``
+    or ``"single"`` before ``from mpi4py import MPI``) are refused. Every rank of a job runs
+    at the same level, so each rank raises this alone, before any collective call.
+
+    Example::
+
+        >>> import mpi4py
+        >>> mpi4py.rc.thread_level = "funneled"
+        >>> print(thread_level_error())
+        init_rpc needs MPI_THREAD_MULTIPLE, but MPI runs with MPI_THREAD_FUNNELED ...
+    """
+    from mpi4py import MPI
+
+    provided = MPI.Query_thread()
+    if provided >= MPI.THREAD_SERIALIZED:
+        return None
+    level = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED"}.get(
+        provided, str(provided))
+    import mpi4py
+
+    requested = getattr(mpi4py.rc, "thread_level", None)
+    return RPCError(
+        f"init_rpc needs MPI_THREAD_MULTIPLE, but MPI runs with MPI_THREAD_{level} "
+        f"(mpi4py.rc.thread_level = {requested!r}): mpidag serves and sends calls on several "
+        f"threads. Set mpi4py.rc.thread_level = \"multiple\" (mpi4py's default) before the "
+        f"first `from mpi4py import MPI`, or drop the line that lowers it")
 
 
 class MPITransport(FramedTransport):
