@@ -29,7 +29,7 @@ from mpidag.agent.messages import Kind
 
 __all__ = ["quiesce", "settle", "leak_report", "assert_no_leaks", "delayed_control_messages"]
 
-#: counters of :func:`mpidag.rpc.api._get_debug_info` that must be 0 when nothing leaks
+#: counters of the runtime's ``debug_info()`` that must be 0 when nothing leaks
 LEAK_COUNTERS = ("num_owner_rrefs", "num_user_rrefs", "num_pending_users",
                  "num_pending_children", "num_pending_requests", "num_autograd_contexts",
                  "num_current_backward_passes", "num_live_send_functions",

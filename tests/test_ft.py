@@ -95,10 +95,10 @@ elif me == 1:
     owned = rpc.RRef(torch.zeros(2))
     rpc.rpc_sync("worker2", keep, args=(owned,))   # worker2 holds a fork of it
     del owned                                       # now only worker2's fork keeps it
-    before = rpc.api._get_debug_info()["num_owner_rrefs"]
+    before = int(rpc.api._get_debug_info()["num_owner_rrefs"])
     time.sleep(1.5)
     report(failed=[w.name for w in rpc.failed_workers()], owned_before=before,
-           owned_after=rpc.api._get_debug_info()["num_owner_rrefs"])
+           owned_after=int(rpc.api._get_debug_info()["num_owner_rrefs"]))
 rpc.shutdown()
 report(shutdown=True)
 """, nprocs=3, timeout=90, launcher=FT)

@@ -126,3 +126,32 @@ def test_config_reads_every_variable_and_names_bad_values():
     assert LaunchConfig.from_env({"MPIDAG_FT": "yes"}).ft
     assert (launch.oversubscribe, launch.mpirun, launch.srun_mpi) == (False, "/x/mpirun", None)
     assert LaunchConfig.from_env({"MPIDAG_MPIRUN": " "}).mpirun is None  # empty: unset
+
+
+@pytest.mark.parametrize(("name", "words"), [
+    ("abc*", "Worker name must match"), (" ", "Worker name must match"),
+    ("", "must be non-empty"), ("a" * 500, "shorter than 128"),
+])
+def test_worker_names_follow_torchs_rules_with_torchs_words(name, words):
+    from mpidag.rpc import WorkerInfo
+
+    with pytest.raises(RuntimeError, match=words):
+        WorkerInfo(name, 0)
+
+
+def test_valid_worker_names_are_accepted():
+    from mpidag.rpc import WorkerInfo
+
+    for name in ("worker0", "trainer:1", "ps-a_b", "x" * 127):
+        assert WorkerInfo(name, 3).name == name
+
+
+def test_rpc_before_init_says_so_in_both_of_torchs_wordings():
+    import re
+
+    import mpidag.rpc as rpc
+
+    with pytest.raises(RuntimeError) as info:
+        rpc.rpc_sync("worker1", len, args=("ab",))
+    assert re.match("^RPC has not been initialized", str(info.value))
+    assert "Current RPC agent is not set! Did you initialize the RPC framework" in str(info.value)

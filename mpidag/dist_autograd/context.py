@@ -30,6 +30,7 @@ import collections
 import itertools
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -121,9 +122,15 @@ class SendFunction:
     def __del__(self) -> None:
         next(_freed_sends)
 
+    @property
     def next_functions(self) -> tuple[tuple[Any, int], ...]:
-        """``((node, input_nr), ...)`` like an autograd node's (for inspection)."""
+        """``((node, input_nr), ...)`` like a torch autograd node's (for inspection): the
+        nodes the gradients of the sent tensors flow into, e.g. ``AccumulateGrad``."""
         return tuple((e.node, e.output_nr) for e in self.edges)
+
+    def name(self) -> str:
+        """torch's name of this node."""
+        return "torch::distributed::autograd::SendRpcBackward"
 
     def __repr__(self) -> str:
         return f"SendRpcBackward(message_id=0x{self.message_id:x}, to rank {self.peer}, " \
@@ -133,10 +140,12 @@ class SendFunction:
 class RecvRecord:
     """The receiver's half of one message, carried by its :class:`RecvRPC` node."""
 
-    __slots__ = ("context_id", "message_id", "peer", "n_outputs", "what", "__weakref__")
+    __slots__ = ("context_id", "message_id", "peer", "n_outputs", "what", "node",
+                 "__weakref__")
 
     def __init__(self, context_id: int, message_id: int, peer: int, n_outputs: int,
                  what: str) -> None:
+        self.node: weakref.ref | None = None  # the RecvRPC node, once recorded
         self.context_id = context_id
         self.message_id = message_id
         self.peer = peer  # the rank the tensors came from (and the gradients go to)
@@ -166,6 +175,7 @@ class RecvRPC(torch.autograd.Function):
     def forward(ctx: Any, anchor: torch.Tensor, record: RecvRecord,
                 tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         ctx.record = record
+        record.node = weakref.ref(ctx)  # ctx is the node (what the outputs' grad_fn is)
         return tuple(tensors)
 
     @staticmethod
@@ -181,6 +191,8 @@ class RecvRPC(torch.autograd.Function):
 
 #: the node type of recv functions (what the engine looks for in the graph)
 RECV_NODE_TYPE: type = RecvRPC._backward_cls
+# torch's name of the node, as ``grad_fn.name()`` and graph printers show it
+RECV_NODE_TYPE.__name__ = "torch::distributed::autograd::RecvRpcBackward"
 
 
 class GradientMap:
@@ -298,9 +310,16 @@ class DistAutogradContext:
         with self.lock:
             return dict(self.sends)
 
-    def _recv_functions(self) -> dict[int, RecvRecord]:
+    def _recv_functions(self) -> dict[int, Any]:
+        """``{message id: recv node}`` as torch's: the node the received tensors'
+        ``grad_fn`` is (its record when the graph is gone)."""
         with self.lock:
-            return dict(self.recvs)
+            records = dict(self.recvs)
+        nodes = {}
+        for message_id, record in records.items():
+            node = record.node() if record.node is not None else None
+            nodes[message_id] = node if node is not None else record
+        return nodes
 
     def _known_worker_ids(self) -> set[int]:
         with self.lock:

@@ -26,7 +26,8 @@ from mpidag import _runtime
 from mpidag.agent.options import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT, WorkerInfo
 from mpidag.errors import RPCTimeoutError
 
-__all__ = ["CurrentAgent", "_all_gather", "_barrier", "_get_current_rpc_agent"]
+__all__ = ["CurrentAgent", "_all_gather", "_barrier", "_get_current_rpc_agent",
+           "_wait_all_workers"]
 
 
 class CurrentAgent:
@@ -190,3 +191,16 @@ def _barrier(worker_names: Iterable[str]) -> None:
     except RuntimeError as exc:
         raise RuntimeError(f"failed to complete the barrier over {sorted(worker_names)}: "
                            f"{exc}") from exc
+
+
+def _wait_all_workers(timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
+    """Block until every worker reached this call (torch's private helper, an all-gather of
+    nothing): the first step of torch's graceful shutdown, which some programs call
+    themselves before ``rpc.shutdown(graceful=False)``.
+
+    Example::
+
+        >>> rpc.api._wait_all_workers()
+        >>> rpc.shutdown(graceful=False)
+    """
+    _all_gather(None, timeout=timeout)

@@ -221,6 +221,16 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def exclusion_table() -> str:
+    """The exclusion list as a markdown table (for docs/porting.md)."""
+    lines = ["| excluded test | reason | why |", "| --- | --- | --- |"]
+    for key, (reason, why) in sorted(exclusions.EXCLUDED.items()):
+        lines.append(f"| `{key}` | {exclusions.REASONS[reason]} | {why} |")
+    for cls_name, reason in suites.CLASSES_NOT_RUN.items():
+        lines.append(f"| `{cls_name}` (the class) | {exclusions.REASONS[reason]} | |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tests.torch_suites",
@@ -235,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", type=Path, help="write the per-file table here")
     parser.add_argument("--show-failures", action="store_true",
                         help="print each failure's traceback as it happens")
+    parser.add_argument("--retries", type=int, default=0,
+                        help="run a test that did not pass again, up to this many times, each "
+                        "in a new job (a pass on a retry is reported as flaky)")
     parser.add_argument("--expect-pass", action="store_true",
                         help="exit 1 unless every test run passed (CI)")
     args = parser.parse_args(argv)
@@ -260,18 +273,36 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="torch-suites-") as tmp:
         for suite, cls_name, names in chosen:
             results += run_class(suite, cls_name, names, args.timeout, Path(tmp), report)
+    flaky: list[str] = []
+    for attempt in range(1, args.retries + 1):
+        again = [(i, r) for i, r in enumerate(results)
+                 if r.outcome in ("failed", "hang", "crashed")]
+        if not again:
+            break
+        print(f"retry {attempt}: {len(again)} tests", flush=True)
+        with tempfile.TemporaryDirectory(prefix="torch-suites-retry-") as tmp:
+            for index, old in again:
+                new = run_class(suites.suite_of(old.cls), old.cls, [old.test],
+                                args.timeout, Path(tmp), report)[0]
+                if new.outcome == "passed":
+                    flaky.append(f"{old.cls}.{old.test}")
+                    new.detail = f"passed on retry {attempt}; first: {old.outcome}: " + \
+                        old.detail[-2000:]
+                results[index] = new
     every = results + (excluded_results() if args.part == "all" and not args.pattern
                        and not args.cls else [])
     text = table(every)
     print(text)
     print(f"wall time {time.monotonic() - began:.0f} s")
     bad = [r for r in results if r.outcome in ("failed", "hang", "crashed")]
+    if flaky:
+        print("passed only on a retry (flaky): " + ", ".join(flaky))
     if bad:
         print("not passing: " + ", ".join(f"{r.cls}.{r.test} ({r.outcome})" for r in bad))
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in every], indent=1))
     if args.markdown:
-        args.markdown.write_text(text + "\n")
+        args.markdown.write_text(text + "\n\n" + exclusion_table() + "\n")
     return 1 if (args.expect_pass and bad) else 0
 
 

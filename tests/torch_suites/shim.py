@@ -55,6 +55,15 @@ class ProxyModule(types.ModuleType):
         self.__dict__["__file__"] = getattr(torch_module, "__file__", None)
         self.__dict__["__path__"] = getattr(torch_module, "__path__", [])
 
+    def __setattr__(self, attr: str, value: Any) -> None:
+        """A name mpidag has is set on mpidag's module (torch's tests switch
+        ``api._ignore_rref_leak`` this way); any other stays on the proxy."""
+        mpidag_module = self.__dict__["_mpidag_module"]
+        if mpidag_module is not None and hasattr(mpidag_module, attr):
+            setattr(mpidag_module, attr, value)
+        else:
+            self.__dict__[attr] = value
+
     def __getattr__(self, attr: str) -> Any:
         mpidag_module = self.__dict__["_mpidag_module"]
         if mpidag_module is not None and hasattr(mpidag_module, attr):
