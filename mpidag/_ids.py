@@ -2,7 +2,10 @@
 
 ``id = rank << counter_bits | counter``. The rank field is at least 16 bits wide (as in
 PyTorch) and wider when the world needs it, so worlds beyond 65,536 ranks still get unique
-ids; the counter takes the remaining bits. Any rank can decode the creator of an id.
+ids; the counter takes the remaining bits. Up to 32,768 ranks the layout is torch's exactly
+(48 counter bits: ``id >> 48`` is the creator's rank, as torch's tests and tools decode
+it); beyond, ids stay positive in a signed int64 (63 bits), where torch's turn negative.
+Any rank can decode the creator of an id.
 Context ids, autograd message ids, RRef ids and fork ids all come from here.
 """
 
@@ -10,10 +13,25 @@ from __future__ import annotations
 
 import itertools
 
-__all__ = ["IdGenerator", "rank_bits_for"]
+__all__ = ["IdGenerator", "counter_bits_for", "rank_bits_for"]
 
 ID_BITS = 63  # ids stay positive in a signed int64 (torch tensors, MPI headers)
 MIN_RANK_BITS = 16
+TORCH_COUNTER_BITS = 48  # torch's layout: a 16-bit worker id above a 48-bit counter
+
+
+def counter_bits_for(world_size: int) -> int:
+    """Width of the counter field: torch's 48 bits while ``rank << 48`` stays positive
+    (up to 32,768 ranks), else what the positive 63 bits leave beside the rank field.
+
+    Example::
+
+        >>> counter_bits_for(8), counter_bits_for(65_536), counter_bits_for(100_000)
+        (48, 47, 46)
+    """
+    if world_size <= 1 << (ID_BITS - TORCH_COUNTER_BITS):
+        return TORCH_COUNTER_BITS
+    return ID_BITS - rank_bits_for(world_size)
 
 
 def rank_bits_for(world_size: int) -> int:
@@ -45,7 +63,7 @@ class IdGenerator:
             raise ValueError(f"rank {rank!r} is outside the world of size {world_size!r}")
         self.rank = rank
         self.rank_bits = rank_bits_for(world_size)
-        self.counter_bits = ID_BITS - self.rank_bits
+        self.counter_bits = counter_bits_for(world_size)
         self._max_counter = (1 << self.counter_bits) - 1
         self._base = rank << self.counter_bits
         self._counter = itertools.count(1)  # next() on itertools.count is atomic under the GIL

@@ -2,7 +2,7 @@ import threading
 
 import pytest
 
-from mpidag._ids import IdGenerator, rank_bits_for
+from mpidag._ids import IdGenerator, counter_bits_for, rank_bits_for
 
 
 def test_rank_bits_grow_with_the_world():
@@ -11,6 +11,16 @@ def test_rank_bits_grow_with_the_world():
     assert rank_bits_for(65_537) == 17
     assert rank_bits_for(1_000_000) == 20
     assert rank_bits_for(2**20) == 20
+
+
+def test_small_worlds_use_torchs_layout_and_large_ones_stay_positive():
+    assert counter_bits_for(4) == 48 and counter_bits_for(32_768) == 48
+    assert counter_bits_for(32_769) == 47 and counter_bits_for(2**20) == 43
+    gen = IdGenerator(3, 4)
+    i = gen.next()
+    assert i >> 48 == 3 and i == (3 << 48) + 1           # as torch's ids decode
+    top = IdGenerator(32_767, 32_768)
+    assert 0 < top.next() < 2**63
 
 
 def test_ids_at_two_to_the_twenty_ranks():

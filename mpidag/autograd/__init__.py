@@ -172,7 +172,7 @@ def _get_max_id() -> int:
 
     Example::
 
-        >>> dist_autograd._get_max_id() >> 47      # on worker 1 of a job of 2
+        >>> dist_autograd._get_max_id() >> 48      # on worker 1 of a job of 2
         1
     """
     ids = _runtime.current().agent.ids
