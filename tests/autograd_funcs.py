@@ -215,3 +215,14 @@ def in_threads(worker, n: int) -> None:
         t.join()
     if errors:
         raise errors[0]
+
+
+def embedding_lookup(rref, indices):
+    """On the owner of an ``nn.Embedding`` RRef: the embedding of ``indices``."""
+    return rref.local_value()(indices)
+
+
+def embedding_weight_and_gradient(rref, context_id):
+    """On the owner: the embedding's weight and its gradient in the context (sparse)."""
+    weight = rref.local_value().weight
+    return weight.detach().clone(), dist_autograd.get_gradients(context_id)[weight]

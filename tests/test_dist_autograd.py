@@ -350,3 +350,38 @@ def test_max_context_id_is_this_workers_last(rpc_world):
     assert ids.creator(top) == rpc_world.rank and ids.local_counter(top) == 2**ids.counter_bits - 1
     with dist_autograd.context() as context_id:
         assert ids.creator(context_id) == rpc_world.rank and context_id < top
+
+
+def test_sparse_embedding_and_sparse_leaves_match_local_autograd(rpc_world):
+    """An ``nn.Embedding(sparse=True)`` on the next rank and a sparse leaf sent there: their
+    gradients stay sparse and equal local autograd's; the embedding gradient fetched back
+    is large enough for its values to travel as a frame of their own (above the inline
+    limit), the sparse leaf's parts travel inline."""
+    owner = rpc_world.next
+    gen = torch.Generator().manual_seed(rpc_world.rank)
+    indices = torch.randint(0, 5000, (3000,), generator=gen)
+    (w,) = _seeded(rpc_world.rank, (3000, 16))
+    leaf = torch.sparse_coo_tensor(torch.stack([indices, indices % 7]),
+                                   torch.rand(3000, generator=gen), (5000, 7),
+                                   requires_grad=True)
+    embedding = rpc.remote(owner, torch.nn.Embedding, args=(5000, 16),
+                           kwargs={"sparse": True})
+    with dist_autograd.context() as context_id:
+        out = rpc.rpc_sync(owner, af.embedding_lookup, args=(embedding, indices))
+        doubled = rpc.rpc_sync(owner, torch.mul, args=(leaf, 2.0))
+        assert doubled.is_sparse and not doubled.is_coalesced()
+        loss = (out * w).sum() + torch.sparse.sum(doubled * 3.0)
+        dist_autograd.backward(context_id, [loss], retain_graph=True)
+        dist_autograd.backward(context_id, [loss])  # sparse gradients accumulate
+        grads = dist_autograd.get_gradients(context_id)
+        weight, remote_grad = rpc.rpc_sync(owner, af.embedding_weight_and_gradient,
+                                           args=(embedding, context_id))
+    local = torch.nn.Embedding(5000, 16, sparse=True, _weight=weight)
+    local_leaf = leaf.detach().requires_grad_()
+    local_loss = (local(indices) * w.detach()).sum() + torch.sparse.sum(local_leaf * 6.0)
+    local_loss.backward(retain_graph=True)
+    local_loss.backward()
+    assert remote_grad.is_sparse and grads[leaf].is_sparse
+    close(remote_grad.to_dense(), local.weight.grad.to_dense())
+    close(grads[leaf].to_dense(), local_leaf.grad.to_dense())
+    close(grads[w], 2 * local(indices).detach())
