@@ -27,6 +27,7 @@ import torch
 
 from mpidag._config import Config
 from mpidag._locks import ParameterLocks
+from mpidag._remote_profiling import gil_average_wait_us
 from mpidag.agent.agent import RpcAgent
 from mpidag.agent.options import MPIRpcBackendOptions, WorkerInfo
 from mpidag.dist_autograd import DistAutograd
@@ -173,7 +174,8 @@ class Runtime:
             info = agent.by_name.get(to)
             if info is None:
                 raise UnknownWorkerError(
-                    f"unknown destination worker {to!r}; workers: {sorted(agent.by_name)}")
+                    f"could not find destination name {to} (unknown destination worker "
+                    f"{to!r}); workers: {sorted(agent.by_name)}")
             return info.id
         if isinstance(to, WorkerInfo):
             if not 0 <= to.id < agent.world_size or agent.workers[to.id] != to:
@@ -190,8 +192,8 @@ class Runtime:
             f"WorkerInfo or a rank (int), got {type(to).__name__}; workers: "
             f"{sorted(agent.by_name)}")
 
-    def debug_info(self) -> dict[str, Any]:
-        """Counters of the agent, the RRefs and the autograd contexts (torch's names)."""
+    def agent_debug_info(self) -> dict[str, Any]:
+        """The agent's counters (torch's names, without torch's ``agent.`` prefix)."""
         agent = self.agent
         info: dict[str, Any] = {
             "rank": agent.rank,
@@ -200,6 +202,14 @@ class Runtime:
             "messages_sent": agent.sent,
             "messages_processed": agent.processed,
         }
+        gil_wait = gil_average_wait_us()
+        if gil_wait is not None:  # rpc.enable_gil_profiling(True)
+            info["gil_average_wait_time_us"] = gil_wait
+        return info
+
+    def debug_info(self) -> dict[str, Any]:
+        """Counters of the agent, the RRefs and the autograd contexts (torch's names)."""
+        info = self.agent_debug_info()
         info.update(self.rrefs.debug_info())
         info.update(self.autograd.container.debug_info())
         return info
@@ -267,7 +277,9 @@ def current() -> Runtime:
     runtime = _current
     if runtime is None:
         raise RPCNotInitializedError(
-            "RPC has not been initialized. Call mpidag.rpc.init_rpc first.")
+            "RPC has not been initialized. Call mpidag.rpc.init_rpc first, on every rank of "
+            "the MPI job (torch: Current RPC agent is not set! Did you initialize the RPC "
+            "framework?)")
     return runtime
 
 

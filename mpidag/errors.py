@@ -386,10 +386,17 @@ def unpack_exception(data: bytes) -> BaseException:
     if blob is not None:
         try:
             exc = pickle.loads(blob)
-        except Exception:
-            exc = None
-    if exc is None:
-        exc = RPCError(f"{module}.{qualname}: {message}")
+        except Exception as failure:  # torch's words when the type cannot be remade
+            exc = RPCError(
+                f"Failed to create original exception type. Error msg was {failure} "
+                f"Original exception on remote side was {module}.{qualname}: {message} "
+                f"(make the exception class importable here and constructible from its "
+                f"arguments to get it with its type)")
+    if exc is None:  # the callee could not pickle it with its arguments
+        exc = RPCError(
+            f"{module}.{qualname}: {message} (Failed to create original exception type: it "
+            f"cannot be pickled with its arguments. Original exception on remote side was "
+            f"{message})")
     if isinstance(exc, WrappedError) and exc.original is not None:
         exc.original.__cause__ = RemoteTraceback(text)  # the wrapper's cause stays its original
     else:

@@ -134,3 +134,15 @@ class Adder:
 
     def plus(self, x):
         return self.base + x
+
+
+class TwoArgumentError(Exception):
+    """An exception that pickle cannot rebuild (its __init__ takes two arguments)."""
+
+    def __init__(self, flag, msg):
+        self.flag = flag
+        super().__init__(msg)
+
+
+def raise_two_argument_error():
+    raise TwoArgumentError(True, "built with two arguments")

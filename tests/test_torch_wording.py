@@ -334,3 +334,20 @@ def test_get_type_blocking_non_blocking_owner_and_errors(world):
     assert slow._get_type() is str  # a failed ask is not kept
     del user, fut, own, failing, slow
     settle(world)
+
+
+def test_backward_argument_errors_carry_torchs_types_and_words():
+    from mpidag.dist_autograd.engine import check_roots
+
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        check_roots(None)
+    with pytest.raises(RuntimeError, match="No tensors provided for gradient computation"):
+        check_roots([])
+    with pytest.raises(RuntimeError, match="requires_grad not set on"):
+        check_roots([torch.rand(3, 3)])
+    with pytest.raises(RuntimeError, match="is not a scalar, all roots need to be scalar"):
+        check_roots([torch.rand(3, 3, requires_grad=True)])
+    with pytest.raises(RuntimeError, match="does not have a valid gradient function"):
+        check_roots([torch.rand(1, requires_grad=True)])
+    root = (torch.rand(3, requires_grad=True) * 2).sum()
+    assert check_roots(root) == [root]

@@ -99,8 +99,40 @@ class WorkerInfo:
     name: str
     id: int
 
+    def __post_init__(self) -> None:
+        check_worker_name(self.name)
+
     def __repr__(self) -> str:
         return f"WorkerInfo(id={self.id}, name={self.name})"
+
+
+#: torch's limit on worker names (``MAX_NAME_LEN``), and the characters it allows
+MAX_NAME_LEN = 128
+_NAME_PUNCTUATION = frozenset("-_:")
+
+
+def check_worker_name(name: str) -> None:
+    """Raise ``RuntimeError`` (torch's type and wording) unless ``name`` is a valid worker
+    name: non-empty, shorter than 128 characters, only letters, digits, ``-``, ``_``, ``:``.
+
+    Example::
+
+        >>> check_worker_name("trainer:0")
+        >>> check_worker_name("abc*")
+        Traceback (most recent call last):
+        RuntimeError: Worker name must match ^[A-Za-z0-9-_:]*$, but got 'abc*'; ...
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"a worker name must be a str, got {type(name).__name__}")
+    if not name:
+        raise RuntimeError("Worker name must be non-empty: pass a name such as 'trainer0' "
+                           "(or none: mpidag names rank r 'worker{r}')")
+    if len(name) >= MAX_NAME_LEN:
+        raise RuntimeError(f"RPC worker name {name[:40]}... is not shorter than "
+                           f"{MAX_NAME_LEN} characters ({len(name)}): choose a shorter name")
+    if not all(c.isascii() and (c.isalnum() or c in _NAME_PUNCTUATION) for c in name):
+        raise RuntimeError(f"Worker name must match ^[A-Za-z0-9-_:]*$, but got {name!r}: "
+                           f"use only letters, digits, '-', '_' and ':'")
 
 
 def _device(d: DeviceLike) -> torch.device:

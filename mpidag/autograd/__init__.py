@@ -132,6 +132,10 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
         ...     unused = rpc.rpc_sync("worker1", torch.mul, args=(t1, t2))
         ...     dist_autograd.backward(context_id, [loss])      # exact, unused or not
     """
+    if isinstance(context_id, bool) or not isinstance(context_id, int):
+        raise TypeError(f"backward(): incompatible function arguments: context_id must be "
+                        f"the int of a `with mpidag.autograd.context() as context_id:`, got "
+                        f"{type(context_id).__name__}")
     _runtime.current().autograd.backward(context_id, roots, bool(retain_graph), mode)
 
 

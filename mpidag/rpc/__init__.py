@@ -22,6 +22,8 @@ from mpidag.agent.options import (
 from mpidag.errors import RemoteTraceback, RPCError, RPCTimeoutError, WorkerFailedError
 from mpidag.rpc import api, backend_registry, constants, functions  # noqa: F401 - as torch's
 from mpidag.rpc.api import (
+    _get_current_rpc_agent,  # noqa: F401 - torch's private helper, used by its tests
+    _get_debug_info,  # noqa: F401 - torch's private helper, used by its tests
     _rref_context_get_debug_info,  # noqa: F401 - torch's private helper, used by its tests
     _set_rpc_timeout,  # noqa: F401 - torch's private helper, used by its tests
     enable_gil_profiling,

@@ -34,6 +34,12 @@ from mpidag.agent.options import (
     check_timeout,
 )
 from mpidag.errors import RPCError
+from mpidag.rpc.agent_view import (  # noqa: F401 - torch's private helpers, as rpc.api has them
+    _all_gather,
+    _barrier,
+    _get_current_rpc_agent,
+    _wait_all_workers,
+)
 from mpidag.rpc.rref import RRef, check_call
 
 __all__ = [
@@ -360,17 +366,6 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
                 sys.exit = _recording_exit
 
 
-def _get_debug_info() -> dict[str, int]:
-    """Counters of this worker's agent and RRefs, for tests and debugging (as torch's).
-
-    Example::
-
-        >>> rpc.api._get_debug_info()["num_owner_rrefs"]
-        0
-    """
-    return _runtime.current().debug_info()
-
-
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
     """The ``WorkerInfo`` of ``worker_name``, or of this worker when ``None``.
 
@@ -547,3 +542,19 @@ def enable_gil_profiling(flag: bool) -> None:
         True
     """
     set_gil_profiling(bool(flag))
+
+
+def _get_debug_info() -> dict[str, str]:
+    """The agent's, the RRefs' and the autograd contexts' counters in one dict, values as
+    strings (torch's ``rpc._get_debug_info``).
+
+    Example::
+
+        >>> rpc._get_debug_info()["num_owner_rrefs"]
+        '0'
+    """
+    info = _get_current_rpc_agent().get_debug_info()
+    info.update(_rref_context_get_debug_info())
+    info.update({key: str(value)
+                 for key, value in _runtime.current().autograd.container.debug_info().items()})
+    return info

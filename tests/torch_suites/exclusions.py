@@ -43,6 +43,12 @@ EXCLUDED: dict[str, tuple[str, str]] = {
         "torchscript", "script functions as the trainer's RPC targets"),
     "TensorPipeAgentDistAutogradTest.test_backward_simple_script_call_sparse": (
         "torchscript", "rpc of a script function in a context"),
+    "RemoteModuleTest.test_forward_async": (
+        "torchscript", "runs each module-creation mode, the second a scripted RemoteModule "
+        "with a TorchScript module interface"),
+    "RemoteModuleTest.test_forward_sync": (
+        "torchscript", "runs each module-creation mode, the second a scripted RemoteModule "
+        "with a TorchScript module interface"),
     "RemoteModuleTest.test_forward_async_script": (
         "torchscript", "RemoteModule with a TorchScript module interface"),
     "RemoteModuleTest.test_forward_sync_script": (
