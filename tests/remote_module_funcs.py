@@ -65,3 +65,14 @@ def call_remote_module(remote_module, x: torch.Tensor) -> torch.Tensor:
 
 def echo(value):
     return value
+
+
+def init_here_and_call(module_rref, x: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """torch's recipe for sending a RemoteModule: the receiver makes its own over the
+    module RRef, naming itself as ``remote_device``; forward still runs on the owner."""
+    import mpidag.rpc as rpc
+    from mpidag.nn import RemoteModule
+
+    remote = RemoteModule.init_from_module_rref(f"{rpc.get_worker_info().name}/cpu",
+                                                module_rref)
+    return remote.on, remote(x)

@@ -74,3 +74,45 @@ def make_rref_here(tag):
     """Runs on one rank, returns an RRef owned by that rank to the caller."""
     return rpc.RRef(Tracked(tag, torch.arange(3.0)))
 
+
+
+class AsyncAdder:
+    """torch's AsyncExecutionClass: ``@rpc.functions.async_execution`` methods of every
+    kind, called through RRef proxies; each adds ``x + y`` on ``to`` and then ``z``."""
+
+    def __init__(self, offset: float = 0.0) -> None:
+        self.offset = offset
+
+    @staticmethod
+    @rpc.functions.async_execution
+    def static_add(to, x, y, z):
+        return rpc.rpc_async(to, torch.add, args=(x, y)).then(lambda fut: fut.wait() + z)
+
+    @classmethod
+    @rpc.functions.async_execution
+    def class_add(cls, to, x, y, z):
+        ret = torch.futures.Future()
+        rpc.rpc_async(to, torch.add, args=(x, y)).then(
+            lambda fut: ret.set_result(fut.wait() + z))
+        return ret
+
+    @rpc.functions.async_execution
+    def bound_add(self, to, x, y, z):
+        return rpc.rpc_async(to, torch.add, args=(x, y)).then(
+            lambda fut: fut.wait() + z + self.offset)
+
+    @rpc.functions.async_execution
+    def not_a_future(self):
+        return 3
+
+    @rpc.functions.async_execution
+    def failing(self, to, msg):
+        return rpc.rpc_async(to, fail_creation, args=(msg,))
+
+    def plain(self, x):
+        return x + self.offset
+
+
+def confirmed_and_value(rref):
+    """torch's check_rref_confirmed, and the value through the same user RRef."""
+    return rref.confirmed_by_owner(), rref.to_here().sum().item()

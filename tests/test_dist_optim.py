@@ -204,15 +204,35 @@ def test_bad_arguments_are_clear_errors(rpc_world):
         DistributedOptimizer(torch.optim.SGD, [torch.ones(2, requires_grad=True)], lr=0.1)
     with pytest.raises(TypeError, match="Optimizer subclass"):
         DistributedOptimizer(dict, [rpc.RRef(torch.ones(2, requires_grad=True))])
-    frozen = rpc.remote(rpc_world.next, of.frozen_tensor)
-    with pytest.raises(ValueError, match="does not require grad") as info:
-        DistributedOptimizer(torch.optim.SGD, [frozen], lr=0.1)
-    assert "params_rref[0]" in str(info.value)
     opt = DistributedOptimizer(torch.optim.SGD, [rpc.RRef(torch.ones(1, requires_grad=True))],
                                lr=0.1)
     with pytest.raises(RuntimeError, match="does not exist"):
         opt.step(12345)
-    del frozen, info, opt
+    del opt
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.RMSprop, torch.optim.Rprop,
+                                       torch.optim.Adadelta])
+def test_parameters_that_do_not_require_grad_are_accepted_and_never_updated(rpc_world,
+                                                                              optimizer):
+    """torch's test_dist_optim_none_grads: such a parameter never gets a gradient, so it
+    is skipped by every step, while the others are updated as by the local optimizer."""
+    frozen = rpc.remote(rpc_world.next, of.frozen_tensor)
+    here = torch.full((3,), 2.0, requires_grad=True)
+    local = here.detach().clone().requires_grad_()
+    opt = DistributedOptimizer(optimizer, [rpc.RRef(here), frozen], lr=0.05)
+    reference = optimizer([local, torch.ones(3)], lr=0.05)
+    for _ in range(2):
+        with dist_autograd.context() as context_id:
+            dist_autograd.backward(context_id, [(here * frozen.to_here()).sum()])
+            opt.step(context_id)
+        (local * torch.ones(3)).sum().backward()
+        reference.step()
+        local.grad = None
+    torch.testing.assert_close(here.detach(), local.detach())
+    assert not torch.equal(here.detach(), torch.full((3,), 2.0))
+    torch.testing.assert_close(frozen.to_here(), torch.ones(3))
+    del frozen, opt
 
 
 def test_failing_step_names_what_was_applied(rpc_world):

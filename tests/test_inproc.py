@@ -540,3 +540,27 @@ def test_sparse_gradients_are_kept_or_copied_like_torch_accumulates_them():
     grads.add(c, both)
     grads.add(d, both)
     assert grads.snapshot()[c]._values().data_ptr() != grads.snapshot()[d]._values().data_ptr()
+
+
+# ------------------------------------------------------------------ issue 21: small ones
+
+def test_a_failing_call_is_logged_on_the_callee_as_torch_prints_it(world, caplog):
+    """torch's _run_function prints ``On <WorkerInfo>:``, the exception's repr and its
+    traceback on the callee (test_py_raise_in_user_func reads it there): one record."""
+    import logging
+
+    with caplog.at_level(logging.ERROR, logger="mpidag.agent.agent"), \
+            pytest.raises(ValueError, match="logged here"):
+        call(world[0], 1, rf.raise_value_error, "logged here")
+    records = [r for r in caplog.records if r.name == "mpidag.agent.agent"]
+    assert len(records) == 1 and records[0].levelno == logging.ERROR
+    message = records[0].getMessage()
+    assert message.startswith("On WorkerInfo(id=1, name=worker1):\nValueError('logged here')"
+                              "\nTraceback (most recent call last):\n")
+    assert "in raise_value_error" in message
+    assert message.rstrip().endswith("ValueError: logged here")
+    assert records[0].exc_info is None  # text only: no frames kept alive by the record
+    assert all(isinstance(arg, str) for arg in records[0].args[1:])
+    caplog.clear()
+    assert call(world[0], 1, rf.add, 1, 2) == 3  # a call that succeeds logs nothing
+    assert not [r for r in caplog.records if r.name == "mpidag.agent.agent"]

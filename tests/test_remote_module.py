@@ -90,10 +90,14 @@ def test_parameters_module_rref_and_modes(rpc_world):
     assert f"on={rpc_world.next}" in text and "device=cpu" in text and "MLP" in text
     same = RemoteModule.init_from_module_rref(f"{rpc_world.next}/cpu", rref)
     close(same(torch.ones(1, 4)), remote(torch.ones(1, 4)))
-    if rpc_world.size > 1:
-        with pytest.raises(ValueError, match="owned by"):
-            RemoteModule.init_from_module_rref(f"{rpc_world.name}/cpu", rref)
-    del remote, rref, same, values
+    # remote_device need not name the owner (torch checks nothing): forward goes to it
+    here = RemoteModule.init_from_module_rref(f"{rpc_world.name}/cpu", rref)
+    assert here.on == rpc_world.name and here.module_rref.owner_name() == rpc_world.next
+    close(here(torch.ones(1, 4)), remote(torch.ones(1, 4)))
+    on, out = rpc.rpc_sync(rpc_world.prev, rmf.init_here_and_call, args=(rref, torch.ones(1, 4)))
+    assert on == rpc_world.prev
+    close(out, remote(torch.ones(1, 4)))
+    del remote, rref, same, values, here, out
 
 
 @pytest.mark.parametrize("method, args", [

@@ -413,3 +413,33 @@ def test_builtin_with_wrong_arguments_is_torchs_schema_error(rpc_world):
     with pytest.raises(RuntimeError, match=pattern):
         rpc.remote(rpc_world.next, torch.add, args=(), timeout=10).to_here()
     del info
+
+
+def test_callbacks_that_wait_for_other_rpcs(rpc_world):
+    """torch's test_callback_with_ret: a then() callback that makes an RPC and waits for
+    it, a done callback that calls rpc_sync, many at once; each deadlocked the rank whose
+    progress leader ran the callback."""
+    to = rpc_world.next
+
+    def callback(fut0):
+        fut2 = rpc.rpc_async(to, torch.add, args=(fut0.wait(), 1)).then(
+            lambda fut1: fut1.wait() + 1)
+        return fut2.wait()
+
+    fut3 = rpc.rpc_async(to, torch.add, args=(torch.ones(2, 2), 1), timeout=30).then(callback)
+    torch.testing.assert_close(fut3.wait(), torch.ones(2, 2) + 3)
+
+    done: list = []
+    fut = rpc.rpc_async(to, f.add, args=(1, 2), timeout=30)
+    fut.add_done_callback(lambda x: done.append(rpc.rpc_sync(to, f.add, args=(x.value(), 4),
+                                                             timeout=30)))
+    fut.wait()
+    deadline = time.monotonic() + 30
+    while not done and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert done == [7]
+
+    chained = [rpc.rpc_async(to, f.add, args=(i, 1), timeout=30).then(
+        lambda x: rpc.rpc_sync(to, f.add, args=(x.wait(), 100), timeout=30))
+        for i in range(20)]
+    assert torch.futures.wait_all(chained) == [i + 101 for i in range(20)]

@@ -110,6 +110,45 @@ def test_proxies(rpc_world):
     testing.assert_no_leaks()
 
 
+def test_async_execution_methods_through_proxies(rpc_world):
+    """torch's test_async_class_rref_proxy*: the proxies answer with the value of the
+    method's future (static, class and bound methods), in all three modes."""
+    rref = rpc.remote(rpc_world.next, rf.AsyncAdder, args=(10.0,))
+    x, to = torch.ones(2), rpc_world.prev
+    for name, want in (("static_add", 3.0), ("class_add", 3.0), ("bound_add", 13.0)):
+        got = [getattr(rref.rpc_sync(timeout=30), name)(to, x, x, 1),
+               getattr(rref.rpc_async(timeout=30), name)(to, x, x, 1).wait(),
+               getattr(rref.remote(timeout=30), name)(to, x, x, 1).to_here(timeout=30)]
+        for value in got:
+            torch.testing.assert_close(value, torch.full((2,), want))
+    torch.testing.assert_close(rref.rpc_async(timeout=30).plain(x).wait(), x + 10)
+    with pytest.raises(TypeError, match="must return a torch.futures.Future"):
+        rref.rpc_sync(timeout=30).not_a_future()
+    with pytest.raises(KeyError, match="async failure"):
+        rref.rpc_async(timeout=30).failing(to, "async failure").wait()
+    with pytest.raises(KeyError, match="async failure"):
+        rref.remote(timeout=30).failing(to, "async failure").to_here(timeout=30)
+    del rref
+    gc.collect()
+    testing.assert_no_leaks()
+
+
+@pytest.mark.mpi(min_size=3)
+def test_user_rref_arguments_are_confirmed_when_the_function_runs(rpc_world):
+    """torch's test_user_rrefs_confirmed(_remote): a user RRef forked to a third worker is
+    confirmed by its owner before the function it is an argument of runs."""
+    owner = rpc_world.worker((rpc_world.rank + 2) % rpc_world.size)
+    rref = rpc.remote(owner, torch.add, args=(torch.zeros(2, 2), 1))
+    for _ in range(5):
+        assert rpc.rpc_sync(rpc_world.next, rf.confirmed_and_value, args=(rref,),
+                            timeout=30) == (True, 4.0)
+        ret = rpc.remote(rpc_world.next, rf.confirmed_and_value, args=(rref,))
+        assert ret.to_here(timeout=30) == (True, 4.0)
+    del rref, ret
+    gc.collect()
+    testing.assert_no_leaks()
+
+
 def test_remote_of_a_function_that_raises(rpc_world):
     rref = rpc.remote(rpc_world.next, rf.fail_creation, args=("missing key",))
     with pytest.raises(KeyError, match="missing key"):

@@ -33,6 +33,7 @@ import pickle
 import sys
 import threading
 import time
+import traceback
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -92,8 +93,35 @@ class RpcFuture(torch.futures.Future):
     """A ``torch.futures.Future`` whose ``wait()`` drives the MPI progress itself.
 
     Its errors are raised as copies (:func:`mpidag.errors.detached_copy`), so the stored
-    exception never references the frames that wait for it.
+    exception never references the frames that wait for it. A future given a callback
+    with ``then`` or ``add_done_callback`` is completed off the leader (see
+    ``RpcAgent._complete``): a callback may wait for another RPC.
     """
+
+    #: a callback of the user's was added: complete this future on a pool thread
+    _user_callbacks = False
+
+    def then(self, callback: Callable[[torch.futures.Future], Any]) -> torch.futures.Future:
+        # torch.futures.Future.then; the callback may block (waits, RPCs)
+        self._user_callbacks = True
+        return super().then(callback)
+
+    def add_done_callback(self, callback: Callable[[torch.futures.Future], None]) -> None:
+        # torch.futures.Future.add_done_callback; the callback may block
+        self._user_callbacks = True
+        super().add_done_callback(callback)
+
+    def add_internal_callback(self, callback: Callable[[torch.futures.Future], None]
+                              ) -> None:
+        """``add_done_callback`` for mpidag's own short callbacks that never block: they
+        run on the thread that completes the future, the progress leader included.
+
+        Example::
+
+            >>> fut = agent.call(1, handler, (), {}, timeout=0)
+            >>> fut.add_internal_callback(lambda f: counter.decrement())
+        """
+        super().add_done_callback(callback)
 
     def wait(self) -> Any:  # noqa: D102 - same contract as torch.futures.Future.wait
         if not self.done():
@@ -331,6 +359,9 @@ class RpcAgent:
         self._shutdown_hooks: list[Callable[[], None]] = []
         #: (queue, hook): the leader calls hook() after a poll while the queue is not empty
         self._tick_hooks: list[tuple[Any, Callable[[], None]]] = []
+        #: (begin, end) around unpickling a call's arguments (add_hooks(arguments=...))
+        self._arguments_hook: tuple[Callable[[], None],
+                                    Callable[[], Callable[[], bool] | None]] | None = None
         #: extra "this rank is not idle" conditions for the quiescence test
         self._busy_checks: list[Callable[[], bool]] = []
         max_sleep = options.max_sleep if options.max_sleep is not None else config.backoff_max
@@ -412,12 +443,18 @@ class RpcAgent:
 
     def add_hooks(self, *, tick: Callable[[], None] | None = None, tick_queue: Any = None,
                   busy: Callable[[], bool] | None = None,
-                  before_shutdown: Callable[[], None] | None = None) -> None:
+                  before_shutdown: Callable[[], None] | None = None,
+                  arguments: tuple[Callable[[], None],
+                                   Callable[[], Callable[[], bool] | None]] | None = None
+                  ) -> None:
         """``tick()``: run by the leader after a poll while ``tick_queue`` (a container the
         layer fills, e.g. from ``__del__``) is not empty: a cheap test on the hot path;
         ``busy()``: true while this rank still has work the termination test must wait for;
         ``before_shutdown()``: run between the two quiescence rounds of a graceful
-        shutdown.
+        shutdown; ``arguments=(begin, end)``: ``begin()`` and ``end()`` run on the serving
+        thread before and after it unpickles the arguments of a call (or notification);
+        ``end()`` returns ``None`` or a ``ready()`` test that the serving thread waits for
+        (driving progress) before the function runs (one such pair per agent).
 
         Example::
 
@@ -431,6 +468,10 @@ class RpcAgent:
             self._busy_checks.append(busy)
         if before_shutdown is not None:
             self._shutdown_hooks.append(before_shutdown)
+        if arguments is not None:
+            if self._arguments_hook is not None:
+                raise RuntimeError("the agent already has an arguments hook")
+            self._arguments_hook = arguments
 
     def add_failure_listener(self, listener: Callable[[int], None]) -> None:
         """Call ``listener(rank)`` (on the leader) when a rank is found to have failed, after
@@ -744,12 +785,15 @@ class RpcAgent:
             return
         seconds = call.seconds
         dst_name = self.workers[call.dst].name
-        call.set_exception(RPCTimeoutError(
+        error = RPCTimeoutError(
             f"RPC ran for more than the set timeout ({seconds * 1000:.0f} ms) and will now be "
             f"marked with an error: the call of {call.what} to {dst_name}; pass a larger "
             f"timeout= or rpc_timeout in the backend options"
-        ))
-        self.engine.wake_waiters()
+        )
+        if call.future is not None and call.future._user_callbacks:  # (see _complete)
+            self.engine.submit(lambda: self._settle(call, None, error))
+            return
+        self._settle(call, None, error)
 
     def _tick(self) -> None:
         """Called by the leader after each poll: hooks, then expire calls past deadline.
@@ -774,8 +818,7 @@ class RpcAgent:
     def _dispatch(self, env: Envelope) -> Callable[[], None] | None:
         kind = env.kind
         if kind in (_RESULT, _ERROR):
-            self._complete(env)
-            return None
+            return self._complete(env)
         if kind == _CALL:
             return lambda: self._serve_call(env)
         if kind == _NOTIFY:
@@ -794,34 +837,59 @@ class RpcAgent:
         with self._count_lock:
             self._processed_from[src] += 1
 
-    def _complete(self, env: Envelope) -> None:
+    def _complete(self, env: Envelope) -> Callable[[], None] | None:
+        """Complete the call that ``env`` answers. A future with callbacks of the user's
+        (``then``, ``add_done_callback``) is completed by the returned work item instead,
+        which a pool leader runs after giving up the leadership (or a pool thread runs):
+        a callback may wait for another call (``fut.wait()``, ``rpc_sync``), whose answer
+        the leader could not receive while it ran the callback (as in torch, callbacks run
+        on the agent's threads)."""
         call = self._pending.pop(env.request_id, None)
+        src = env.src
         try:
             if call is None:
                 log.debug("late answer to request %x from rank %d dropped (timed out)",
-                          env.request_id, env.src)
-                return
+                          env.request_id, src)
+                return None
+            value = error = None
             if env.kind == _RESULT:
                 try:
                     if env.message_id:
                         self.observer.received(env, lambda: f"the result of {call.what} from "
-                                                            f"{self.workers[env.src].name}")
+                                                            f"{self.workers[src].name}")
                     value = loads(env.payload, env.tensors, self.codecs)
                 except Exception as exc:
-                    call.set_exception(SerializationError(
+                    error = SerializationError(
                         f"could not unpickle the result of {call.what} from "
-                        f"{self.workers[env.src].name}: {exc}"))
-                else:
-                    call.set_result(value)
+                        f"{self.workers[src].name}: {exc}")
             else:
                 error = unpack_exception(bytes(env.payload))
                 if self.config.ft and isinstance(error, WorkerFailedError) and \
                         0 <= error.rank < self.world_size and error.rank != self.rank:
                     self._peer_failed(error.rank)  # another rank saw it first: so it is
-                call.set_exception(error)
-            self.engine.wake_waiters()
+            future = call.future
+            if future is not None and future._user_callbacks:
+                def finish(src: int = src) -> None:
+                    try:
+                        self._settle(call, value, error)
+                    finally:
+                        self._mark_processed(src)  # only now: the termination test waits
+
+                src = -1  # counted as processed by finish()
+                return finish
+            self._settle(call, value, error)
+            return None
         finally:
-            self._mark_processed(env.src)
+            if src >= 0:
+                self._mark_processed(src)
+
+    def _settle(self, call: _PendingCall, value: Any, error: BaseException | None) -> None:
+        """Give ``call`` its answer (running its future's callbacks) and wake waiters."""
+        if error is not None:
+            call.set_exception(error)
+        else:
+            call.set_result(value)
+        self.engine.wake_waiters()
 
     def _unpack_call(self, env: Envelope) -> tuple[Callable, tuple, dict]:
         try:
@@ -832,9 +900,9 @@ class RpcAgent:
                 func = self._resolve_ref(bytes(payload[:end]), flags)
                 if len(payload) == end:
                     return func, (), {}
-                args, kwargs = loads(payload[end:], env.tensors, self.codecs)
+                args, kwargs = self._load_arguments(payload[end:], env)
                 return func, args, kwargs
-            func, args, kwargs = loads(env.payload, env.tensors, self.codecs)
+            func, args, kwargs = self._load_arguments(env.payload, env)
         except RPCError:
             raise
         except Exception as exc:
@@ -851,6 +919,24 @@ class RpcAgent:
             except TypeError:  # an exception type whose __init__ takes other arguments
                 raise SerializationError(detail) from exc
         return func, args or (), kwargs or {}
+
+    def _load_arguments(self, payload: bytes | memoryview, env: Envelope) -> Any:
+        """``loads`` of a call's arguments; with an arguments hook (see :meth:`add_hooks`),
+        the serving thread then waits, driving progress, for what the arguments need
+        before the function may run (RRefs confirmed by their owner, as torch does). A
+        control message runs on the leader and never waits."""
+        watch = self._arguments_hook
+        if watch is None or env.kind == _CONTROL:
+            return loads(payload, env.tensors, self.codecs)
+        begin, end = watch
+        begin()
+        try:
+            value = loads(payload, env.tensors, self.codecs)
+        finally:
+            ready = end()
+        if ready is not None:
+            self.engine.wait_until(ready, None)
+        return value
 
     def _serve_call(self, env: Envelope) -> None:
         """Run an incoming CALL and answer it; a profiler range while a profiler runs.
@@ -869,6 +955,7 @@ class RpcAgent:
                 return
             result = func(*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - the caller gets it, with its type
+            self._log_failure(exc)
             self._reply_error(env, operator_error(func, exc))
             return
         self._reply_value(env, result, (func, args))
@@ -909,6 +996,7 @@ class RpcAgent:
                 finally:
                     self.observer.served(token)
         except BaseException as exc:  # noqa: BLE001 - the caller gets it, with its type
+            self._log_failure(exc)
             self._reply_error(env, operator_error(func, exc))
             if span is not None:
                 span.__exit__(None, None, None)
@@ -917,8 +1005,9 @@ class RpcAgent:
             if not isinstance(result, torch._C.Future):
                 self._reply_error(env, async_result_error(describe(func), result))
             else:
-                result.add_done_callback(
-                    lambda fut: self._reply_future(env, fut, (func, args)))
+                add = result.add_internal_callback if isinstance(result, RpcFuture) \
+                    else result.add_done_callback  # (the reply is short: on any thread)
+                add(lambda fut: self._reply_future(env, fut, (func, args)))
                 if span is not None:  # the range ends when the function's future does
                     span._call_end_callbacks_on_future(result)
                     return
@@ -926,6 +1015,17 @@ class RpcAgent:
             self._reply_value(env, result, (func, args))
         if span is not None:
             span.__exit__(None, None, None)
+
+    def _log_failure(self, exc: BaseException) -> None:
+        """Log a served function's exception on the callee, as torch's ``_run_function``
+        prints it (``On <WorkerInfo>:``, its repr and traceback; one record per failed
+        call, at ERROR on the ``mpidag.agent.agent`` logger: with no logging set up it
+        reaches ``sys.stderr`` as in torch). The caller gets the exception as well. The
+        exception is text: a record that a handler keeps must not keep it, its frames and
+        the RRefs and tensors in them alive."""
+        if log.isEnabledFor(logging.ERROR):
+            log.error("On %s:\n%s\n%s", self.info, repr(exc),
+                      "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
 
     def _reply_future(self, env: Envelope, fut: torch.futures.Future,
                       call: tuple | None = None) -> None:

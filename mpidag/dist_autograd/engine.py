@@ -302,7 +302,7 @@ class PassState:
             with self.lock:
                 self.deficit -= 1
             raise
-        fut.add_done_callback(self._answered)
+        fut.add_internal_callback(self._answered)  # (short: may run on the leader)
 
     def _answered(self, fut: torch.futures.Future) -> None:
         error = future_error(fut)

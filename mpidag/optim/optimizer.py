@@ -98,9 +98,8 @@ def _check_parameter(value: Any, where: str) -> None:
         raise TypeError(f"{where} refers to a {type(value).__name__}, not a tensor: "
                         f"DistributedOptimizer needs RRefs of parameters (e.g. "
                         f"[RRef(p) for p in model.parameters()])")
-    if not value.requires_grad:
-        raise ValueError(f"{where} refers to a tensor that does not require grad: it would "
-                         f"never get a gradient; call requires_grad_() on it or leave it out")
+    # a tensor that does not require grad is accepted, as torch does: it never gets a
+    # gradient in a context, so its optimizer skips it (its .grad stays None)
     if not value.is_leaf:
         raise ValueError(f"{where} refers to a non-leaf tensor (computed from others): "
                          f"optimizers can only update leaf tensors such as nn.Parameters")

@@ -42,7 +42,7 @@ import torch
 
 from mpidag._ids import IdGenerator
 from mpidag._remote_profiling import function_name
-from mpidag.agent.agent import RpcAgent, RpcFuture, describe, detaches_parameters
+from mpidag.agent.agent import Handler, RpcAgent, RpcFuture, describe, detaches_parameters
 from mpidag.dist_autograd import DistAutograd
 from mpidag.errors import (
     RemoteBaseException,
@@ -62,6 +62,15 @@ __all__ = ["RRefContext", "OwnerRecord", "UserRecord"]
 FREED_MEMORY = 1 << 16
 
 log = logging.getLogger(__name__)
+
+
+class _ArgumentForks(threading.local):
+    #: while this thread unpickles a call's arguments: the user forks they made that the
+    #: owner has not confirmed yet
+    unconfirmed: list[UserRecord] | None = None
+
+
+_arguments = _ArgumentForks()
 
 
 @dataclass(slots=True)
@@ -153,7 +162,7 @@ class RRefContext:
             profile_as=lambda rref_id: (None, "to_here"),
             detaches=self._fetch_detaches)
         self._invoke = register(
-            "rref.invoke", self._on_invoke,
+            "rref.invoke", self._on_invoke, asynchronous=True,
             describe=lambda rref, name, *_: f"RRef(0x{rref._rref_id:x}).{name}()",
             profile_as=lambda rref, name, *_: (None, name))
         self._backward = register(
@@ -163,7 +172,8 @@ class RRefContext:
         agent.add_failure_listener(self._on_peer_failed)
         agent.add_hooks(tick=self.process_releases, tick_queue=self.releases,
                         busy=lambda: bool(self.releases) or self.releasing > 0,
-                        before_shutdown=self.release_all_users)
+                        before_shutdown=self.release_all_users,
+                        arguments=(self._begin_arguments, self._end_arguments))
 
     # ------------------------------------------------------------- owner side
     def owner_record(self, rref_id: int) -> OwnerRecord:
@@ -454,9 +464,28 @@ class RRefContext:
             self.add_user(rref_id, child, owner, confirmed=True)
             self.send(owner, self._user_accept, rref_id, child)
         else:  # sent by another user: ask the owner to count it
-            self.add_user(rref_id, child, owner, confirmed=False)
+            rec = self.add_user(rref_id, child, owner, confirmed=False)
+            unconfirmed = _arguments.unconfirmed
+            if unconfirmed is not None:  # an argument: the call waits for the owner's answer
+                unconfirmed.append(rec)
             self.send(owner, self._fork_request, rref_id, child, parent_rank, parent_fork, me)
         return self._handle(rref_id, owner, child)
+
+    @staticmethod
+    def _begin_arguments() -> None:
+        """Before a call's arguments are unpickled: record the forks they make."""
+        _arguments.unconfirmed = []
+
+    def _end_arguments(self) -> Callable[[], bool] | None:
+        """After: ``None``, or the test the call waits for before its function runs: every
+        user RRef among the arguments is confirmed by its owner (torch runs a function
+        only once the RRefs of its arguments are; ``confirmed_by_owner()`` is true in it)."""
+        unconfirmed, _arguments.unconfirmed = _arguments.unconfirmed, None
+        if not unconfirmed:
+            return None
+        failed = self.agent.failed
+        return lambda: all(rec.confirmed or rec.delete_sent or rec.owner in failed
+                           for rec in unconfirmed)
 
     # ---------------------------------------------------------- user-facing calls
     def create_local(self, value: Any) -> RRefHandle:
@@ -474,14 +503,14 @@ class RRefContext:
             handle = self._handle(rref_id, dst, None)
             fut = agent.call(dst, self._create, (rref_id, None, func, args, kwargs), {},
                              timeout)
-            fut.add_done_callback(lambda f: self._creation_timeout(rref_id, f))
+            fut.add_internal_callback(lambda f: self._creation_timeout(rref_id, f))
             return handle
         fork_id = self.ids.next()
         self.add_user(rref_id, fork_id, dst, confirmed=False)
         handle = self._handle(rref_id, dst, fork_id)
         fut = agent.call(dst, self._create, (rref_id, fork_id, func, args, kwargs), {},
                          timeout)
-        fut.add_done_callback(lambda f: self.confirm_user(fork_id, error=future_error(f)))
+        fut.add_internal_callback(lambda f: self.confirm_user(fork_id, error=future_error(f)))
         return handle
 
     def _creation_timeout(self, rref_id: int, fut: torch.futures.Future) -> None:
@@ -559,7 +588,8 @@ class RRefContext:
             self.register_fork(rref_id, creator_fork, self.ids.creator(creator_fork))
         try:
             value = func(*args, **kwargs)
-            if getattr(func, "_wrapped_async_rpc_function", None) is not None:
+            if getattr(func, "_wrapped_async_rpc_function", None) is not None or (
+                    type(func) is Handler and func.asynchronous):  # e.g. rref.remote().m()
                 if not isinstance(value, torch._C.Future):
                     raise async_result_error(describe(func), value)
                 value = value.wait()
@@ -571,14 +601,23 @@ class RRefContext:
                              detach_parameters=detaches_parameters(func, args))
 
     def _on_invoke(self, handle: RRefHandle, name: str, args: tuple, kwargs: dict) -> Any:
-        """On the owner: ``getattr(value, name)(*args, **kwargs)``."""
+        """On the owner: a future of ``getattr(value, name)(*args, **kwargs)``: the
+        method's own future for an ``@rpc.functions.async_execution`` method (as torch's
+        proxies, the answer waits for it), else a completed one."""
         value = self.owner_value(handle._rref_id)
         try:
             bound = getattr(value, name)
         except AttributeError:
             raise AttributeError(f"{type(value).__name__!r} value of the RRef has no method "
                                  f"{name!r} (called through rref.{name})") from None
-        return bound(*args, **kwargs)
+        result = bound(*args, **kwargs)
+        if getattr(bound, "_wrapped_async_rpc_function", None) is not None:
+            if not isinstance(result, torch._C.Future):
+                raise async_result_error(describe(bound), result)
+            return result  # an @async_execution method: the answer is its future's value
+        fut = torch.futures.Future()
+        fut.set_result(result)
+        return fut
 
     def _on_backward(self, rref_id: int, context_id: int, retain_graph: bool) -> None:
         """On the owner: backward from the value (distributed when given a context)."""

@@ -210,7 +210,10 @@ class RemoteModule(nn.Module):
                               _module_interface_cls: Any = None) -> RemoteModule:
         """A RemoteModule over an existing module RRef (several share one module).
 
-        ``remote_device`` must name the RRef's owner.
+        As in torch, ``remote_device`` is recorded (``on``, ``device``) but need not name
+        the RRef's owner: torch's recipe for sending a RemoteModule calls this on the
+        receiver with its own name. ``forward`` always runs on the module's owner (and the
+        device map that applies is the one to the owner).
 
         Example::
 
@@ -220,11 +223,8 @@ class RemoteModule(nn.Module):
         """
         on, device = parse_remote_device(remote_device)
         runtime = _runtime.current()
-        rank = runtime.to_rank(on)
+        runtime.to_rank(on)  # UnknownWorkerError for a worker that does not exist
         owner = module_rref.owner()
-        if owner.id != rank:
-            raise ValueError(f"remote_device {remote_device!r} names rank {rank}, but the "
-                             f"module RRef is owned by {owner.name} (rank {owner.id})")
         me = runtime.agent.info.name
         mapped = bool(runtime.agent.device_maps.get(me, {}).get(owner.name))
         return _rebuild(on, str(device), mapped, module_rref, "nn.Module")
