@@ -330,6 +330,7 @@ class RRefContext:
                 if error is not None:
                     rec.creation_error = frameless(error, self.agent.where())
                 self._maybe_delete_user(rec)
+        self.agent.engine.wake_waiters()  # a call may wait for its RRef arguments
 
     def child_accepted(self, parent_fork: int, child_fork: int) -> None:
         with self.lock:
