@@ -148,7 +148,7 @@ if me == 0:
     report(x=x.tolist(), w1=rpc.rpc_sync("worker1", torch.clone, args=(W,)).tolist())
     del w1, w2, opt
 time.sleep(0.5)
-report(contexts=dist_autograd._get_debug_info()["num_autograd_contexts"])
+report(contexts=int(dist_autograd._get_debug_info()["num_autograd_contexts"]))
 rpc.shutdown()
 """, nprocs=3, timeout=90, launcher=FT)
     out = result.stdout + result.stderr
@@ -171,7 +171,7 @@ if me == 2:
     rpc.rpc_sync("worker0", mul, args=(x, 2.0))
     raise RuntimeError("rank 2 crashed")        # uncaught: this rank exits, the job goes on
 time.sleep(2.5)
-report(contexts=dist_autograd._get_debug_info()["num_autograd_contexts"],
+report(contexts=int(dist_autograd._get_debug_info()["num_autograd_contexts"]),
        failed=[w.name for w in rpc.failed_workers()])
 rpc.shutdown()
 report(shutdown=True)

@@ -155,3 +155,10 @@ def test_rpc_before_init_says_so_in_both_of_torchs_wordings():
         rpc.rpc_sync("worker1", len, args=("ab",))
     assert re.match("^RPC has not been initialized", str(info.value))
     assert "Current RPC agent is not set! Did you initialize the RPC framework" in str(info.value)
+
+
+def test_options_refuse_a_timedelta_timeout_with_torchs_words():
+    from datetime import timedelta
+
+    with pytest.raises(TypeError, match="incompatible constructor arguments"):
+        MPIRpcBackendOptions(rpc_timeout=timedelta(seconds=3))

@@ -415,6 +415,15 @@ def test_builtin_with_wrong_arguments_is_torchs_schema_error(rpc_world):
     del info
 
 
+def test_remote_exception_that_cannot_be_rebuilt_names_the_original_as_torch_does(rpc_world):
+    with pytest.raises(RuntimeError) as info:
+        rpc.rpc_sync(rpc_world.next, f.raise_two_argument_error, timeout=10)
+    text = str(info.value)
+    assert "TwoArgumentError" in text
+    assert "Original exception on remote side was built with two arguments" in text
+    assert isinstance(info.value.__cause__, RemoteTraceback)
+
+
 def test_callbacks_that_wait_for_other_rpcs(rpc_world):
     """torch's test_callback_with_ret: a then() callback that makes an RPC and waits for
     it, a done callback that calls rpc_sync, many at once; each deadlocked the rank whose

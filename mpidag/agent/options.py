@@ -198,6 +198,10 @@ class MPIRpcBackendOptions(RpcBackendOptions):
             raise ValueError(
                 f"num_worker_threads must be a positive int, got {num_worker_threads!r}"
             )
+        if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, numbers.Real):
+            raise TypeError(f"MPIRpcBackendOptions(): incompatible constructor arguments: "
+                            f"rpc_timeout must be a number of seconds (0: no timeout), got "
+                            f"{type(rpc_timeout).__name__}: {rpc_timeout!r}")
         if not rpc_timeout >= 0:  # NaN too
             raise ValueError(f"rpc_timeout must be >= 0 seconds (0: no timeout), got "
                              f"{rpc_timeout!r}")

@@ -183,15 +183,13 @@ def _get_max_id() -> int:
     return (ids.rank << ids.counter_bits) | ((1 << ids.counter_bits) - 1)
 
 
-def _get_debug_info() -> dict[str, int]:
-    """Counters of this rank's contexts and send/recv functions (for tests and leaks).
-
-    ``num_live_send_functions``/``num_live_recv_functions`` count those objects alive
-    anywhere (in contexts, or kept by a graph someone still holds).
+def _get_debug_info() -> dict[str, str]:
+    """torch's counters of this rank's distributed autograd, as strings:
+    ``num_current_backward_passes`` and ``num_autograd_contexts``.
 
     Example::
 
-        >>> dist_autograd._get_debug_info()["num_autograd_contexts"]
-        0
+        >>> dist_autograd._get_debug_info()
+        {'num_current_backward_passes': '0', 'num_autograd_contexts': '0'}
     """
-    return _container().debug_info()
+    return _container().torch_debug_info()

@@ -560,7 +560,14 @@ class ContextContainer(CallObserver):
             record.what = what()
 
     # ------------------------------------------------------------- debugging
+    def torch_debug_info(self) -> dict[str, str]:
+        """torch's two counters, as strings (``dist_autograd._get_debug_info()``)."""
+        info = self.debug_info()
+        return {"num_current_backward_passes": str(info["num_current_backward_passes"]),
+                "num_autograd_contexts": str(info["num_autograd_contexts"])}
+
     def debug_info(self) -> dict[str, int]:
+        """Every counter of the contexts and send/recv functions (leak checks, tools)."""
         with self.lock:
             contexts = list(self.contexts.values())
         return {

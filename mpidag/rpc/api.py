@@ -555,6 +555,5 @@ def _get_debug_info() -> dict[str, str]:
     """
     info = _get_current_rpc_agent().get_debug_info()
     info.update(_rref_context_get_debug_info())
-    info.update({key: str(value)
-                 for key, value in _runtime.current().autograd.container.debug_info().items()})
+    info.update(_runtime.current().autograd.container.torch_debug_info())
     return info

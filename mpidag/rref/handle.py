@@ -40,7 +40,8 @@ class RRefHandle:
         torch.Size([2])
     """
 
-    __slots__ = ("_rref_id", "_fork_id", "_owner", "_ctx", "_type_future", "__weakref__")
+    __slots__ = ("_rref_id", "_fork_id", "_owner", "_ctx", "_type_future", "_creation_future",
+                 "__weakref__")
 
     _rref_id: int
     _fork_id: int | None
@@ -217,6 +218,22 @@ class RRefHandle:
                 fut = ctx.agent.call(self._owner, _rref_typeof_on_owner, (self,), {}, timeout)
             self._type_future = fut
         return fut.wait() if blocking else fut
+
+    def _get_future(self) -> torch.futures.Future:
+        """The future of the ``remote()`` call that made this reference (torch's private
+        helper): done when the owner has the value; its error is the call's (a timeout
+        included). A reference not made by ``remote()`` gets a completed future.
+
+        Example::
+
+            >>> rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
+            >>> rref._get_future().wait()
+        """
+        future = getattr(self, "_creation_future", None)
+        if future is None:
+            future = torch.futures.Future()
+            future.set_result(None)
+        return future
 
     def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
         """Run a backward pass with the value (a scalar tensor) as the root, on the owner.

@@ -505,6 +505,7 @@ class RRefContext:
             fut = agent.call(dst, self._create, (rref_id, None, func, args, kwargs), {},
                              timeout)
             fut.add_internal_callback(lambda f: self._creation_timeout(rref_id, f))
+            handle._creation_future = fut
             return handle
         fork_id = self.ids.next()
         self.add_user(rref_id, fork_id, dst, confirmed=False)
@@ -512,6 +513,7 @@ class RRefContext:
         fut = agent.call(dst, self._create, (rref_id, fork_id, func, args, kwargs), {},
                          timeout)
         fut.add_internal_callback(lambda f: self.confirm_user(fork_id, error=future_error(f)))
+        handle._creation_future = fut
         return handle
 
     def _creation_timeout(self, rref_id: int, fut: torch.futures.Future) -> None:
@@ -609,8 +611,9 @@ class RRefContext:
         try:
             bound = getattr(value, name)
         except AttributeError:
-            raise AttributeError(f"{type(value).__name__!r} value of the RRef has no method "
-                                 f"{name!r} (called through rref.{name})") from None
+            raise AttributeError(f"{type(value).__name__!r} object has no attribute {name!r}: "
+                                 f"the RRef's value on its owner has no method {name!r} "
+                                 f"(called through an RRef proxy)") from None
         result = bound(*args, **kwargs)
         if getattr(bound, "_wrapped_async_rpc_function", None) is not None:
             if not isinstance(result, torch._C.Future):

@@ -295,15 +295,18 @@ class RemoteModule(nn.Module):
         """
         return self.train(False)
 
-    def extra_repr(self) -> str:
-        """What ``repr()`` shows (torch's raises).
+    def __repr__(self) -> str:
+        """Where the module lives and what it is (torch's ``repr`` raises).
 
         Example::
 
             >>> RemoteModule("worker1/cpu", torch.nn.Linear, args=(4, 2))
             RemoteModule(on=worker1, device=cpu, module=Linear)
         """
-        return f"on={self.on}, device={self.device}, module={self._module_name}"
+        return f"RemoteModule(on={self.on}, device={self.device}, module={self._module_name})"
+
+    def extra_repr(self) -> str:  # noqa: D102 - torch's: not supported
+        _raise_not_supported("extra_repr")
 
     def __reduce__(self) -> tuple:
         # over RPC (the agent's pickler is at work in this thread) the RRef forks for the
