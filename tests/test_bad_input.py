@@ -203,15 +203,21 @@ def ok(result: subprocess.CompletedProcess) -> str:
 
 
 def test_world_arguments_that_do_not_fit_the_job_raise_at_once_and_leave_nothing_started(job):
-    """Each raises on the rank that passed it before any collective call, so a rank that
-    calls init_rpc alone (torch's world of one process, rank 0 only: it hung in the
-    collective start before) fails at once; afterwards init_rpc() works."""
+    """Each raises on the rank that passed it before any collective call; a rank that
+    calls init_rpc alone with world_size=1 (torch's world of one process, rank 0 only: it
+    hung in the collective start before) gets a world of its own; afterwards init_rpc()
+    works on the whole job."""
     out = ok(job("""
 from mpi4py import MPI
 r = MPI.COMM_WORLD.Get_rank()
 """ + PRELUDE + """
-if r == 0:  # torch's test_world_size_one: only rank 0 starts a world of one
-    report("SUBSET", lambda: rpc.init_rpc("me", rank=0, world_size=1))
+if r == 0:  # torch's test_world_size_one: only rank 0 starts a world of one, on COMM_SELF
+    rpc.init_rpc("me", rank=0, world_size=1)
+    assert rpc.rpc_sync("me", add, args=(2, 3)) == 5
+    assert rpc.remote("me", add, args=(1, 1)).to_here() == 2
+    assert [w.name for w in rpc.api._get_current_rpc_agent().get_worker_infos()] == ["me"]
+    rpc.shutdown()
+    print("RANK 0 WORLD-OF-ONE", flush=True)
 report("TOO-MANY", lambda: rpc.init_rpc(f"w{r}", rank=r, world_size=3))
 report("DYNAMIC", lambda: rpc.init_rpc(f"w{r}", rank=r))
 report("NONE", lambda: rpc.init_rpc(world_size=None))
@@ -221,10 +227,7 @@ assert rpc.rpc_sync(f"w{1 - r}", add, args=(r, 1)) == r + 1
 rpc.shutdown()
 print("RANK", r, "STARTED-AFTERWARDS", flush=True)
 """, timeout=120))
-    assert ("RANK 0 SUBSET ValueError | init_rpc(world_size=1) but the MPI job has 2 ranks: "
-            "launch with `python -m mpidag.run -n 1 ...` (or `mpirun -n 1`) or omit "
-            "world_size=. The RPC world is the whole MPI job: every rank calls init_rpc, a "
-            "subset of the ranks cannot start RPC alone") in out, out
+    assert "RANK 0 WORLD-OF-ONE" in out, out
     for r in (0, 1):
         assert (f"RANK {r} TOO-MANY ValueError | init_rpc(world_size=3) but the MPI job has 2 "
                 f"ranks: launch with `python -m mpidag.run -n 3 ...`") in out, out

@@ -149,13 +149,24 @@ def init_rpc(
         problem = _started_again_in_a_child()
         if problem is not None:  # before MPI starts: it would hang or crash
             raise problem
-        from mpidag.transport.mpi import MPITransport, thread_level_error, world_rank_and_size
+        from mpidag.transport.mpi import (
+            MPITransport,
+            self_communicator,
+            thread_level_error,
+            world_rank_and_size,
+        )
 
         # what this rank finds alone is raised at once, before any collective call
         problem = thread_level_error()  # the same on every rank
         if problem is not None:
             raise problem
-        problem = _check_world(rank, world_size, *world_rank_and_size())
+        my_rank, size = world_rank_and_size()
+        # torch's world of one (init_rpc(world_size=1) by one process of a larger job):
+        # a world of its own on MPI_COMM_SELF, which no other rank takes part in
+        alone = world_size == 1 and size > 1 and rank in (-1, 0, None)
+        if alone:
+            my_rank, size, rank = 0, 1, 0
+        problem = _check_world(rank, world_size, my_rank, size)
         if problem is not None:
             # other ranks may wait for this one in init_rpc: uncaught, it ends the job
             problem._mpidag_abort_if_uncaught = True  # type: ignore[attr-defined]
@@ -172,11 +183,12 @@ def init_rpc(
                 options = MPIRpcBackendOptions.from_any(rpc_backend_options)
             except (TypeError, ValueError) as exc:  # ConfigError is a ValueError
                 problem = exc
-        transport = MPITransport(cuda_aware=config.cuda_aware,
+        transport = MPITransport(self_communicator() if alone else None,
+                                 cuda_aware=config.cuda_aware,
                                  recv_cache_bytes=config.recv_cache_bytes, ft=config.ft)
         if problem is None:
             configure_logging(transport.rank, config.log_level)
-        if problem is None and transport.size == 1:
+        if problem is None and transport.size == 1 and not alone:
             problem = _singleton_of_a_larger_launch()
         runtime = Runtime.connect(transport, name=name, rank=rank, world_size=world_size,
                                   options=options, config=config, rref_type=RRef,

@@ -88,6 +88,20 @@ def world_rank_and_size() -> tuple[int, int]:
     return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 
 
+def self_communicator() -> Any:
+    """``MPI.COMM_SELF``: the world of one process, for ``init_rpc(world_size=1)`` run by
+    one rank of a larger job (no other rank takes part).
+
+    Example::
+
+        >>> MPITransport(self_communicator()).size
+        1
+    """
+    from mpi4py import MPI
+
+    return MPI.COMM_SELF
+
+
 def abort_world(code: int = 1) -> None:
     """End the whole MPI job (``MPI_Abort`` on ``COMM_WORLD``): for a rank whose error
     leaves other ranks waiting for it in a collective call they will never finish.
