@@ -16,6 +16,9 @@ REASONS: dict[str, str] = {
     "tensorpipe": "a TensorPipe-only option or behaviour",
     "torch_internal": "a torch C++ internal with no meaning for mpidag",
     "torch_hang": "asserts that torch hangs where mpidag answers (a documented difference)",
+    "dynamic_membership": "ranks joining an RPC group one by one (init_rpc without "
+    "world_size): the MPI job is the world, and mpidag refuses this at once with a clear "
+    "error (docs/porting.md)",
 }
 
 #: "Class.test_name" -> (reason, why this test needs it)
@@ -69,6 +72,17 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     "RpcTest.test_shutdown_errors": (
         "torch_internal", "monkeypatches torch's private _broadcast_to_followers and "
         "_delete_all_user_and_unforked_owner_rrefs inside shutdown"),
+    "TensorPipeAgentRpcTest.test_dynamic_rpc_init_rpc": (
+        "dynamic_membership", "every rank calls init_rpc(rank=r) without a world_size"),
+    "TensorPipeAgentRpcTest.test_dynamic_rpc_init_rpc_without_rank": (
+        "dynamic_membership", "expects init_rpc without rank and world_size to fail; with "
+        "MPI it starts the whole job's world, mpidag's documented default"),
+    "TensorPipeAgentRpcTest.test_dynamic_rpc_new_rank_can_communicated_with_existing_rank": (
+        "dynamic_membership", "rank 0 starts alone, the others join after a barrier"),
+    "TensorPipeAgentRpcTest.test_dynamic_rpc_existing_rank_can_communicate_with_new_rank": (
+        "dynamic_membership", "rank 0 starts alone, the others join after a barrier"),
+    "TensorPipeAgentRpcTest.test_dynamic_and_static_init_rpc_together": (
+        "dynamic_membership", "a static world of 3 of the 4 processes, then a dynamic member"),
     "RpcTest.test_duplicate_name": (
         "torch_internal", "starts torch's agent by hand: rpc._init_rpc_backend with a "
         "rendezvous store (the public init_rpc path is test_duplicate_name_2)"),

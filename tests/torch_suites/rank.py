@@ -131,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         out.flush()
         os.fsync(out.fileno())
 
-    for name in args.tests.split(","):
+    for index, name in enumerate(args.tests.split(",")):
+        if index:  # the module's globals start anew for every test, as in torch's processes
+            cls = suites.test_class(suites.suite_of(args.cls), args.cls, fresh=True)
         store = str(Path(args.store) / f"{args.cls}.{name}")
         record(event="start", test=name)
         shim.reset_torch_internals_used()

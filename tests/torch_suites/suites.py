@@ -74,15 +74,19 @@ def suite_of(class_name: str) -> Suite:
                    f"{sorted(c for s in SUITES for c in s.classes)}")
 
 
-def test_class(suite: Suite, class_name: str) -> type:
+def test_class(suite: Suite, class_name: str, fresh: bool = False) -> type:
     """The runnable class: torch's suite class + torch's TensorPipe fixture + a base
-    without process spawning (the shim must be installed first)."""
+    without process spawning (the shim must be installed first). ``fresh`` reloads the
+    suite's module first: its globals (e.g. dist_autograd_test's ``rpc_done`` and
+    ``ctx_ids``) start anew, as in the new process torch runs each test in."""
     from torch.testing._internal.common_distributed import MultiProcessTestCase
     from torch.testing._internal.distributed.rpc.tensorpipe_rpc_agent_test_fixture import (
         TensorPipeRpcAgentTestFixture,
     )
 
     module = importlib.import_module(suite.module)
+    if fresh:
+        module = importlib.reload(module)
     suite_class = getattr(module, class_name)
     generated = type(f"TensorPipe{class_name}",
                      (suite_class, TensorPipeRpcAgentTestFixture, MultiProcessTestCase), {})
