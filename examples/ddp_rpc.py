@@ -20,15 +20,20 @@ Each trainer's step::
 
 The differences from torch's tutorial: the process group needs no address or port
 (``rpc.init_process_group(ranks=["trainer0", "trainer1"])``, called by every rank after
-``init_rpc``), DDP is imported from ``mpidag.nn.parallel`` (torch's class, whose averaging
-also works inside mpidag's distributed backward), the data is seeded, and the trainers wait
+``init_rpc``), the data is seeded, and the trainers wait
 for each other after each step (a barrier over their process group), so that both
 forwards of a step read the embedding after both updates of the step before. That makes the
 run deterministic: at the end the master repeats the training locally (same initial
 parameters, same batches: the dense part's gradient is the trainers' mean, the embedding's
 the sum of their gradients) and fails unless the parameters agree.
 
-Run:  python -m mpidag.run -n 4 examples/ddp_rpc.py [--epochs 3] [--batches 5]
+DDP is torch's own ``torch.nn.parallel.DistributedDataParallel``, unchanged (its reducer
+never sees mpidag's backward pass: mpidag averages the gradients of a torch DDP module's
+parameters itself, through the reducer's buckets and communication hook); ``--ddp mpidag``
+uses ``mpidag.nn.parallel.DistributedDataParallel`` instead (averaging in the module's
+forward), with the same result.
+
+Run:  python -m mpidag.run -n 4 examples/ddp_rpc.py [--epochs 3] [--batches 5] [--ddp mpidag]
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from torch import nn
 import mpidag.autograd as dist_autograd
 import mpidag.rpc as rpc
 from mpidag.nn import RemoteModule
-from mpidag.nn.parallel import DistributedDataParallel as DDP
+from mpidag.nn.parallel import DistributedDataParallel as MpidagDDP
 from mpidag.optim import DistributedOptimizer
 
 NUM_EMBEDDINGS = 100
@@ -55,11 +60,12 @@ NAMES = [*TRAINERS, "master", "ps"]
 class HybridModel(nn.Module):
     """The remote embedding, then the local dense layer wrapped in DDP."""
 
-    def __init__(self, remote_emb_module: RemoteModule) -> None:
+    def __init__(self, remote_emb_module: RemoteModule, ddp: str = "torch") -> None:
         super().__init__()
         self.remote_emb_module = remote_emb_module
         torch.manual_seed(100 + dist.get_rank())  # different on purpose: DDP broadcasts
-        self.fc = DDP(nn.Linear(EMBEDDING_DIM, 8))  # trainer0's parameters to trainer1
+        ddp_class = MpidagDDP if ddp == "mpidag" else nn.parallel.DistributedDataParallel
+        self.fc = ddp_class(nn.Linear(EMBEDDING_DIM, 8))  # trainer0's parameters to trainer1
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         emb_lookup = self.remote_emb_module.forward(indices, offsets)
@@ -81,9 +87,9 @@ def get_batch(trainer: int, epoch: int, batch: int
 
 
 def _run_trainer(remote_emb_module: RemoteModule, trainer: int, epochs: int,
-                 batches: int) -> dict:
+                 batches: int, ddp: str = "torch") -> dict:
     """On a trainer (called by the master over RPC): train, return what the check needs."""
-    model = HybridModel(remote_emb_module)
+    model = HybridModel(remote_emb_module, ddp)
     initial_fc = {k: v.detach().clone() for k, v in model.fc.module.state_dict().items()}
     # the remote embedding's parameters and the local dense ones, in one optimizer
     model_parameter_rrefs = model.remote_emb_module.remote_parameters()
@@ -134,7 +140,7 @@ def train_locally(initial_emb: dict, initial_fc: dict, epochs: int, batches: int
     return emb, fc
 
 
-def run_master(epochs: int, batches: int) -> None:
+def run_master(epochs: int, batches: int, ddp: str = "torch") -> None:
     remote_emb_module = RemoteModule("ps", nn.EmbeddingBag,
                                      args=(NUM_EMBEDDINGS, EMBEDDING_DIM),
                                      kwargs={"mode": "sum"})
@@ -142,12 +148,18 @@ def run_master(epochs: int, batches: int) -> None:
           f"epoch(s) of {batches} batches", flush=True)
     initial_emb = remote_emb_module.get_module_rref().to_here().state_dict()
     futs = [rpc.rpc_async(name, _run_trainer,
-                          args=(remote_emb_module, trainer, epochs, batches))
+                          args=(remote_emb_module, trainer, epochs, batches, ddp))
             for trainer, name in enumerate(TRAINERS)]
     results = [fut.wait() for fut in futs]
     final_emb = remote_emb_module.get_module_rref().to_here().state_dict()
     emb, fc = train_locally(initial_emb, results[0]["initial_fc"], epochs, batches)
     diffs = [(final_emb["weight"] - emb.weight).abs().max().item()]
+    replicas = max((results[0]["fc"][name] - results[1]["fc"][name]).abs().max().item()
+                   for name in fc.state_dict())
+    print(f"[master] largest difference between the trainers' DDP replicas: {replicas:.2e}",
+          flush=True)
+    if replicas != 0:
+        raise SystemExit(f"the trainers' DDP replicas drifted apart by {replicas:.2e}")
     for result in results:
         for name, value in fc.state_dict().items():
             diffs.append((result["fc"][name] - value).abs().max().item())
@@ -157,17 +169,17 @@ def run_master(epochs: int, batches: int) -> None:
     print(f"[master] largest difference to local training: {diff:.2e}", flush=True)
     if not diff < 1e-5:
         raise SystemExit(f"hybrid training differs from local training by {diff:.2e}")
-    print(f"OK ddp_rpc: trainers={len(TRAINERS)} epochs={epochs} batches={batches} "
+    print(f"OK ddp_rpc: trainers={len(TRAINERS)} epochs={epochs} batches={batches} ddp={ddp} "
           f"loss {first:.4f} -> {last:.4f} final_loss={last:.4f} "
           f"max_diff_to_local={diff:.2e}", flush=True)
 
 
-def run_worker(rank: int, epochs: int, batches: int) -> None:
+def run_worker(rank: int, epochs: int, batches: int, ddp: str = "torch") -> None:
     rpc.init_rpc(NAMES[rank], rank=rank, world_size=len(NAMES))
     # every rank takes part; the trainers get torch's default group over the two of them
     pg = rpc.init_process_group(ranks=TRAINERS, backend="gloo", timeout=60)
     if NAMES[rank] == "master":
-        run_master(epochs, batches)
+        run_master(epochs, batches, ddp)
     rpc.shutdown()  # trainers and ps serve until the master is done
     if pg is not None:
         dist.destroy_process_group()
@@ -177,6 +189,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batches", type=int, default=5, help="batches per epoch")
+    parser.add_argument("--ddp", choices=("torch", "mpidag"), default="torch",
+                        help="torch's DistributedDataParallel (default) or mpidag's subclass")
     args = parser.parse_args()
     if args.epochs < 1 or args.batches < 1:
         parser.error("--epochs and --batches must be positive")
@@ -187,7 +201,7 @@ def main() -> None:
     if world_size != len(NAMES):
         raise SystemExit(f"ddp_rpc needs {len(NAMES)} ranks: 2 trainers, a master and a "
                          f"parameter server (python -m mpidag.run -n 4 examples/ddp_rpc.py)")
-    run_worker(rank, args.epochs, args.batches)
+    run_worker(rank, args.epochs, args.batches, args.ddp)
 
 
 if __name__ == "__main__":

@@ -198,3 +198,64 @@ def test_ddp_averages_sparse_embedding_gradients_inside_distributed_autograd(rpc
         model = None
         gc.collect()
         dist.destroy_process_group()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_torch_ddp_unchanged_averages_inside_distributed_autograd(rpc_world):
+    """torch's own DistributedDataParallel inside mpidag's distributed backward: its reducer
+    never runs there, so mpidag averages through the reducer's buckets (before: each rank
+    silently kept its own gradients and the replicas drifted)."""
+    rank, size = rpc_world.rank, rpc_world.size
+    pg = rpc.init_process_group(timeout=60)
+    model = static = None
+    try:
+        torch.manual_seed(rank)
+        model = nn.parallel.DistributedDataParallel(nn.Linear(3, 2), process_group=pg)
+        torch.manual_seed(0)
+        reference = nn.Linear(3, 2)
+        data = [torch.randn(4, 3, generator=torch.Generator().manual_seed(10 + r))
+                for r in range(size)]
+        per_rank = [_local_grads(r, reference, data[r]) for r in range(size)]
+        mean = [sum(g[i] for g in per_rank) / size for i in range(2)]
+        hooked: list[torch.Tensor] = []
+        model.module.bias.register_post_accumulate_grad_hook(hooked.append)
+        for _ in range(2):
+            with dist_autograd.context() as context_id:
+                out = rpc.rpc_sync(rpc_world.next, torch.mul, args=(model(data[rank]), 2))
+                dist_autograd.backward(context_id, [out.pow(2).sum()])
+                grads = dist_autograd.get_gradients(context_id)
+            close([grads[p] for p in model.parameters()], mean)
+            assert all(p.grad is None for p in model.parameters())
+        assert len(hooked) == 2  # after the averaging, once per backward
+        with dist_autograd.context() as context_id, model.no_sync():  # as torch: no sync
+            out = rpc.rpc_sync(rpc_world.next, torch.mul, args=(model(data[rank]), 2))
+            dist_autograd.backward(context_id, [out.pow(2).sum()])
+            grads = dist_autograd.get_gradients(context_id)
+        close([grads[p] for p in model.parameters()], per_rank[rank])
+        # the reducer is unharmed: a local backward after these still averages into .grad
+        (model(data[rank]) * 2).pow(2).sum().backward()
+        close([p.grad for p in model.parameters()], mean)
+        # what mpidag cannot do on the reducer's behalf is an error, never wrong training
+        static = nn.parallel.DistributedDataParallel(nn.Linear(3, 2), process_group=pg,
+                                                     static_graph=True)
+        with dist_autograd.context() as context_id:
+            loss = static(data[rank]).sum()
+            with pytest.raises(RuntimeError, match=r"static_graph=True cannot average .*"
+                                                   r"mpidag\.nn\.parallel\.Distributed"):
+                dist_autograd.backward(context_id, [loss])
+    finally:
+        dist.barrier()
+        model = static = None
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def test_ddp_rpc_example_with_torch_ddp_and_mpidag_ddp():
+    for ddp in ("torch", "mpidag"):
+        proc = run_example("ddp_rpc.py", nprocs=4,
+                           args=("--epochs", "1", "--batches", "3", "--ddp", ddp), timeout=120)
+        line = ok_line(proc, "ddp_rpc")
+        assert f"ddp={ddp} " in line
+        (diff,) = numbers(line, r" max_diff_to_local=(\S+)")
+        assert diff < 1e-5
+        assert "largest difference between the trainers' DDP replicas: 0.00e+00" in proc.stdout

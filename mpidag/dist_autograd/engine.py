@@ -36,18 +36,35 @@ of dependencies forward in time (a source is always sent after the recv function
 were received), so it ends at recv functions no source reaches. Every node still runs once,
 with the sum of the gradients that can reach it: exactly local autograd's result. When every
 RPC is used nothing of this sends a message.
+
+Hooks. A leaf's gradient goes to the context, never to ``.grad``, and the native engine never
+runs its ``AccumulateGrad`` node. What local autograd runs there is run here once the leaf's
+gradient of this pass is complete on this rank (every source reaching it arrived; see
+:mod:`mpidag.dist_autograd.graph`): its tensor hooks (``register_hook``, each return value
+replacing the gradient), then the gradient goes into the context, then its post-accumulate-
+grad hooks, called with the leaf inside the context (``.grad`` is not set, as in torch's
+distributed autograd: read the gradient with ``get_gradients``). Hooks registered on the
+``AccumulateGrad`` node itself (``node.register_hook``/``register_prehook``) do not run.
+The parameters of a torch ``DistributedDataParallel`` module (whose reducer works from such
+node hooks) are averaged here instead, once all of the module's parameters this pass reaches
+are complete: :func:`average_ddp_gradients`, through the reducer's own buckets, in the pass's
+thread, after this rank's gradient messages of that step were sent.
 """
 
 from __future__ import annotations
 
 import collections
+import gc
 import itertools
 import logging
 import threading
 import warnings
+import weakref
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from mpidag._profiling import span
 from mpidag.agent.agent import RpcAgent
@@ -139,6 +156,10 @@ class PassState:
         self.asked: set[int] = set()  # SMART: message ids of recv functions asked about
         self.resolved: set[int] = set()  # SMART: recv functions this rank answered for
         self._recv_node_of: dict[int, Any] | None = None
+        #: torch DDP modules whose parameters this pass reaches here: the parameters not
+        #: complete yet, and the complete gradients (averaged once all are complete)
+        self.ddp_waiting: dict[Any, set[torch.Tensor]] = {}
+        self.ddp_grads: dict[Any, dict[torch.Tensor, torch.Tensor | None]] = {}
 
     # ------------------------------------------------------------- events
     def post(self, event: tuple) -> None:
@@ -209,6 +230,40 @@ class PassState:
                     continue
                 self._send(record.peer, record.message_id,
                            [slots.get(i) for i in range(record.n_outputs)])
+            if plan.completed:  # after the sends: a DDP all-reduce waits for the peers
+                self._complete_leaves(plan.take_completed())
+
+    def _complete_leaves(self, completed: list[tuple[torch.Tensor, torch.Tensor | None]]
+                         ) -> None:
+        """Watched leaves whose gradient is complete on this rank in this pass: into the
+        context (a DDP module's parameters once all of them are complete, averaged over its
+        process group), then their post-accumulate-grad hooks, inside the context."""
+        store = self.ctx.gradients
+        finished: list[torch.Tensor] = []
+        for var, grad in completed:
+            ddp = _ddp_index.lookup(var) if self.ddp_waiting else None
+            waiting = self.ddp_waiting.get(ddp) if ddp is not None else None
+            if waiting is not None:
+                self.ddp_grads[ddp][var] = grad
+                waiting.discard(var)
+                if not waiting:
+                    del self.ddp_waiting[ddp]
+                    for param, avg in average_ddp_gradients(ddp, self.ddp_grads.pop(ddp)):
+                        store.add(param, avg)
+                        finished.append(param)
+                continue
+            if grad is not None:
+                store.add(var, grad)
+                finished.append(var)
+        hooked = [v for v in finished if v._post_accumulate_grad_hooks]
+        if hooked:
+            previous = ContextContainer.enter(self.ctx)
+            try:
+                for var in hooked:
+                    for hook in list(var._post_accumulate_grad_hooks.values()):
+                        hook(var)
+            finally:
+                ContextContainer.leave(previous)
 
     def _describe(self, event: tuple) -> str:
         """The profiler range of one event: where its gradients came from."""
@@ -233,7 +288,15 @@ class PassState:
             reaches.append(send.prepare())
             self.source_what.append(f"{send.what} (rank {self.agent.rank})")
             self.source_send.append(send)
-        self.plan = Plan(sources, RECV_NODE_TYPE, reaches)
+        self.plan = Plan(sources, RECV_NODE_TYPE, reaches, watch=_ddp_index.watch)
+        for node in self.plan.leaf_mask:
+            ddp = _ddp_index.lookup(node.variable)
+            if ddp is not None:
+                _check_ddp(ddp)
+                if ddp not in self.ddp_waiting:
+                    self.ddp_waiting[ddp] = set()
+                    self.ddp_grads[ddp] = {}
+                self.ddp_waiting[ddp].add(node.variable)
         if self.smart:
             self._answer_unreached()
 
@@ -508,3 +571,121 @@ def _check_report(report: Report, context_id: int, mode: str) -> None:
             f"distributed backward did not reach {'; '.join(unused)}: no gradient flows back "
             f"through those RPCs (their results are not used by the loss)",
             UnusedRPCWarning, stacklevel=3)
+
+
+# ------------------------------------------------- torch's DistributedDataParallel
+class _DDPIndex:
+    """Which torch ``DistributedDataParallel`` module (if any) a parameter belongs to.
+
+    torch's DDP averages from hooks on the parameters' ``AccumulateGrad`` nodes that read
+    torch's own thread-local distributed autograd context; mpidag's backward never runs
+    those nodes, so it averages DDP's parameters itself (:func:`average_ddp_gradients`).
+    The modules are found by one scan of the garbage collector's objects when a backward
+    pass meets a ``Parameter`` not seen before while a process group exists (the answer is
+    remembered per parameter, for the parameter's lifetime).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.of: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param -> weakref(DDP) | None
+
+    def lookup(self, var: torch.Tensor) -> Any:
+        """The live DDP module holding ``var``, or ``None``."""
+        if not isinstance(var, torch.nn.Parameter):
+            return None
+        entry = self.of.get(var, False)
+        if entry is False or (entry is not None and entry() is None):
+            if not (dist.is_available() and dist.is_initialized()):
+                return None  # no process group: no DDP module can average anything
+            self._scan()
+            entry = self.of.get(var, False)
+            if entry is False or (entry is not None and entry() is None):
+                self.of[var] = entry = None
+        return None if entry is None else entry()
+
+    def watch(self, var: torch.Tensor) -> bool:
+        """Whether ``var`` is a parameter of a torch DDP module that must be averaged."""
+        ddp = self.lookup(var)
+        return ddp is not None and bool(getattr(ddp, "require_forward_param_sync", False)) \
+            and not getattr(ddp, "_mpidag_averages_itself", False)
+
+    def _scan(self) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        with self.lock:
+            for obj in gc.get_objects():
+                if isinstance(obj, DistributedDataParallel):
+                    ref = weakref.ref(obj)
+                    for param in getattr(obj, "_module_parameters", ()):
+                        self.of[param] = ref
+
+
+_ddp_index = _DDPIndex()
+
+
+def _check_ddp(ddp: Any) -> None:
+    """A clear error for what mpidag cannot do on torch DDP's behalf."""
+    unsupported = [name for name, on in (
+        ("static_graph=True", getattr(ddp, "static_graph", False)),
+        ("mixed_precision", getattr(ddp, "mixed_precision", None) is not None),
+        ("the Python reducer (compiled autograd)", getattr(ddp, "_use_python_reducer", False)),
+        ("delay_all_reduce_named_params", getattr(ddp, "_delay_all_reduce_all_params", False)),
+        ("join() (uneven inputs)", getattr(getattr(ddp, "_join_config", None), "enable", False)),
+    ) if on]
+    if unsupported:
+        raise RuntimeError(
+            f"torch.nn.parallel.DistributedDataParallel with {', '.join(unsupported)} cannot "
+            f"average gradients inside mpidag's distributed backward (its reducer works from "
+            f"autograd hooks that only torch's own engine runs); wrap the module in "
+            f"mpidag.nn.parallel.DistributedDataParallel, or drop that option")
+
+
+def average_ddp_gradients(ddp: Any, grads: dict[torch.Tensor, torch.Tensor | None]
+                          ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The gradients of a torch DDP module's parameters averaged over its process group, as
+    its reducer would: through the reducer's own buckets, in their order, divided by the
+    group's size before the communication hook (the default all-reduce, or the one
+    registered with ``register_comm_hook``, which divides itself), so that ranks that joined
+    early (``ddp.join()``) match; a parameter without a gradient here contributes zeros.
+    Modules with sparse gradients (no flat buckets) all-reduce each parameter instead.
+    Every member of the group must call this for the same module and backward.
+
+    Example::
+
+        >>> averaged = average_ddp_gradients(ddp, {p: g for p, g in ...})  # [(param, avg)]
+    """
+    group = ddp.process_group
+    divide = not getattr(ddp, "_comm_hooks", None)
+    size = dist.get_world_size(group)
+    sparse = any(g is not None and g.is_sparse for g in grads.values())
+    try:
+        buckets = None if sparse else ddp.reducer._get_zeros_like_grad_buckets()
+    except RuntimeError:  # a sparse-gradient bucket has no flat buffer
+        buckets = None
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if buckets is None:
+        for param in ddp._module_parameters:
+            if not param.requires_grad:
+                continue
+            grad = grads.get(param)
+            if grad is None:
+                grad = torch.zeros_like(param)
+            grad = grad / size if divide else grad.clone()
+            dist.all_reduce(grad, group=group)
+            out.append((param, grad))
+        return out
+    for bucket in buckets:
+        params = bucket.parameters()
+        for param, view in zip(params, bucket.gradients(), strict=True):
+            grad = grads.get(param)
+            if grad is not None:
+                view.copy_(grad)
+        if divide:
+            bucket.buffer().div_(size)
+        result = ddp.reducer._run_comm_hook(bucket).wait()
+        if isinstance(result, (list, tuple)):
+            result = result[0]
+        bucket.set_buffer(result)
+        for param, view in zip(params, bucket.gradients(), strict=True):
+            out.append((param, view.clone()))
+    return out

@@ -17,7 +17,18 @@ to the context, never to ``.grad``), into recv functions (their gradients go to 
 the tensor came from) and into regions that must wait for more sources. Nodes behind a
 stop edge do not run in that call; every node runs in exactly one call.
 
-Leaves need no waiting: a leaf's gradient is a sum, so each region adds its part.
+Leaves need no waiting: a leaf's gradient is a sum, so each region adds its part. Except
+*watched* leaves, which wait until every source that reaches them has arrived, so that what
+runs on a leaf's gradient sees it whole and once, as in local autograd: leaves with tensor
+hooks (``register_hook``: run by :class:`Plan` on the complete gradient, the hook's return
+value replacing it; the native engine's own run of them on each part is suppressed),
+leaves with post-accumulate-grad hooks, and leaves the caller asks to watch (the engine:
+parameters of a torch ``DistributedDataParallel``). :meth:`Plan.take_completed` hands them
+over once complete. A known gap: a tensor hook on an *intermediate* tensor whose node gets
+its gradient in parts (it is an exit of one region and an entry of another, e.g. a tensor both
+sent and used locally) runs when the engine captures each part and again on their sum, so its
+effect is applied twice; Python cannot reach a graph node's tensor hooks to hold them back.
+Hooks on leaves, on RPC results and on tensors inside one region are exact.
 
 This module knows nothing of RPC: :mod:`mpidag.dist_autograd.engine` feeds it gradients and
 sends what it returns. It is tested on one process with sources that arrive in any order.
@@ -36,13 +47,17 @@ Example::
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["AccumulateGrad", "EdgeKey", "Plan", "Reach", "edge_of"]
+__all__ = ["AccumulateGrad", "EdgeKey", "Plan", "Reach", "edge_of", "tensor_hooks"]
 
 #: the node type of a leaf tensor's gradient accumulator
 AccumulateGrad: type = type(get_gradient_edge(torch.empty(0, requires_grad=True)).node)
@@ -138,7 +153,8 @@ class Plan:
     """
 
     def __init__(self, sources: list[list[GradientEdge | None]], recv_type: type,
-                 reaches: list[Reach | None] | None = None) -> None:
+                 reaches: list[Reach | None] | None = None,
+                 watch: Callable[[torch.Tensor], bool] | None = None) -> None:
         self.n_sources = len(sources)
         self.recv_type = recv_type
         self.arrived = 0
@@ -158,6 +174,12 @@ class Plan:
             if reaches[i] is None:
                 reaches[i] = Reach(edges, recv_type)
         self._build(reaches)
+        #: watched leaves not complete yet: their source masks, their gradients so far
+        self.leaf_mask: dict[Any, int] = {}
+        self.leaf_grads: dict[Any, torch.Tensor] = {}
+        self.hooked: set[Any] = set()  # watched leaves with tensor hooks
+        self.completed: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._watch(watch)
 
     # ------------------------------------------------------------------ build
     def _build(self, reaches: list[Reach]) -> None:
@@ -245,6 +267,37 @@ class Plan:
                     recv_mask[nxt] = recv_mask.get(nxt, 0) | mask
         return masks
 
+    def _watch(self, watch: Callable[[torch.Tensor], bool] | None) -> None:
+        """Find the watched leaves (see the module's text) and the sources that reach each."""
+        checked: dict[Any, bool] = {}
+        leaf_mask = self.leaf_mask
+
+        def watched(node: Any) -> bool:
+            seen = checked.get(node)
+            if seen is None:
+                var = node.variable
+                hooked = bool(tensor_hooks(var))
+                if hooked:
+                    self.hooked.add(node)
+                seen = checked[node] = hooked or bool(var._post_accumulate_grad_hooks) \
+                    or (watch is not None and watch(var))
+            return seen
+
+        for mask, region in self.regions.items():
+            for node, _ in region.leaf_edges:
+                if watched(node):
+                    leaf_mask[node] = leaf_mask.get(node, 0) | mask
+        for i, keys in enumerate(self.sources):
+            for key in keys:
+                if key is not None and type(key[0]) is AccumulateGrad and watched(key[0]):
+                    leaf_mask[key[0]] = leaf_mask.get(key[0], 0) | 1 << i
+
+    def take_completed(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The watched leaves completed since the last call: ``(leaf, gradient)``, tensor
+        hooks applied (``None``: no gradient reached it)."""
+        done, self.completed = self.completed, []
+        return done
+
     # -------------------------------------------------------------- execution
     @property
     def complete(self) -> bool:
@@ -261,6 +314,9 @@ class Plan:
                 stuck |= mask & ~arrived
         for node, mask in self.recv_mask.items():
             if node not in self.fired and mask & arrived:
+                stuck |= mask & ~arrived
+        for mask in self.leaf_mask.values():  # watched leaves wait for every part
+            if mask & arrived:
                 stuck |= mask & ~arrived
         return [i for i in range(self.n_sources) if stuck >> i & 1]
 
@@ -292,14 +348,30 @@ class Plan:
             if node not in self.fired and mask & ~self.arrived == 0:
                 self.fired.add(node)
                 fired.append((node, self.recv_buffers.pop(node, {})))
+        if self.leaf_mask:
+            self._complete_leaves()
         return leaves, fired
+
+    def _complete_leaves(self) -> None:
+        arrived = self.arrived
+        for node in [n for n, m in self.leaf_mask.items() if m & ~arrived == 0]:
+            del self.leaf_mask[node]
+            grad = self.leaf_grads.pop(node, None)
+            var = node.variable
+            if grad is not None and node in self.hooked:
+                grad = run_tensor_hooks(var, grad)
+            self.completed.append((var, grad))
 
     def _deliver(self, key: EdgeKey, grad: torch.Tensor,
                  leaves: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         node = key[0]
         kind = type(node)
         if kind is AccumulateGrad:
-            leaves.append((node.variable, grad))
+            if node in self.leaf_mask:
+                old = self.leaf_grads.get(node)
+                self.leaf_grads[node] = grad if old is None else old + grad
+            else:
+                leaves.append((node.variable, grad))
         elif kind is self.recv_type:
             slots = self.recv_buffers.setdefault(node, {})
             old = slots.get(key[1])
@@ -341,11 +413,13 @@ class Plan:
             # their saved tensors must survive this call for their real run later.
             hooks = [node.register_prehook(_nothing) for node in set(exits)]
             retain_graph = True
+        hooked = [n.variable for n, _ in keys if n in self.hooked] if self.hooked else ()
         try:
-            results = torch.autograd.grad(
-                outputs, [GradientEdge(n, i) for n, i in keys], grad_outputs,
-                retain_graph=retain_graph, allow_unused=True,
-            )
+            with _hooks_suppressed(hooked):  # they run once, on the complete gradient
+                results = torch.autograd.grad(
+                    outputs, [GradientEdge(n, i) for n, i in keys], grad_outputs,
+                    retain_graph=retain_graph, allow_unused=True,
+                )
         finally:
             for hook in hooks:
                 hook.remove()
@@ -373,3 +447,85 @@ class Plan:
 def _nothing(grads: tuple) -> tuple:
     """Pre-hook of an exit node: it has nothing to compute in this run."""
     return tuple(None for _ in grads)
+
+
+# ---------------------------------------------------------------- leaf tensor hooks
+#: leaves whose tensor hooks are taken away during native-engine calls (which would run
+#: them on each part of a gradient): leaf -> [number of calls under way, their hooks]
+_suppressed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_suppressed_lock = threading.Lock()
+
+
+def tensor_hooks(var: torch.Tensor) -> Any:
+    """The ``register_hook`` hooks of leaf ``var`` (an ordered dict, or ``None``), also while
+    an engine call of this module has taken them away.
+
+    Example::
+
+        >>> w = torch.ones(2, requires_grad=True); _ = w.register_hook(lambda g: g * 2)
+        >>> len(tensor_hooks(w))
+        1
+    """
+    if _suppressed:
+        entry = _suppressed.get(var)
+        if entry is not None:
+            return entry[1]
+    return var._backward_hooks
+
+
+def run_tensor_hooks(var: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` through the tensor hooks of leaf ``var``, in registration order, each one's
+    return value (unless ``None``) replacing the gradient, as local autograd does.
+
+    Example::
+
+        >>> w = torch.ones(2, requires_grad=True); _ = w.register_hook(lambda g: g * 2)
+        >>> run_tensor_hooks(w, torch.ones(2))
+        tensor([2., 2.])
+    """
+    hooks = tensor_hooks(var)
+    for hook in list(hooks.values()) if hooks else ():
+        out = hook(grad)
+        if out is not None:
+            if not isinstance(out, torch.Tensor) or out.shape != grad.shape:
+                raise RuntimeError(
+                    f"hook {getattr(hook, '__name__', hook)!r} returned "
+                    f"{type(out).__name__ if not isinstance(out, torch.Tensor) else out.shape}"
+                    f" for a gradient of shape {tuple(grad.shape)}: a tensor hook must return "
+                    f"None or a tensor of the gradient's shape")
+            grad = out
+        # (torch checks the same: "hook ... has changed the size of value")
+    return grad
+
+
+@contextmanager
+def _hooks_suppressed(variables: list[torch.Tensor] | tuple):
+    """Take the tensor hooks of ``variables`` away for one native-engine call (reference
+    counted across threads; hooks registered meanwhile are kept)."""
+    if not variables:
+        yield
+        return
+    with _suppressed_lock:
+        for var in variables:
+            entry = _suppressed.get(var)
+            if entry is None:
+                _suppressed[var] = [1, var._backward_hooks]
+                var._backward_hooks = None
+            else:
+                entry[0] += 1
+    try:
+        yield
+    finally:
+        with _suppressed_lock:
+            for var in variables:
+                entry = _suppressed[var]
+                entry[0] -= 1
+                if entry[0] == 0:
+                    del _suppressed[var]
+                    hooks, added = entry[1], var._backward_hooks
+                    if added:  # registered while taken away
+                        if hooks is None:
+                            hooks = added
+                        else:
+                            hooks.update(added)
+                    var._backward_hooks = hooks

@@ -4,7 +4,11 @@ torch's ``DistributedDataParallel`` averages gradients from hooks that run after
 parameter's ``AccumulateGrad`` node. mpidag's distributed backward (like torch's FAST mode)
 puts a leaf's gradient into the distributed autograd context instead of ``.grad``; its
 native-engine calls capture the gradient at the leaf's edge, so ``AccumulateGrad`` and DDP's
-hooks never run: with torch's class the trainers' gradients would silently stay un-averaged.
+hooks never run. mpidag's engine therefore averages the parameters of torch's own class
+itself (through the reducer's buckets and communication hook, see
+``mpidag.dist_autograd.engine.average_ddp_gradients``), so torch's class works unchanged;
+options it cannot serve that way (``static_graph``, mixed precision, ``join()``) are a clear
+error there, and this subclass is the alternative.
 
 This subclass is torch's class (construction, the broadcast of parameters and buffers, every
 forward and backward outside a distributed autograd context are untouched). A forward inside
@@ -93,6 +97,10 @@ class DistributedDataParallel(_TorchDDP):
         ...     dist_autograd.backward(context_id, [loss])   # dense grads averaged
         ...     opt.step(context_id)
     """
+
+    #: mpidag's backward leaves this module's parameters alone (torch's class is averaged
+    #: there by mpidag.dist_autograd.engine; this one averages in its forward's graph)
+    _mpidag_averages_itself = True
 
     def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
         super().__init__(module, *args, **kwargs)
