@@ -421,22 +421,39 @@ def _merge(into: Report, other: Report) -> None:
 
 
 def check_roots(roots: Any) -> list[torch.Tensor]:
-    """The roots as a list, or a clear error naming the bad one."""
+    """The roots as a list, or a clear error naming the bad one (torch's types and words
+    first, then what to do).
+
+    Example::
+
+        >>> check_roots([])
+        Traceback (most recent call last):
+        RuntimeError: No tensors provided for gradient computation: pass roots=[loss]
+    """
     if isinstance(roots, torch.Tensor):
         roots = [roots]
-    if not isinstance(roots, (list, tuple)) or not roots:
-        raise TypeError(f"roots must be a non-empty list of tensors, got {roots!r}")
+    if not isinstance(roots, (list, tuple)):
+        raise TypeError(f"backward(): incompatible function arguments: roots must be a list "
+                        f"of tensors, got {type(roots).__name__}")
+    if not roots:
+        raise RuntimeError("No tensors provided for gradient computation: pass roots=[loss]")
     for i, root in enumerate(roots):
         if not isinstance(root, torch.Tensor):
-            raise TypeError(f"roots[{i}] must be a tensor, got {type(root).__name__}")
+            raise TypeError(f"backward(): incompatible function arguments: roots[{i}] must be "
+                            f"a tensor, got {type(root).__name__}")
         if not root.requires_grad:
             raise RuntimeError(
-                f"element {i} of tensors does not require grad and does not have a grad_fn: "
-                f"roots[{i}] was not computed from tensors that require grad")
+                f"requires_grad not set on roots[{i}]: element {i} of tensors does not "
+                f"require grad and does not have a grad_fn (it was not computed from tensors "
+                f"that require grad)")
         if root.numel() != 1:
             raise RuntimeError(
-                f"grad can be implicitly created only for scalar outputs: roots[{i}] has "
-                f"shape {tuple(root.shape)}; reduce it first (e.g. loss.sum())")
+                f"roots[{i}] of shape {tuple(root.shape)} is not a scalar, all roots need to "
+                f"be scalar: reduce it first (e.g. loss.sum())")
+        if root.grad_fn is None:
+            raise RuntimeError(
+                f"roots[{i}] does not have a valid gradient function: it is a leaf tensor; "
+                f"a root must be computed from the tensors whose gradients you want")
     return list(roots)
 
 
@@ -591,12 +608,10 @@ class _DDPIndex:
 
     def lookup(self, var: torch.Tensor) -> Any:
         """The live DDP module holding ``var``, or ``None``."""
-        if not isinstance(var, torch.nn.Parameter):
-            return None
+        if not isinstance(var, torch.nn.Parameter) or not _DIST or not dist.is_initialized():
+            return None  # no process group: no DDP module can average anything
         entry = self.of.get(var, False)
         if entry is False or (entry is not None and entry() is None):
-            if not (dist.is_available() and dist.is_initialized()):
-                return None  # no process group: no DDP module can average anything
             self._scan()
             entry = self.of.get(var, False)
             if entry is False or (entry is not None and entry() is None):
@@ -620,6 +635,7 @@ class _DDPIndex:
                         self.of[param] = ref
 
 
+_DIST = dist.is_available()
 _ddp_index = _DDPIndex()
 
 

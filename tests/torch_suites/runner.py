@@ -221,6 +221,23 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def choose_ci_part(results: list[Result], max_seconds: float = 10.0) -> list[str]:
+    """CI's fixed part from a full run: every passing test of the smaller files and every
+    second passing test (by name) of rpc_test.py and dist_autograd_test.py, leaving out
+    tests that took more than ``max_seconds``."""
+    big = ("rpc/rpc_test.py", "rpc/dist_autograd_test.py")
+    passing = sorted((r for r in results if r.outcome == "passed"
+                      and r.seconds <= max_seconds), key=lambda r: (r.cls, r.test))
+    chosen, seen_big = [], 0
+    for result in passing:
+        if result.file in big:
+            seen_big += 1
+            if seen_big % 2:
+                continue
+        chosen.append(f"{result.cls}.{result.test}")
+    return chosen
+
+
 def exclusion_table() -> str:
     """The exclusion list as a markdown table (for docs/porting.md)."""
     lines = ["| excluded test | reason | why |", "| --- | --- | --- |"]
@@ -248,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--retries", type=int, default=0,
                         help="run a test that did not pass again, up to this many times, each "
                         "in a new job (a pass on a retry is reported as flaky)")
+    parser.add_argument("--write-ci-part", type=Path, metavar="PATH",
+                        help="after a full run, write CI's fixed part (choose_ci_part) here")
     parser.add_argument("--expect-pass", action="store_true",
                         help="exit 1 unless every test run passed (CI)")
     args = parser.parse_args(argv)
@@ -301,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
         print("not passing: " + ", ".join(f"{r.cls}.{r.test} ({r.outcome})" for r in bad))
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in every], indent=1))
+    if args.write_ci_part:
+        args.write_ci_part.write_text(
+            "# CI's fixed part of torch's suites, chosen by runner.choose_ci_part from a full "
+            "run\n" + "\n".join(choose_ci_part(results)) + "\n")
     if args.markdown:
         args.markdown.write_text(text + "\n\n" + exclusion_table() + "\n")
     return 1 if (args.expect_pass and bad) else 0
