@@ -290,7 +290,7 @@ class PassState:
             self.source_send.append(send)
         self.plan = Plan(sources, RECV_NODE_TYPE, reaches, watch=_ddp_index.watch)
         for node in self.plan.leaf_mask:
-            ddp = _ddp_index.lookup(node.variable)
+            ddp = _ddp_index.averaged(_ddp_index.lookup(node.variable))
             if ddp is not None:
                 _check_ddp(ddp)
                 if ddp not in self.ddp_waiting:
@@ -620,9 +620,16 @@ class _DDPIndex:
 
     def watch(self, var: torch.Tensor) -> bool:
         """Whether ``var`` is a parameter of a torch DDP module that must be averaged."""
-        ddp = self.lookup(var)
-        return ddp is not None and bool(getattr(ddp, "require_forward_param_sync", False)) \
-            and not getattr(ddp, "_mpidag_averages_itself", False)
+        return self.averaged(self.lookup(var)) is not None
+
+    @staticmethod
+    def averaged(ddp: Any) -> Any:
+        """``ddp`` if mpidag must average it in this backward (its last forward synced: not
+        under ``no_sync()``, and not mpidag's own subclass), else ``None``."""
+        if ddp is None or not getattr(ddp, "require_forward_param_sync", False) \
+                or getattr(ddp, "_mpidag_averages_itself", False):
+            return None
+        return ddp
 
     def _scan(self) -> None:
         from torch.nn.parallel import DistributedDataParallel
