@@ -400,3 +400,27 @@ def test_a_singleton_of_a_larger_launch_is_an_error(tmp_path, variable):
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                             timeout=120, env=env)
     assert result.returncode == 0 and "RAN ALONE" in result.stdout, result.stderr
+
+
+def test_calls_to_a_worker_that_shut_down_alone_fail_at_once_not_by_timeout(job):
+    out = ok(job(PRELUDE + """
+from mpi4py import MPI
+from mpidag.errors import WorkerFailedError, RPCTimeoutError
+rpc.init_rpc()
+me = rpc.get_worker_info().id
+assert rpc.rpc_sync(1 - me, add, args=(me, 1), timeout=10) == me + 1
+if me == 1:
+    rpc.shutdown(graceful=False)          # alone: tells the others it is gone
+    MPI.COMM_WORLD.Barrier()
+else:
+    MPI.COMM_WORLD.Barrier()
+    try:
+        rpc.rpc_sync("worker1", add, args=(1, 2), timeout=60)
+    except RPCTimeoutError as e:
+        raise SystemExit(f"timed out instead of failing at once: {e}")
+    except WorkerFailedError as e:
+        assert "worker1" in str(e), e
+        print("FAILED AT ONCE", [w.name for w in rpc.failed_workers()])
+    rpc.shutdown(graceful=False)
+"""))
+    assert "FAILED AT ONCE ['worker1']" in out
