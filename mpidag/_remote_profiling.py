@@ -372,8 +372,12 @@ def serve_profiled(node_id: int, options: Options | None, func: Callable, args: 
 
 
 def _chain(fut: torch.futures.Future, then: Callable[[Any], Any]) -> torch.futures.Future:
-    """A future of ``then(value)`` of ``fut``'s value, or of its error (type kept)."""
+    """A future of ``then(value)`` of ``fut``'s value, or of its error (type kept); a
+    value that is not a future (an asynchronous handler's immediate answer) as is."""
     out = torch.futures.Future()
+    if not isinstance(fut, torch._C.Future):
+        out.set_result(then(fut))
+        return out
 
     def done(f: torch.futures.Future) -> None:
         try:

@@ -193,9 +193,10 @@ class Handler:
     """An internal message handler registered by a layer above the agent.
 
     ``fn(*args, **kwargs)`` runs on the receiving rank; for ``mode="call"`` its result (or,
-    with ``asynchronous``, the value of the ``torch.futures.Future`` it returns) is the
-    answer. ``describe(*args)`` names the call in errors and profiles; ``detaches(*args)``
-    applies torch's parameter rule of the user's call the message carries.
+    with ``asynchronous``, the value of the ``torch.futures.Future`` it returns, or any
+    other value it returns, answered at once) is the answer. ``describe(*args)`` names the
+    call in errors and profiles; ``detaches(*args)`` applies torch's parameter rule of the
+    user's call the message carries.
     """
 
     name: str
@@ -950,7 +951,7 @@ class RpcAgent:
         func = None
         try:  # the common case: no autograd context, no profiler, a synchronous function
             func, args, kwargs = self._unpack_call(env)
-            if _is_asynchronous(func):
+            if _is_asynchronous(func) and type(func) is not Handler:
                 self._serve_observed_call(env, (func, args, kwargs))
                 return
             result = func(*args, **kwargs)
@@ -958,7 +959,17 @@ class RpcAgent:
             self._log_failure(exc)
             self._reply_error(env, operator_error(func, exc))
             return
+        if type(func) is Handler and func.asynchronous and isinstance(result, torch._C.Future):
+            self._answer_when_done(env, result, (func, args))
+            return
         self._reply_value(env, result, (func, args))
+
+    def _answer_when_done(self, env: Envelope, fut: torch.futures.Future,
+                          call: tuple) -> None:
+        """Answer with ``fut``'s value or error once it completes (at once if it has)."""
+        add = fut.add_internal_callback if isinstance(fut, RpcFuture) \
+            else fut.add_done_callback  # (the reply is short: on any thread)
+        add(lambda done: self._reply_future(env, done, call))
 
     def _serve_observed_call(self, env: Envelope,
                              unpacked: tuple[Callable, tuple, dict] | None = None) -> None:
@@ -1001,13 +1012,11 @@ class RpcAgent:
             if span is not None:
                 span.__exit__(None, None, None)
             return
-        if asynchronous:
+        if asynchronous and (type(func) is not Handler or isinstance(result, torch._C.Future)):
             if not isinstance(result, torch._C.Future):
                 self._reply_error(env, async_result_error(describe(func), result))
             else:
-                add = result.add_internal_callback if isinstance(result, RpcFuture) \
-                    else result.add_done_callback  # (the reply is short: on any thread)
-                add(lambda fut: self._reply_future(env, fut, (func, args)))
+                self._answer_when_done(env, result, (func, args))
                 if span is not None:  # the range ends when the function's future does
                     span._call_end_callbacks_on_future(result)
                     return
