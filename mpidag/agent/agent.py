@@ -372,6 +372,8 @@ class RpcAgent:
             sentinel_interval=config.sentinel_interval, name=f"mpidag-r{self.rank}",
         )
         self._register_profiled_handlers()
+        #: a rank that shuts down without the others (graceful=False) says so to them
+        self._left = self.register_handler("agent.left", self._peer_left, mode="control")
 
     def start(self) -> None:
         """Start the progress engine's threads: from now on this rank receives and serves."""
@@ -504,6 +506,24 @@ class RpcAgent:
                 listener(rank)
             except Exception:
                 log.exception("%s: a failure listener failed for rank %d", self.where(), rank)
+
+    def _peer_left(self, rank: int) -> None:
+        """``rank`` shut down on its own (``shutdown(graceful=False)``): what waits for it
+        fails at once, as for a failed worker, instead of running into its timeout."""
+        if 0 <= rank < self.world_size and rank != self.rank:
+            log.info("%s: worker %s (rank %d) shut down without the others",
+                     self.where(), self.workers[rank].name, rank)
+            self._peer_failed(rank)
+
+    def _say_goodbye(self) -> None:
+        """Before a local shutdown: tell every other rank, so their calls to this one fail
+        at once (torch's peers see the connection close)."""
+        for rank in range(self.world_size):
+            if rank != self.rank and rank not in self.failed:
+                try:
+                    self.notify(rank, self._left, (self.rank,))
+                except Exception:  # noqa: BLE001 - best effort: the peer may be gone too
+                    log.debug("could not tell rank %d of the local shutdown", rank)
 
     def run_shutdown_hooks(self) -> None:
         """Run the ``before_shutdown`` hooks (between the two rounds of a graceful shutdown)."""
@@ -1162,6 +1182,8 @@ class RpcAgent:
                     f"{call.what} to {self.workers[call.dst].name} did not complete: {reason}"))
 
     def stop(self, graceful: bool) -> None:
+        if not graceful and self.running:
+            self._say_goodbye()
         self.running = False
         self.engine.stop()
         self.fail_pending("the RPC agent was shut down")
