@@ -344,6 +344,8 @@ class RpcAgent:
         self._count_lock = threading.Lock()
         #: ranks that failed (fault-tolerant jobs): calls to them raise WorkerFailedError
         self.failed: set[int] = set()
+        #: ranks that shut down alone (graceful=False); also in ``failed``
+        self.left: set[int] = set()
         self._failure_listeners: list[Callable[[int], None]] = []
         self.running = True
         self.config = config
@@ -511,6 +513,7 @@ class RpcAgent:
         """``rank`` shut down on its own (``shutdown(graceful=False)``): what waits for it
         fails at once, as for a failed worker, instead of running into its timeout."""
         if 0 <= rank < self.world_size and rank != self.rank:
+            self.left.add(rank)
             log.info("%s: worker %s (rank %d) shut down without the others",
                      self.where(), self.workers[rank].name, rank)
             self._peer_failed(rank)
@@ -608,7 +611,13 @@ class RpcAgent:
         require grad. While ``torch.profiler`` runs, the call is a range (see
         :mod:`mpidag._profiling`) from here until its answer arrives; under torch's legacy
         profiler, as torch profiles RPCs (``exec_mode`` in the key; the callee's events).
+        A call to a worker that shut down alone returns a future holding the error, as
+        torch's ``rpc_async`` does (a call to a failed worker raises here, see --ft).
         """
+        if dst in self.left:
+            future = RpcFuture()
+            future.set_exception(self.failed_error(dst, describe(func, args)))
+            return future
         if not call_profiling():
             return self._call(dst, func, args, kwargs, timeout, record, True).future
         if legacy_profiling():

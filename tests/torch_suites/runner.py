@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="torch-suites-retry-") as tmp:
             for index, old in again:
                 new = run_class(suites.suite_of(old.cls), old.cls, [old.test],
-                                args.timeout, Path(tmp), report)[0]
+                                args.timeout, Path(tmp) / str(index), report)[0]
                 if new.outcome == "passed":
                     flaky.append(f"{old.cls}.{old.test}")
                     new.detail = f"passed on retry {attempt}; first: {old.outcome}: " + \
