@@ -32,7 +32,7 @@ of all ranks per interval (60 s, or 10 s for runs shorter than 3 minutes), the m
 operation kind, the errors by type (expected ones apart; any unexpected one fails the run)
 and, at the end, after ``testing.quiesce()``, the leak counters of every rank
 (``testing.leak_report()``: RRefs, pending forks, calls in flight, autograd contexts and
-passes, live send/recv functions) together with each rank's full ``_get_debug_info()``.
+passes, live send/recv functions) together with each rank's full runtime ``debug_info()``.
 
 Output: a progress line per interval on stderr (rank 0 asks every rank with an RPC), a table
 on stdout, the JSON ``--out`` (default ``benchmarks/results/soak.json``, every rank's time
@@ -74,7 +74,7 @@ from bench_scaling import git_info, sleepy_barrier  # noqa: E402
 
 import mpidag.autograd as dist_autograd  # noqa: E402 - after the path set-up
 import mpidag.rpc as rpc  # noqa: E402
-from mpidag import testing  # noqa: E402
+from mpidag import _runtime, testing  # noqa: E402
 from mpidag.optim import DistributedOptimizer  # noqa: E402
 
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -88,7 +88,7 @@ BIG = 16 * 1024  # floats in a 64 KiB tensor
 DIM = 8  # size of the autograd vectors; each rank's parameter is DIM x DIM
 CALL_TIMEOUT_S = 60.0  # every ordinary call's timeout (a stuck call fails, never hangs)
 SLEEP_S, SHORT_TIMEOUT_S = 0.25, 0.05  # the timeout operation
-#: zero at the end too (besides testing.LEAK_COUNTERS), from each rank's _get_debug_info()
+#: zero at the end too (besides testing.LEAK_COUNTERS), from each rank's runtime debug_info()
 EXTRA_LEAK_COUNTERS = ("num_forks", "num_tombstones", "num_send_functions",
                        "num_recv_functions")
 FLAT_MIB_PER_1000 = 1.0  # "flat" memory: growth per 1,000 iterations below this
@@ -708,7 +708,8 @@ def main(argv: list[str] | None = None) -> int:
     watch.beat("leak report")
     leaks = testing.leak_report(120)
     watch.beat("gather")
-    debug = {**rpc.api._get_debug_info(), **bounded_memories()}
+    # every counter of the runtime (torch's _get_debug_info has torch's keys only)
+    debug = {**_runtime.current().debug_info(), **bounded_memories()}
     sleepy_barrier(comm)
     per_rank = comm.gather(soak.summary(), root=0)
     debugs = comm.gather(debug, root=0)

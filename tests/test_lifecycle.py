@@ -409,6 +409,7 @@ from mpidag.errors import WorkerFailedError, RPCTimeoutError
 rpc.init_rpc()
 me = rpc.get_worker_info().id
 assert rpc.rpc_sync(1 - me, add, args=(me, 1), timeout=10) == me + 1
+MPI.COMM_WORLD.Barrier()                  # both calls answered
 if me == 1:
     rpc.shutdown(graceful=False)          # alone: tells the others it is gone
     MPI.COMM_WORLD.Barrier()
