@@ -428,6 +428,17 @@ def test_tensor_hooks_of_leaves_run_once_on_the_whole_gradient(rpc_world, shape)
     assert w.grad is None
 
 
+def _distributed_and_local_gradient(rpc_world, run, w):
+    """The gradient of ``run(call)`` with respect to ``w`` through a distributed backward
+    (``call`` an rpc_sync to the next rank) and through local autograd (a local call)."""
+    with dist_autograd.context() as context_id:
+        dist_autograd.backward(context_id, [run(
+            lambda f, *args: rpc.rpc_sync(rpc_world.next, f, args=args))])
+        grad = dist_autograd.get_gradients(context_id)[w]
+    (expected,) = torch.autograd.grad(run(lambda f, *args: f(*args)), [w])
+    return grad, expected
+
+
 def test_tensor_hook_of_an_intermediate_tensor_in_one_region(rpc_world):
     (w,) = _seeded(rpc_world.rank, (3,))
     seen: list[torch.Tensor] = []
@@ -437,11 +448,7 @@ def test_tensor_hook_of_an_intermediate_tensor_in_one_region(rpc_world):
         h.register_hook(lambda g: seen.append(g.clone()) or g + 1)
         return (call(torch.mul, h.sin(), 3.0) * w).sum()  # h: behind the send alone
 
-    with dist_autograd.context() as context_id:
-        dist_autograd.backward(context_id, [run(
-            lambda f, *args: rpc.rpc_sync(rpc_world.next, f, args=args))])
-        grad = dist_autograd.get_gradients(context_id)[w]
-    (expected,) = torch.autograd.grad(run(lambda f, *args: f(*args)), [w])
+    grad, expected = _distributed_and_local_gradient(rpc_world, run, w)
     close(grad, expected)
     assert len(seen) == 2
     close(seen[0], seen[1])
@@ -459,11 +466,7 @@ def test_tensor_hook_of_an_intermediate_tensor_split_across_sources(rpc_world):
         h.register_hook(lambda g: g * 2)
         return (call(torch.mul, h, 3.0) * h).sum()  # sent, and used locally
 
-    with dist_autograd.context() as context_id:
-        dist_autograd.backward(context_id, [run(
-            lambda f, *args: rpc.rpc_sync(rpc_world.next, f, args=args))])
-        grad = dist_autograd.get_gradients(context_id)[w]
-    (expected,) = torch.autograd.grad(run(lambda f, *args: f(*args)), [w])
+    grad, expected = _distributed_and_local_gradient(rpc_world, run, w)
     close(grad, expected)
 
 

@@ -98,6 +98,19 @@ def _local_grads(seed_rank: int, model: nn.Module, x: torch.Tensor) -> list[torc
     return list(torch.autograd.grad(loss, list(model.parameters())))
 
 
+def _no_sync_keeps_own_then_local_backward_averages(rpc_world, model: nn.Module,
+                                                    x: torch.Tensor, own: list, mean: list):
+    """Under ``no_sync()`` a distributed backward keeps this rank's own gradients (as torch);
+    outside a context the module is torch's DDP: its reducer, unharmed, averages into .grad."""
+    with dist_autograd.context() as context_id, model.no_sync():
+        out = rpc.rpc_sync(rpc_world.next, torch.mul, args=(model(x), 2))
+        dist_autograd.backward(context_id, [out.pow(2).sum()])
+        grads = dist_autograd.get_gradients(context_id)
+    close([grads[p] for p in model.parameters()], own)
+    (model(x) * 2).pow(2).sum().backward()
+    close([p.grad for p in model.parameters()], mean)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_ddp_averages_gradients_inside_distributed_autograd(rpc_world):
     rank, size = rpc_world.rank, rpc_world.size
@@ -123,14 +136,8 @@ def test_ddp_averages_gradients_inside_distributed_autograd(rpc_world):
                 grads = dist_autograd.get_gradients(context_id)
             close([grads[p] for p in model.parameters()], mean)
             assert all(p.grad is None for p in model.parameters())
-        with dist_autograd.context() as context_id, model.no_sync():  # as torch: no sync
-            out = rpc.rpc_sync(rpc_world.next, torch.mul, args=(model(data[rank]), 2))
-            dist_autograd.backward(context_id, [out.pow(2).sum()])
-            grads = dist_autograd.get_gradients(context_id)
-        close([grads[p] for p in model.parameters()], per_rank[rank])
-        # outside a context it is torch's DDP: the reducer averages into .grad
-        (model(data[rank]) * 2).pow(2).sum().backward()
-        close([p.grad for p in model.parameters()], mean)
+        _no_sync_keeps_own_then_local_backward_averages(rpc_world, model, data[rank],
+                                                        per_rank[rank], mean)
     finally:
         # every member here before any tears its group down, and the DDP reducer (which
         # holds the group) freed first: destroying a Gloo group whose peer has left while
@@ -227,14 +234,8 @@ def test_torch_ddp_unchanged_averages_inside_distributed_autograd(rpc_world):
             close([grads[p] for p in model.parameters()], mean)
             assert all(p.grad is None for p in model.parameters())
         assert len(hooked) == 2  # after the averaging, once per backward
-        with dist_autograd.context() as context_id, model.no_sync():  # as torch: no sync
-            out = rpc.rpc_sync(rpc_world.next, torch.mul, args=(model(data[rank]), 2))
-            dist_autograd.backward(context_id, [out.pow(2).sum()])
-            grads = dist_autograd.get_gradients(context_id)
-        close([grads[p] for p in model.parameters()], per_rank[rank])
-        # the reducer is unharmed: a local backward after these still averages into .grad
-        (model(data[rank]) * 2).pow(2).sum().backward()
-        close([p.grad for p in model.parameters()], mean)
+        _no_sync_keeps_own_then_local_backward_averages(rpc_world, model, data[rank],
+                                                        per_rank[rank], mean)
         # what mpidag cannot do on the reducer's behalf is an error, never wrong training
         static = nn.parallel.DistributedDataParallel(nn.Linear(3, 2), process_group=pg,
                                                      static_graph=True)
