@@ -614,7 +614,7 @@ class RpcAgent:
         A call to a worker that shut down alone returns a future holding the error, as
         torch's ``rpc_async`` does (a call to a failed worker raises here, see --ft).
         """
-        if dst in self.left:
+        if self.left and dst in self.left:
             future = RpcFuture()
             future.set_exception(self.failed_error(dst, describe(func, args)))
             return future
