@@ -233,8 +233,8 @@ def run_trial(index: int, cfg: Config) -> Trial:
             elif trial.victim_pid is None:
                 trial.problems.append(f"no pid file for rank {victim}")
             else:
+                t_kill = time.time()  # taken before: a survivor may see the loss in < 1 ms
                 os.kill(trial.victim_pid, signal.SIGKILL)
-                t_kill = time.time()
                 trial.killed = True
         # 3. the end, or a hang
         t_end = wait_exit(proc, deadline)

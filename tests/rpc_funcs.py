@@ -46,6 +46,28 @@ def sleep_then(seconds, value):
     return value
 
 
+_RELEASED: dict[str, threading.Event] = {}
+_RELEASED_LOCK = threading.Lock()
+
+
+def _release_event(key):
+    with _RELEASED_LOCK:
+        return _RELEASED.setdefault(key, threading.Event())
+
+
+def wait_for_release(key, value, limit=60.0):
+    """Block until :func:`release` is called with ``key`` on this rank (at most ``limit`` s),
+    then return ``value``: a call that cannot finish before the test says so."""
+    _release_event(key).wait(limit)
+    return value
+
+
+def release(key):
+    """Let every :func:`wait_for_release` call waiting on ``key`` on this rank return."""
+    _release_event(key).set()
+    return True
+
+
 def nested_add(via, a, b):
     """Called on one rank, forwards the work to ``via`` with a nested rpc_sync."""
     return rpc.rpc_sync(via, add, args=(a, b), timeout=30) + 1

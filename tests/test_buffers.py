@@ -41,13 +41,9 @@ def test_cache_keeps_at_most_its_limit():
 
 
 def test_repeated_reuse_stays_cheap():
-    import time
-
     cache = ReceiveBufferCache()
-    start = time.perf_counter()
     for _ in range(5000):
         cache.empty(1 << 20)
     assert cache.hits == 4999
     # not a speed assertion: the bookkeeping must not grow with the number of reuses
     assert len(cache._lru) == 1 and sum(len(v) for v in cache._free.values()) == 1
-    assert time.perf_counter() - start < 60

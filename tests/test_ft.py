@@ -6,7 +6,6 @@ without ``shutdown``); survivors print what they saw, checked here. The long tri
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 
@@ -47,6 +46,19 @@ KEPT = []
 def keep(rref):
     KEPT.append(rref)
 
+def wait_until(condition, limit=60.0):
+    # poll condition until it holds (an event), at most limit s; return it
+    deadline = time.monotonic() + limit
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+def failed(name):
+    return name in [w.name for w in rpc.failed_workers()]
+
+def contexts():
+    return int(dist_autograd._get_debug_info()["num_autograd_contexts"])
+
 def report(**values):
     from mpi4py import MPI   # (also after shutdown)
     print("REPORT", f"worker{MPI.COMM_WORLD.Get_rank()}", repr(values), flush=True)
@@ -63,7 +75,6 @@ def reports(out: str) -> dict[str, dict]:
 
 @pytest.mark.parametrize("how", ["kill", "segfault"])
 def test_calls_rrefs_and_shutdown_survive_a_lost_worker(job, how):
-    start = time.monotonic()
     result = job(PRELUDE + f"""
 rpc.init_rpc()
 me = rpc.get_worker_info().id
@@ -72,18 +83,16 @@ if me == 0:
     held.to_here()
     pending = rpc.rpc_async("worker2", slow, args=(60,), timeout=0)
     rpc.rpc_sync("worker2", die_soon, args=(0.3, {how!r}))
-    t0 = time.monotonic()
     try:
         pending.wait()
         report(pending="no error")
     except rpc.WorkerFailedError as exc:
         report(pending=(type(exc).__name__, exc.worker_name, exc.rank,
-                        isinstance(exc, RuntimeError)), pending_s=time.monotonic() - t0)
-    t1 = time.monotonic()
+                        isinstance(exc, RuntimeError)))
     try:
         rpc.rpc_sync("worker2", slow, args=(0,))
     except rpc.WorkerFailedError as exc:
-        report(new_call=exc.worker_name, new_call_s=time.monotonic() - t1)
+        report(new_call=exc.worker_name)
     try:
         held.to_here()
     except rpc.WorkerFailedError as exc:
@@ -96,7 +105,8 @@ elif me == 1:
     rpc.rpc_sync("worker2", keep, args=(owned,))   # worker2 holds a fork of it
     del owned                                       # now only worker2's fork keeps it
     before = int(rpc.api._get_debug_info()["num_owner_rrefs"])
-    time.sleep(1.5)
+    wait_until(lambda: failed("worker2"))
+    wait_until(lambda: int(rpc.api._get_debug_info()["num_owner_rrefs"]) == 0)
     report(failed=[w.name for w in rpc.failed_workers()], owned_before=before,
            owned_after=int(rpc.api._get_debug_info()["num_owner_rrefs"]))
 rpc.shutdown()
@@ -106,15 +116,13 @@ report(shutdown=True)
     seen = reports(out)
     w0, w1 = seen.get("worker0", {}), seen.get("worker1", {})
     assert w0.get("pending") == ("WorkerFailedError", "worker2", 2, True), out
-    assert w0["pending_s"] < 0.5 + 2.0, out  # the detector's ~0.5 s + 2 s
-    assert w0["new_call"] == "worker2" and w0["new_call_s"] < 0.05, out
+    assert w0["new_call"] == "worker2", out
     assert w0["rref"] == "worker2", out
     assert w0["survivor"] == [2.0, 2.0] and w0["failed"] == ["worker2"], out
     assert w1["failed"] == ["worker2"], out
     assert (w1["owned_before"], w1["owned_after"]) == (1, 0), out  # the dead fork let go
     assert w0.get("shutdown") and w1.get("shutdown"), out
     assert "worker2" not in seen
-    assert time.monotonic() - start < 60
 
 
 def test_backward_and_optimizer_step_raise_and_release_on_survivors(job):
@@ -129,7 +137,7 @@ if me == 0:
         y = rpc.rpc_sync("worker1", mul, args=(x, 2.0)) + \\
             rpc.rpc_sync("worker2", mul, args=(x, 3.0))
         rpc.rpc_sync("worker2", die_soon, args=(0.05,))
-        time.sleep(1.5)
+        wait_until(lambda: failed("worker2"))
         try:
             dist_autograd.backward(ctx, [y.sum()])
             report(backward="no error")
@@ -147,8 +155,8 @@ if me == 0:
         DistributedOptimizer(torch.optim.SGD, [w1, rpc.RRef(x)], lr=0.5).step(ctx)
     report(x=x.tolist(), w1=rpc.rpc_sync("worker1", torch.clone, args=(W,)).tolist())
     del w1, w2, opt
-time.sleep(0.5)
-report(contexts=int(dist_autograd._get_debug_info()["num_autograd_contexts"]))
+wait_until(lambda: contexts() == 0)
+report(contexts=contexts())
 rpc.shutdown()
 """, nprocs=3, timeout=90, launcher=FT)
     out = result.stdout + result.stderr
@@ -170,9 +178,8 @@ if me == 2:
     rpc.rpc_sync("worker1", mul, args=(x, 2.0))
     rpc.rpc_sync("worker0", mul, args=(x, 2.0))
     raise RuntimeError("rank 2 crashed")        # uncaught: this rank exits, the job goes on
-time.sleep(2.5)
-report(contexts=int(dist_autograd._get_debug_info()["num_autograd_contexts"]),
-       failed=[w.name for w in rpc.failed_workers()])
+wait_until(lambda: failed("worker2") and contexts() == 0)
+report(contexts=contexts(), failed=[w.name for w in rpc.failed_workers()])
 rpc.shutdown()
 report(shutdown=True)
 """, nprocs=3, timeout=90, launcher=FT)

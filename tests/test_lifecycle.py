@@ -7,7 +7,6 @@ crash shows up as a failed assertion with the job's output, never as a stuck tes
 from __future__ import annotations
 
 import subprocess
-import time
 
 import pytest
 
@@ -72,17 +71,17 @@ rpc.init_rpc(f"trainer{r}", backend=rpc.BackendType.TENSORPIPE, rank=r, world_si
              rpc_backend_options=opts)
 assert rpc.get_worker_info().name == f"trainer{r}"
 assert rpc.get_worker_info(f"trainer{1 - r}").id == 1 - r
+assert rpc.get_rpc_timeout() == 0.5
 if r == 0:
-    t0 = time.monotonic()
-    try:
-        rpc.rpc_sync("trainer1", slow, args=(2, 1))   # default timeout from the options
+    try:   # the 2 s call outlives the options' 0.5 s default, not the 60 s one
+        rpc.rpc_sync("trainer1", slow, args=(2, 1))
     except TimeoutError as e:
-        took = time.monotonic() - t0
-        assert 0.5 <= took < 1.5, took
-        print("DEFAULT-TIMEOUT-OK", round(took, 2))
+        print("DEFAULT-TIMEOUT-OK")
+    else:
+        print("NO-TIMEOUT: the options' rpc_timeout was not the default")
 rpc.shutdown()
 """))
-    assert "DEFAULT-TIMEOUT-OK" in out
+    assert "DEFAULT-TIMEOUT-OK" in out, out
 
 
 @pytest.mark.parametrize("bad, expected", [
@@ -261,26 +260,29 @@ print("EXITING", me)
 
 
 def test_shutdown_timeout_when_a_rank_never_arrives(job):
+    # rank 1 calls shutdown only after rank 0's shutdown gave up (told over COMM_WORLD):
+    # the timeout is the only way rank 0's shutdown can end
     out = ok(job(PRELUDE + """
+from mpi4py import MPI
 from mpidag.errors import RPCTimeoutError
 rpc.init_rpc()
 me = rpc.get_worker_info().id
 if me == 0:
-    t0 = time.monotonic()
     try:
         rpc.shutdown(timeout=1.0)
     except RPCTimeoutError as e:
-        took = time.monotonic() - t0
-        print("SHUTDOWN-TIMEOUT", 1.0 <= took < 3.0, "did not call shutdown" in str(e))
+        print("SHUTDOWN-TIMEOUT", "did not call shutdown" in str(e))
+    MPI.COMM_WORLD.send("gave up", dest=1)
 else:
-    time.sleep(3.0)
+    request = MPI.COMM_WORLD.irecv(source=0)
+    while not request.test()[0]:
+        time.sleep(0.01)
     rpc.shutdown(graceful=False)
 """, timeout=60))
-    assert "SHUTDOWN-TIMEOUT True True" in out  # within the timeout plus a margin
+    assert "SHUTDOWN-TIMEOUT True" in out, out
 
 
 def test_uncaught_error_on_one_rank_ends_the_job_instead_of_hanging(job):
-    start = time.monotonic()
     result = job(PRELUDE + """
 rpc.init_rpc()
 me = rpc.get_worker_info().id
@@ -291,11 +293,9 @@ rpc.rpc_sync("worker1", slow, args=(60, 1), timeout=0)   # would wait forever
     out = result.stdout + result.stderr
     assert result.returncode != 0, out
     assert "rank 1 crashed" in out and "aborting the MPI job" in out
-    assert time.monotonic() - start < 30
 
 
 def test_killed_rank_ends_the_job_instead_of_hanging(job):
-    start = time.monotonic()
     result = job(PRELUDE + """
 import os, signal
 rpc.init_rpc()
@@ -305,7 +305,6 @@ if me == 1:
 rpc.rpc_sync("worker1", slow, args=(60, 1), timeout=0)
 """, timeout=60)
     assert result.returncode != 0
-    assert time.monotonic() - start < 30
     out = result.stdout + result.stderr  # mpirun names the lost rank and its signal
     assert "rank 1" in out and ("signal 9" in out or "Killed" in out), out
 
