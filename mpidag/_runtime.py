@@ -41,7 +41,8 @@ from mpidag.rref.handle import RRefHandle
 from mpidag.rref.protocol import RRefContext
 from mpidag.transport.base import Transport
 
-__all__ = ["Runtime", "current", "current_or_none", "install", "uninstall", "world_mismatch"]
+__all__ = ["Runtime", "bind_thread", "current", "current_or_none", "install", "uninstall",
+           "world_mismatch"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class Runtime:
         self.autograd = DistAutograd(self.agent)
         self.rrefs = RRefContext(self.agent, self.autograd, rref_type)
         self.parameter_locks = ParameterLocks(config.optim_locks)
+        # the engine's threads serve this runtime: calls they run see it as current()
+        self.agent.engine.thread_started = lambda: bind_thread(self)
 
     # ------------------------------------------------------------------ start
     @classmethod
@@ -262,6 +265,9 @@ def _check_gathered(gathered: list, my_rank: int) -> Exception | None:
 
 # ---------------------------------------------------------- the current runtime
 _current: Runtime | None = None
+#: a thread's own runtime, ahead of ``_current``: the threads of an in-process world's rank
+#: (its test thread, its engine's threads) each see that rank's runtime
+_bound = threading.local()
 #: held while a runtime is being installed or removed (init_rpc / shutdown)
 lifecycle_lock = threading.Lock()
 
@@ -274,7 +280,7 @@ def current() -> Runtime:
         >>> current().agent.where()
         'worker0 (rank 0 of 2)'
     """
-    runtime = _current
+    runtime = getattr(_bound, "runtime", None) or _current
     if runtime is None:
         raise RPCNotInitializedError(
             "RPC has not been initialized. Call mpidag.rpc.init_rpc first, on every rank of "
@@ -284,8 +290,24 @@ def current() -> Runtime:
 
 
 def current_or_none() -> Runtime | None:
-    """The runtime made by ``init_rpc``, or ``None``."""
-    return _current
+    """The runtime made by ``init_rpc`` (or bound to this thread), or ``None``."""
+    return getattr(_bound, "runtime", None) or _current
+
+
+def bind_thread(runtime: Runtime | None) -> None:
+    """Make ``runtime`` this thread's current runtime (``None``: back to ``init_rpc``'s).
+
+    In-process worlds run one thread per rank; each binds its rank's runtime, so the
+    public API (``mpidag.rpc.rpc_sync``, ``mpidag.autograd.context``, ...) acts as that rank.
+
+    Example::
+
+        >>> bind_thread(runtimes[1])     # this thread is now worker1
+        >>> rpc.get_worker_info().name
+        'worker1'
+        >>> bind_thread(None)
+    """
+    _bound.runtime = runtime
 
 
 def install(runtime: Runtime) -> None:

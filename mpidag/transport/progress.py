@@ -184,6 +184,9 @@ class ProgressEngine:
         self._stopping = False
         self._main_cpu = MainThreadCPU()
         self._name = name
+        #: called first on every thread this engine starts (pool threads, the sentinel):
+        #: the runtime binds its threads to itself there (several runtimes in one process)
+        self.thread_started: Callable[[], None] | None = None
         #: the pool grows past ``num_threads`` only while every pool thread waits for a
         #: nested call and a request is queued (see _grow_if_starved_locked), up to this
         self.max_threads = max(MAX_POOL_THREADS, num_threads)
@@ -231,6 +234,8 @@ class ProgressEngine:
 
     # ------------------------------------------------------------------- pool
     def _pool_main(self) -> None:
+        if self.thread_started is not None:
+            self.thread_started()
         lock = self._lock
         finished = False  # this thread just ran a work item (counted in _running_work)
         while True:
@@ -392,6 +397,8 @@ class ProgressEngine:
         or for their sends to complete), lead itself until one is free: progress never
         depends on the size of the pool (two ranks with one pool thread each, both sending
         a large reply that the other must receive, would otherwise wait forever)."""
+        if self.thread_started is not None:
+            self.thread_started()
         seen_vacant_epoch = -1
         quiet_checks = 0  # checks in a row that found a leader and no new vacancy
         last_epoch = -1
