@@ -200,8 +200,10 @@ class Runtime:
         agent = self.agent
         info: dict[str, Any] = {
             "rank": agent.rank,
-            "num_pending_requests": len(agent._pending),
-            "thread_pool_size": self.options.num_worker_threads,
+            "num_pending_requests": len(agent.calls),
+            # the pool as it is (num_worker_threads, more once it grew), as kill -USR1 and
+            # python -m mpidag.inspect report it: one figure, the engine's
+            "thread_pool_size": agent.engine.pool_size,
             "messages_sent": agent.sent,
             "messages_processed": agent.processed,
         }

@@ -48,6 +48,7 @@ __all__ = [
     "ContextContainer",
     "DistAutogradContext",
     "GradientMap",
+    "LiveCount",
     "RecvRPC",
     "RecvRecord",
     "SendFunction",
@@ -58,13 +59,50 @@ log = logging.getLogger(__name__)
 #: how many released context ids a rank remembers (late messages of those are not recorded)
 RELEASED_MEMORY = 1 << 16
 
-_created_sends, _freed_sends = itertools.count(), itertools.count()
-_created_recvs, _freed_recvs = itertools.count(), itertools.count()
 
+class LiveCount:
+    """How many objects of one kind are alive: counted when made and when freed (from
+    their ``__del__``, in whichever thread frees them), without a lock either way.
 
-def _peek(counter: itertools.count) -> int:
-    """The next value of an ``itertools.count`` without advancing it."""
-    return int(repr(counter)[6:-1])
+    :meth:`made` and :meth:`freed` are one ``next()`` of an ``itertools.count`` each: one C
+    call, atomic under the GIL, so no count is lost between threads, and a ``__del__`` that
+    runs inside another count (a collection) has no lock to wait for. :attr:`live` reads
+    both counts by advancing each once more, under a lock that only readers take: both
+    have advanced by the same number of reads, which cancels out. Each
+    :class:`ContextContainer` has its own (its runtime's figures, however many runtimes
+    share the process).
+
+    Example::
+
+        >>> sends = LiveCount()
+        >>> sends.made(); sends.made(); sends.freed()
+        >>> sends.live
+        1
+    """
+
+    __slots__ = ("_made", "_freed", "_read_lock")
+
+    def __init__(self) -> None:
+        self._made = itertools.count()
+        self._freed = itertools.count()
+        self._read_lock = threading.Lock()
+
+    def made(self) -> None:
+        """One more object made."""
+        next(self._made)
+
+    def freed(self) -> None:
+        """One of them freed (called from its ``__del__``)."""
+        next(self._freed)
+
+    @property
+    def live(self) -> int:
+        """Objects made and not freed yet, as of this read."""
+        with self._read_lock:
+            # freed first: an object freed by then was made by then, so never below 0
+            freed = next(self._freed)
+            made = next(self._made)
+        return made - freed
 
 
 class SendFunction:
@@ -76,11 +114,12 @@ class SendFunction:
     ~4 us (torch makes a view to find its gradient accumulator).
     """
 
-    __slots__ = ("message_id", "peer", "_tensors", "_edges", "_what", "reach", "_walking",
-                 "__weakref__")
+    __slots__ = ("_count", "message_id", "peer", "_tensors", "_edges", "_what", "reach",
+                 "_walking", "__weakref__")
 
     def __init__(self, message_id: int, peer: int, tensors: list[torch.Tensor],
-                 what: str | Callable[[], str]):
+                 what: str | Callable[[], str], count: LiveCount | None = None):
+        self._count = count  # its container's live send functions (first: see __del__)
         self.message_id = message_id
         self.peer = peer  # the rank the tensors went to (and the gradients come from)
         self._tensors: list[torch.Tensor] | None = tensors  # until prepare() takes edges
@@ -88,7 +127,8 @@ class SendFunction:
         self._what = what
         self.reach: Reach | None = None
         self._walking = threading.Lock()
-        next(_created_sends)
+        if count is not None:
+            count.made()
 
     @property
     def edges(self) -> list[GradientEdge]:
@@ -120,7 +160,8 @@ class SendFunction:
             return self.reach
 
     def __del__(self) -> None:
-        next(_freed_sends)
+        if self._count is not None:
+            self._count.freed()
 
     @property
     def next_functions(self) -> tuple[tuple[Any, int], ...]:
@@ -140,21 +181,24 @@ class SendFunction:
 class RecvRecord:
     """The receiver's half of one message, carried by its :class:`RecvRPC` node."""
 
-    __slots__ = ("context_id", "message_id", "peer", "n_outputs", "what", "node",
+    __slots__ = ("_count", "context_id", "message_id", "peer", "n_outputs", "what", "node",
                  "__weakref__")
 
     def __init__(self, context_id: int, message_id: int, peer: int, n_outputs: int,
-                 what: str) -> None:
+                 what: str, count: LiveCount | None = None) -> None:
+        self._count = count  # its container's live recv functions (first: see __del__)
         self.node: weakref.ref | None = None  # the RecvRPC node, once recorded
         self.context_id = context_id
         self.message_id = message_id
         self.peer = peer  # the rank the tensors came from (and the gradients go to)
         self.n_outputs = n_outputs
         self.what = what
-        next(_created_recvs)
+        if count is not None:
+            count.made()
 
     def __del__(self) -> None:
-        next(_freed_recvs)
+        if self._count is not None:
+            self._count.freed()
 
     def __repr__(self) -> str:
         return f"RecvRpcBackward(message_id=0x{self.message_id:x}, from rank {self.peer}, " \
@@ -355,6 +399,10 @@ class ContextContainer(CallObserver):
         self.active = False
         #: the input of every recv function of this rank (see DistAutogradContext.anchor)
         self.anchor = torch.empty(0, requires_grad=True)
+        #: the send functions and recv records this container made that are still alive
+        #: (debug_info's num_live_*: a graph kept after its context was released)
+        self.live_sends = LiveCount()
+        self.live_recvs = LiveCount()
         self._release_handler = agent.register_handler(
             "autograd.release", self.release_id, mode="control")
         agent.set_observer(self)
@@ -515,7 +563,7 @@ class ContextContainer(CallObserver):
                 ctx.known_workers.add(dst)
             return ctx.context_id, 0
         message_id = self.agent.ids.next()
-        send = SendFunction(message_id, dst, grad_tensors, what)
+        send = SendFunction(message_id, dst, grad_tensors, what, self.live_sends)
         with ctx.lock:
             ctx.known_workers.add(dst)
             ctx.sends[message_id] = send
@@ -529,7 +577,8 @@ class ContextContainer(CallObserver):
         index = [i for i, t in enumerate(tensors) if t.requires_grad]
         if not index:
             return tensors
-        record = RecvRecord(ctx.context_id, message_id, src, len(index), what())
+        record = RecvRecord(ctx.context_id, message_id, src, len(index), what(),
+                            self.live_recvs)
         plain = [tensors[i].detach() for i in index]
         with torch.enable_grad():
             outs = RecvRPC.apply(ctx.anchor, record, plain)
@@ -575,6 +624,6 @@ class ContextContainer(CallObserver):
             "num_current_backward_passes": sum(len(c.passes) for c in contexts),
             "num_send_functions": sum(len(c.sends) for c in contexts),
             "num_recv_functions": sum(len(c.recvs) for c in contexts),
-            "num_live_send_functions": _peek(_created_sends) - _peek(_freed_sends),
-            "num_live_recv_functions": _peek(_created_recvs) - _peek(_freed_recvs),
+            "num_live_send_functions": self.live_sends.live,
+            "num_live_recv_functions": self.live_recvs.live,
         }
