@@ -82,13 +82,13 @@ class TwoRanks:
                 env = transport.poll()
                 if env is not None:
                     progressed = True
-                    work = agent._dispatch(env)
+                    work = agent.dispatch(env)
                     if work is not None:
                         work()
 
     def call(self, func: Callable, args: tuple) -> None:
         """One ``rpc_sync``-shaped call from rank 0 to rank 1 (no future, as rpc_sync)."""
-        self.agents[0]._call(1, func, args, {}, 60, True, False)
+        self.agents[0].calls.send_call(1, func, args, {}, 60, True, False)
         self.drain()
 
     def call_in_context(self, func: Callable, args: tuple) -> None:

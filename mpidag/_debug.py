@@ -18,6 +18,7 @@ without stopping anything.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -99,12 +100,12 @@ def state_snapshot(runtime: Runtime) -> dict[str, Any]:
     """
     now = time.monotonic()
     agent = runtime.agent
-    engine = agent.engine
+    seen = agent.snapshot()
     host, pid = runtime.processes[agent.rank]
-    calls = [{"id": f"0x{request_id:x}", "what": call.what, "to": agent.workers[call.dst].name,
-              "to_rank": call.dst, "age_s": round(now - call.started, 3),
-              "timeout_s": call.seconds}
-             for request_id, call in agent._pending.copy().items()]
+    calls = [{"id": f"0x{call.request_id:x}", "what": call.what,
+              "to": agent.workers[call.dst].name, "to_rank": call.dst,
+              "age_s": round(now - call.started, 3), "timeout_s": call.timeout_s}
+             for call in seen.calls]
     contexts = []
     for ctx in list(runtime.autograd.container.contexts.copy().values())[:50]:
         passes = [{"id": f"0x{pass_id:x}", "calls_unanswered": state.deficit,
@@ -128,12 +129,9 @@ def state_snapshot(runtime: Runtime) -> dict[str, Any]:
     return {
         "rank": agent.rank, "name": agent.info.name, "host": host, "pid": pid,
         "time": time.time(), "calls": calls,
-        "engine": {"leader_busy": engine._leader_busy, "waiting_user_threads": engine._waiters,
-                   "idle_pool_threads": engine._idle, "queued_requests": len(engine._work),
-                   "running_requests": engine._running_work,
-                   "pool_threads": engine.pool_size},
-        "messages": {"sent": agent.sent, "handled": agent.processed},
-        "failed": sorted(agent.workers[r].name for r in agent.failed),
+        "engine": dataclasses.asdict(seen.engine),
+        "messages": {"sent": seen.messages_sent, "handled": seen.messages_processed},
+        "failed": [agent.workers[r].name for r in seen.failed],
         "rrefs": runtime.rrefs.debug_info(),
         "autograd": runtime.autograd.container.debug_info(),
         "contexts": contexts,

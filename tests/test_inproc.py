@@ -169,22 +169,22 @@ def test_the_pool_grows_for_nested_calls_and_reports_its_size():
 
 def test_internal_messages_name_handlers_not_functions(world):
     agent = world[0].agent
-    payload, _, flags = agent._encode_call(1, world[0].rrefs._fetch, (7,), {})
+    payload, _, flags = agent.calls.codec.encode(1, world[0].rrefs._fetch, (7,), {})
     assert flags and b"rref.fetch" in payload and b"_on_fetch" not in payload
 
 
 def test_module_functions_travel_as_cached_references(world, monkeypatch):
     agent = world[0].agent
-    payload, tensors, flags = agent._encode_call(1, rf.noop, (), {})
+    payload, tensors, flags = agent.calls.codec.encode(1, rf.noop, (), {})
     assert flags == FLAG_FUNCTION_REF and b"noop" in payload and tensors == []
-    payload, tensors, flags = agent._encode_call(1, rf.add, (torch.ones(2), 1), {})
+    payload, tensors, flags = agent.calls.codec.encode(1, rf.add, (torch.ones(2), 1), {})
     assert flags == FLAG_FUNCTION_REF and len(tensors) == 1
     assert call(world[0], 1, rf.noop) is None
     assert call(world[0], 1, rf.add, 2, 3) == 5  # plain arguments: plain pickle
     assert call(world[0], 1, rf.add, torch.ones(2), b=torch.ones(2)).tolist() == [2.0, 2.0]
     assert call(world[0], 1, torch.add, torch.ones(2), 1).tolist() == [2.0, 2.0]  # builtin
     # other callables travel pickled with their call, as before
-    _, _, flags = agent._encode_call(1, rf.Adder(5).plus, (2,), {})
+    _, _, flags = agent.calls.codec.encode(1, rf.Adder(5).plus, (2,), {})
     assert flags == 0
     assert call(world[0], 1, rf.Adder(5).plus, 2) == 7
     with pytest.raises(SerializationError, match="could not pickle the call"):

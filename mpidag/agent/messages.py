@@ -19,7 +19,8 @@ from __future__ import annotations
 import enum
 import struct
 
-__all__ = ["FLAG_FUNCTION_REF", "FLAG_HANDLER", "REF_LENGTH", "Kind"]
+__all__ = ["CALL", "CONTROL", "ERROR", "FLAG_FUNCTION_REF", "FLAG_HANDLER", "NOTIFY",
+           "REF_LENGTH", "RESULT", "Kind"]
 
 #: header flag: the payload names a registered handler instead of carrying a function
 FLAG_HANDLER = 1
@@ -46,3 +47,9 @@ class Kind(enum.IntEnum):
     ERROR = 3  #: payload: :func:`mpidag.errors.pack_exception` bytes
     NOTIFY = 4  #: payload (func or handler, args, kwargs); no answer
     CONTROL = 5  #: a handler run at once by the receiving leader, in arrival order
+
+
+#: the message kinds as plain ints, for the hot paths: reading an enum member costs ~90 ns,
+#: a module global ~20 ns
+CALL, RESULT, ERROR, NOTIFY, CONTROL = (int(kind) for kind in (
+    Kind.CALL, Kind.RESULT, Kind.ERROR, Kind.NOTIFY, Kind.CONTROL))

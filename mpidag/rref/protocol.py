@@ -563,9 +563,7 @@ class RRefContext:
         if rec is None:
             raise RPCError(f"the value of RRef 0x{rref_id:x} no longer exists on its owner "
                            f"{self.agent.info.name}")
-        fut = rec.value
-        fut._engine = self.agent.engine  # wait() drives progress and raises a detached copy
-        return fut.wait()
+        return self.agent.wait_for(rec.value)  # drives progress, raises a detached copy
 
     # ------------------------------------------------------------------ handlers
     def _on_fork_request(self, rref_id: int, fork_id: int, parent_rank: int,

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -45,7 +46,7 @@ from collections.abc import Callable, Iterator
 from mpidag._backoff import PURE_SPIN, Backoff
 from mpidag.transport.frames import Envelope
 
-__all__ = ["MainThreadCPU", "ProgressEngine"]
+__all__ = ["EngineSnapshot", "MainThreadCPU", "ProgressEngine"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,18 @@ MAX_POOL_THREADS = 256
 _MAIN = threading.main_thread()
 _MAIN_IDENT = _MAIN.ident
 _get_ident = threading.get_ident
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """A progress engine's state as tools see it (:meth:`ProgressEngine.snapshot`)."""
+
+    leader_busy: bool
+    waiting_user_threads: int
+    idle_pool_threads: int
+    queued_requests: int
+    running_requests: int
+    pool_threads: int
 
 
 class MainThreadCPU:
@@ -135,9 +148,10 @@ class ProgressEngine:
 
     Example::
 
-        >>> engine = ProgressEngine(transport.poll, agent.dispatch, agent.expire, 16)
+        >>> engine = ProgressEngine(transport.poll, agent.dispatch, lambda: None, 16)
         >>> engine.start()
-        >>> engine.wait_until(future.done, deadline=None)
+        >>> engine.wait_until(future.done, deadline=None)   # leads until the future is done
+        True
     """
 
     #: the sentinel parks after this many checks in a row found a leader and no vacancy
@@ -227,6 +241,18 @@ class ProgressEngine:
         if alive:
             log.warning("progress threads still running user code at shutdown: %s", alive)
 
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's state for tools (a consistent copy, taken under its lock).
+
+        Example::
+
+            >>> engine.snapshot().pool_threads
+            4
+        """
+        with self._lock:
+            return EngineSnapshot(self._leader_busy, self._waiters, self._idle,
+                                  len(self._work), self._running_work, self.pool_size)
+
     @property
     def busy(self) -> bool:
         """Whether work is queued or running."""
@@ -276,7 +302,7 @@ class ProgressEngine:
         request itself (it queues them) and hands over as soon as a pool thread is idle.
         """
         backoff = self._new_backoff()
-        poll, dispatch, on_idle = self._poll, self._dispatch, self._on_idle
+        poll_step, dispatch = self._poll_step, self._dispatch
         while True:
             if self._waiters or self._stopping or (sentinel and self._idle):
                 with self._lock:
@@ -290,15 +316,7 @@ class ProgressEngine:
                         self._vacate_locked(lazy=True)
                 if work is not None:
                     return work
-            try:
-                env = poll()
-            except Exception:
-                log.exception("transport poll failed")
-                env = None
-            try:  # an error here is logged, never fatal: a dead leader receives nothing
-                on_idle()
-            except Exception:
-                log.exception("the leader's after-poll hook failed")
+            env = poll_step()
             if env is None:
                 backoff.idle(self._computing())
                 continue
@@ -315,6 +333,21 @@ class ProgressEngine:
                 self._running_work += 1
                 self._vacate_locked(lazy=True)
             return work
+
+    def _poll_step(self) -> Envelope | None:
+        """One step of a leader, whoever leads (a pool thread, the sentinel, a waiting user
+        thread): poll the transport once, then run the after-poll hook. An error of either
+        is logged, never fatal: a dead leader receives nothing."""
+        try:
+            env = self._poll()
+        except Exception:
+            log.exception("transport poll failed")
+            env = None
+        try:
+            self._on_idle()
+        except Exception:
+            log.exception("the leader's after-poll hook failed")
+        return env
 
     def _new_backoff(self) -> Backoff:
         """The backoff of a leader's idle polls (see :mod:`mpidag._backoff`)."""
@@ -555,17 +588,13 @@ class ProgressEngine:
                     self._waiters -= 1
 
     def _lead_as_user(self, done: Callable[[], bool], deadline: float | None) -> bool:
-        poll, dispatch, on_idle = self._poll, self._dispatch, self._on_idle
+        poll_step, dispatch = self._poll_step, self._dispatch
         # a reply mostly arrives within PURE_SPIN: until then poll in a tight loop, and make
         # the Backoff (0.5 us) only for a longer wait
         backoff: Backoff | None = None
         spin_until = 0.0
         while not done():
-            env = poll()
-            try:  # an error here is logged, never fatal: a dead leader receives nothing
-                on_idle()
-            except Exception:
-                log.exception("the leader's after-poll hook failed")
+            env = poll_step()
             if env is None:
                 if deadline is not None and time.monotonic() >= deadline:
                     return False

@@ -1,0 +1,148 @@
+"""Sending: pickling for a destination, device maps, and the per-peer message counters."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from mpidag.agent.handlers import detaches_parameters
+from mpidag.agent.peers import Peers
+from mpidag.errors import WorkerFailedError
+from mpidag.transport.base import Transport
+from mpidag.transport.frames import Codecs, Envelope, dumps
+
+__all__ = ["DeviceMaps", "Sender"]
+
+#: device_maps[src_name][dst_name] = {src_device: dst_device}, for every rank
+DeviceMaps = dict[str, dict[str, dict[torch.device, torch.device]]]
+
+
+class Sender:
+    """Every message this rank sends goes through here and is counted, per peer.
+
+    The counts (sent to each rank, received from each and finished handling) are what the
+    shutdown's termination test adds up (:mod:`mpidag.agent.quiescence`); a failed rank's
+    counts are left out of it.
+
+    Example::
+
+        >>> sender.send(1, Envelope(kind=NOTIFY, payload=b"..."), reply=False)
+        >>> sender.totals()
+        (1, 0)
+    """
+
+    def __init__(self, transport: Transport, peers: Peers, device_maps: DeviceMaps,
+                 codecs: Codecs) -> None:
+        self.transport = transport
+        self.peers = peers
+        self.device_maps = device_maps
+        self.codecs = codecs
+        self._sent_to = [0] * peers.world_size
+        self._processed_from = [0] * peers.world_size
+        self._count_lock = threading.Lock()
+
+    # ------------------------------------------------------------- devices
+    def devices_for(self, dst: int, tensors: list[torch.Tensor], reply: bool) -> list[str]:
+        """Where each tensor lands on ``dst``: CPU stays CPU, CUDA follows the device map.
+
+        Requests use the sender's map to ``dst``; replies use the inverse of ``dst``'s map
+        to this rank (torch's rule).
+        """
+        if not tensors:
+            return []
+        out: list[str] = []
+        mapping: dict[torch.device, torch.device] | None = None
+        for t in tensors:
+            if t.device.type == "cpu":
+                out.append("cpu")
+                continue
+            if mapping is None:
+                mapping = self._map_to(dst, reply)
+            target = mapping.get(t.device)
+            if target is None:
+                dst_name = self.peers.name(dst)
+                raise ValueError(
+                    f"cannot send a tensor on {t.device} to {dst_name}: no device map entry "
+                    f"for {t.device} (map: {mapping or 'none'}). Call "
+                    f"options.set_device_map({dst_name!r}, {{{t.device.index}: <device>}}) "
+                    f"before init_rpc, or move the tensor to the CPU first."
+                )
+            out.append(str(target))
+        return out
+
+    def _map_to(self, dst: int, reply: bool) -> dict[torch.device, torch.device]:
+        me, peer = self.peers.info.name, self.peers.name(dst)
+        if not reply:
+            return self.device_maps.get(me, {}).get(peer, {})
+        forward = self.device_maps.get(peer, {}).get(me, {})
+        return {v: k for k, v in forward.items()}
+
+    # ------------------------------------------------------------- pickling
+    def dumps_for(self, dst: int, obj: Any, call: tuple[Any, tuple] | None = None,
+                  prefix: bytes = b"") -> tuple[bytes | memoryview, list[torch.Tensor]]:
+        """Pickle ``obj`` for rank ``dst`` (the ``context`` the codecs' reduce functions see:
+        RRefs fork for their destination). ``call``: the ``(func, args)`` whose arguments or
+        result this is (how parameters travel, see :func:`detaches_parameters`).
+        ``prefix``: bytes that start the payload."""
+        if call is None:
+            return dumps(obj, codecs=self.codecs, prefix=prefix, context=dst)
+        return dumps(obj, lambda: detaches_parameters(*call), self.codecs, prefix, dst)
+
+    # ------------------------------------------------------------- sending
+    def send(self, dst: int, env: Envelope, reply: bool) -> None:
+        """Send ``env`` to ``dst`` (counted); a failed ``dst`` raises its
+        ``WorkerFailedError``."""
+        devices = self.devices_for(dst, env.tensors, reply)
+        with self._count_lock:
+            self._sent_to[dst] += 1
+        try:
+            self.transport.send(dst, env, devices)
+        except BaseException as exc:
+            with self._count_lock:
+                self._sent_to[dst] -= 1
+            if isinstance(exc, WorkerFailedError):
+                raise self.peers.failed_error(dst) from None
+            raise
+
+    def send_answer(self, request: Envelope, reply: Envelope, devices: list[str]) -> bool:
+        """Send the answer to ``request``: the request counts as handled once its answer
+        is on its way. Returns false when the caller died meanwhile (nobody to answer)."""
+        src = request.src
+        with self._count_lock:
+            self._sent_to[src] += 1
+            self._processed_from[src] += 1
+        try:
+            self.transport.send(src, reply, devices)
+        except WorkerFailedError:
+            return False
+        return True
+
+    def mark_processed(self, src: int) -> None:
+        """A message from ``src`` is handled (one that needed no answer, or answered
+        through :meth:`send`)."""
+        with self._count_lock:
+            self._processed_from[src] += 1
+
+    # ------------------------------------------------------------- counts
+    @property
+    def sent(self) -> int:
+        """Messages this rank sent."""
+        return sum(self._sent_to)
+
+    @property
+    def processed(self) -> int:
+        """Messages this rank received and finished handling."""
+        return sum(self._processed_from)
+
+    def totals(self) -> tuple[int, int]:
+        """``(sent, processed)`` with the failed ranks' messages left out."""
+        failed = self.peers.failed
+        sent = processed = 0
+        with self._count_lock:  # no container allocated under this lock: a GC could run
+            for rank in range(self.peers.world_size):
+                if rank not in failed:
+                    sent += self._sent_to[rank]
+                    processed += self._processed_from[rank]
+        return sent, processed
