@@ -7,6 +7,10 @@
 * Each module sits in one layer of ``LAYERS`` and imports only from its own layer or lower ones,
   so that each layer can be understood, and tested, without the ones above it. A new module
   fails the test until it is placed in the table.
+* No module reads another layer's private fields: an attribute named ``_x`` (not a dunder)
+  that only other layers define (``self._x = ...``, ``def _x``, a class-level ``_x``) is
+  read only there, through an object that is not ``self``/``cls`` (layers read each other
+  through published snapshots and methods).
 * ``MPIDAG_*`` environment variables are read only by ``mpidag/_config.py``, so that there is
   one list of the settings, with their defaults and parsing.
 * Importing any module reads no ``MPIDAG_*`` variable (a setting read at import time ignores a
@@ -492,6 +496,78 @@ def probe_problems(result: dict) -> list[str]:
 # --------------------------------------------------------------------------- the package
 
 
+# ------------------------------------------------------------------- private fields
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_definitions(modules: dict[str, Module]) -> dict[str, set[str]]:
+    """``{module: private attribute names its classes define}``: ``self._x = ...`` (also
+    annotated or augmented), methods ``def _x``, class-level ``_x = ...``, ``__slots__``."""
+    defined: dict[str, set[str]] = {}
+    for name, module in modules.items():
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(module.path.read_text(), str(module.path))):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                        names.add(item.name)
+                    elif isinstance(item, ast.Assign | ast.AnnAssign):
+                        targets = item.targets if isinstance(item, ast.Assign) else [item.target]
+                        names.update(t.id for t in targets if isinstance(t, ast.Name))
+                        slots = [t for t in targets
+                                 if isinstance(t, ast.Name) and t.id == "__slots__"]
+                        if slots and isinstance(item.value, ast.Tuple | ast.List):
+                            names.update(e.value for e in item.value.elts
+                                         if isinstance(e, ast.Constant)
+                                         and isinstance(e.value, str))
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, ast.AnnAssign | ast.AugAssign):
+                targets = [node.target]
+            for target in targets:
+                for sub in ast.walk(target):
+                    if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) \
+                            and sub.value.id in {"self", "cls"}:
+                        names.add(sub.attr)
+        defined[name] = {n for n in names if _is_private(n)}
+    return defined
+
+
+def private_reads(root: Path, package: str, layers: tuple[Layer, ...]) -> list[str]:
+    """Reads of ``obj._x`` (``obj`` not ``self``/``cls``) where ``_x`` is a private field
+    that only modules of other layers define."""
+    modules = find_modules(root, package)
+    defined = private_definitions(modules)
+    by_layer: dict[str, set[str]] = {}
+    for name, names in defined.items():
+        found = layers_of(name, layers)
+        if len(found) == 1:
+            by_layer.setdefault(found[0].name, set()).update(names)
+    problems = []
+    for name, module in sorted(modules.items()):
+        found = layers_of(name, layers)
+        if len(found) != 1:
+            continue
+        own = by_layer.get(found[0].name, set())
+        others = {layer: names for layer, names in by_layer.items() if layer != found[0].name}
+        for node in ast.walk(ast.parse(module.path.read_text(), str(module.path))):
+            if not isinstance(node, ast.Attribute) or not _is_private(node.attr) \
+                    or node.attr in own:
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in {"self", "cls"}:
+                continue
+            owners = sorted(layer for layer, names in others.items() if node.attr in names)
+            if owners:
+                where = module.path.relative_to(root).as_posix()
+                problems.append(f"{where}:{node.lineno}: {name} ({found[0]}) reads "
+                                f"{ast.unparse(node)}, a private field of {', '.join(owners)}")
+    return problems
+
+
 def fail_if(problems: list[str], heading: str) -> None:
     if problems:
         pytest.fail("\n".join([heading, *problems]), pytrace=False)
@@ -512,6 +588,25 @@ def test_layers_import_only_downwards():
     _, imports = import_graph(ROOT, PACKAGE)
     fail_if(layer_violations(imports, LAYERS, ROOT),
             "imports of a higher layer (a module may import only its own layer and lower ones):")
+
+
+def test_no_module_reads_another_layers_private_fields():
+    fail_if(private_reads(ROOT, PACKAGE, LAYERS),
+            "reads of another layer's private fields (publish a method or a snapshot):")
+
+
+def test_self_check_finds_a_private_read_across_layers(tmp_path):
+    root = write_tree(tmp_path, {
+        "fakepkg/__init__.py": "",
+        "fakepkg/low.py": "class Engine:\n    def __init__(self):\n        self._queue = []\n",
+        "fakepkg/high.py": "def peek(engine):\n    return len(engine._queue)\n",
+        "fakepkg/same.py": "class Other:\n    def __init__(self):\n        self._own = 1\n"
+                           "def peek(o):\n    return o._own\n",  # its own layer's: fine
+    })
+    layers = stacked(Layer("low", modules=("fakepkg", "fakepkg.low")),
+                     Layer("high", modules=("fakepkg.high", "fakepkg.same")))
+    problems = private_reads(root, "fakepkg", layers)
+    assert len(problems) == 1 and "fakepkg/high.py:2" in problems[0], problems
 
 
 def test_environment_is_read_only_by_config():
