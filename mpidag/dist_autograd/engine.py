@@ -54,12 +54,14 @@ thread, after this rank's gradient messages of that step were sent.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gc
 import itertools
 import logging
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -129,6 +131,45 @@ class UnusedRPCWarning(UserWarning):
     """
 
 
+@dataclasses.dataclass(slots=True)
+class RootsEvent:
+    """The pass starts here: the gradients of the roots of ``backward()``."""
+
+    edges: list
+    grads: list[torch.Tensor]
+
+
+@dataclasses.dataclass(slots=True)
+class GradientsEvent:
+    """Gradients arrived for the send function ``message_id`` (``grads=None``: SMART mode
+    says none can come); ``reply`` answers the call that brought them."""
+
+    message_id: int
+    grads: list[torch.Tensor | None] | None
+    reply: torch.futures.Future | None
+
+
+@dataclasses.dataclass(slots=True)
+class ResolveEvent:
+    """SMART mode asks whether the recv function ``message_id`` can still fire."""
+
+    message_id: int
+    reply: torch.futures.Future | None
+
+
+@dataclasses.dataclass(slots=True)
+class AskEvent:
+    """SMART mode, on the root's rank: ask the ``(peer, message_id)`` recv functions."""
+
+    recvs: list[tuple[int, int]]
+
+
+#: one step of a rank's share of a backward pass
+PassEvent = RootsEvent | GradientsEvent | ResolveEvent | AskEvent
+#: the events that answer the call that brought them (the termination protocol's calls)
+_ANSWERED = (GradientsEvent, ResolveEvent)
+
+
 class PassState:
     """One rank's share of one backward pass (``pass_id``) of a context."""
 
@@ -162,14 +203,12 @@ class PassState:
         self.ddp_grads: dict[Any, dict[torch.Tensor, torch.Tensor | None]] = {}
 
     # ------------------------------------------------------------- events
-    def post(self, event: tuple) -> None:
+    def post(self, event: PassEvent) -> None:
         """Queue an event and process the queue unless another thread already does."""
         with self.lock:
-            if event[0] in _ANSWERED:
-                reply = event[-1]
-                if self.parent is None:
-                    self.parent = reply  # engaged: answered when everything is done
-                    event = (*event[:-1], None)
+            if type(event) in _ANSWERED and self.parent is None:
+                self.parent = event.reply  # engaged: answered when everything is done
+                event.reply = None
             self.events.append(event)
             if self.running:
                 return
@@ -180,7 +219,7 @@ class PassState:
                     self.running = False
                     break
                 event = self.events.popleft()
-            reply = event[-1] if event[0] in _ANSWERED else None
+            reply = event.reply if type(event) in _ANSWERED else None
             try:
                 self._handle(event)
             except Exception as exc:
@@ -193,24 +232,23 @@ class PassState:
                 reply.set_result(self._own_report())
         self._maybe_finish()
 
-    def _handle(self, event: tuple) -> None:
-        kind = event[0]
+    def _handle(self, event: PassEvent) -> None:
         with span(lambda: self._describe(event)):
             if self.plan is None:
-                self._make_plan(event[1] if kind == "root" else None)
+                self._make_plan(event.edges if type(event) is RootsEvent else None)
             plan = self.plan
             self.seq = next(_event_numbers)  # across passes: the later report of a rank wins
-            if kind == "resolve":
-                self._resolve(event[1])
+            if type(event) is ResolveEvent:
+                self._resolve(event.message_id)
                 return
-            if kind == "ask":
-                for peer, message_id in event[1]:
+            if type(event) is AskEvent:
+                for peer, message_id in event.recvs:
                     self._ask(peer, message_id)
                 return
-            if kind == "root":
-                leaves, fired = plan.arrive(0, event[2], self.retain_graph)
+            if type(event) is RootsEvent:
+                leaves, fired = plan.arrive(0, event.grads, self.retain_graph)
             else:
-                message_id, grads = event[1], event[2]
+                message_id, grads = event.message_id, event.grads
                 index = self.source_of.get(message_id)
                 if index is None:
                     raise RuntimeError(
@@ -265,13 +303,13 @@ class PassState:
             finally:
                 ContextContainer.leave(previous)
 
-    def _describe(self, event: tuple) -> str:
+    def _describe(self, event: PassEvent) -> str:
         """The profiler range of one event: where its gradients came from."""
-        if event[0] == "root":
+        if type(event) is RootsEvent:
             return "mpidag.autograd.gradients(roots)"
-        if event[0] in ("resolve", "ask"):
+        if type(event) is not GradientsEvent:
             return f"mpidag.autograd.resolve({self.agent.info.name})"
-        send = self.ctx.sends.get(event[1])  # the gradients come from where it sent to
+        send = self.ctx.sends.get(event.message_id)  # the gradients come from where it sent to
         origin = "?" if send is None else self.agent.workers[send.peer].name
         return f"mpidag.autograd.gradients({origin} -> {self.agent.info.name})"
 
@@ -409,9 +447,6 @@ class PassState:
             parent.set_result(report)
 
 
-#: events answered when processed (the calls of the termination protocol)
-_ANSWERED = ("grads", "resolve")
-
 
 def _merge(into: Report, other: Report) -> None:
     for rank, entry in other.items():
@@ -490,15 +525,16 @@ class DistAutograd:
         """On the rank of a send function: its gradients arrived (``None``: none can come);
         answered per the protocol."""
         return self._post(context_id, pass_id, retain_graph, smart,
-                          ("grads", message_id, grads))
+                          lambda reply: GradientsEvent(message_id, grads, reply))
 
     def _on_resolve(self, context_id: int, pass_id: int, message_id: int, retain_graph: bool
                     ) -> torch.futures.Future:
         """On the rank of a recv function: SMART mode asks whether it can still fire."""
-        return self._post(context_id, pass_id, retain_graph, True, ("resolve", message_id))
+        return self._post(context_id, pass_id, retain_graph, True,
+                          lambda reply: ResolveEvent(message_id, reply))
 
     def _post(self, context_id: int, pass_id: int, retain_graph: bool, smart: bool,
-              event: tuple) -> torch.futures.Future:
+              event: Callable[[torch.futures.Future], PassEvent]) -> torch.futures.Future:
         """Hand a call of the termination protocol to this rank's share of the pass."""
         reply: torch.futures.Future = torch.futures.Future()
         ctx = self.container.contexts.get(context_id)
@@ -514,7 +550,7 @@ class DistAutograd:
                 state = ctx.passes[pass_id] = PassState(self, ctx, pass_id, retain_graph,
                                                         smart=smart,
                                                         root=False)
-        state.post((*event, reply))
+        state.post(event(reply))
         return reply
 
     def backward(self, context_id: int, roots: list[torch.Tensor],
@@ -540,7 +576,7 @@ class DistAutograd:
         report: Report = {}
         try:
             with span(lambda: "mpidag.autograd.backward"):
-                state.post(("root", edges, grads))
+                state.post(RootsEvent(edges, grads))
                 agent.engine.wait_until(done.done, None)
                 asked: set[tuple[int, int]] = set()
                 while mode == "smart" and future_error(done) is None:
@@ -553,7 +589,7 @@ class DistAutograd:
                     done = torch.futures.Future()
                     with state.lock:
                         state.parent = done
-                    state.post(("ask", sorted(new)))
+                    state.post(AskEvent(sorted(new)))
                     agent.engine.wait_until(done.done, None)
         finally:
             with ctx.lock:
