@@ -46,13 +46,16 @@ def sleep_then(seconds, value):
     return value
 
 
-_RELEASED: dict[str, threading.Event] = {}
 _RELEASED_LOCK = threading.Lock()
 
 
 def _release_event(key):
+    """This rank's event for ``key`` (per rank: in-process ranks share this module)."""
+    from tests.contract.harness import rank_state
+
+    released = rank_state("rpc_funcs.released", dict)
     with _RELEASED_LOCK:
-        return _RELEASED.setdefault(key, threading.Event())
+        return released.setdefault(key, threading.Event())
 
 
 def wait_for_release(key, value, limit=60.0):

@@ -45,17 +45,21 @@ def forward_then_fetch(rref, via_ranks):
                         timeout=60)
 
 
+def _held() -> list:
+    """This rank's held RRefs (per rank: in-process ranks share this module)."""
+    from tests.contract.harness import rank_state
+
+    return rank_state("rref_funcs.held", list)
+
+
 def hold(rref):
-    HELD.append(rref)
-    return len(HELD)
+    _held().append(rref)
+    return len(_held())
 
 
 def drop_held():
-    HELD.clear()
+    _held().clear()
     gc.collect()
-
-
-HELD: list = []
 
 
 def echo(x):

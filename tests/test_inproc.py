@@ -3,7 +3,13 @@
 Each test starts a world of ranks as threads of this process (the same runtimes, framing
 and protocols as under MPI, with queues in place of MPI) and checks real values: results,
 remote errors, RRef lifetimes and gradients against plain local autograd. The whole file
-runs in seconds; the MPI transport keeps its own multi-rank tests.
+runs in seconds.
+
+The public protocol behaviour (RPC, RRefs, distributed autograd, the optimizer,
+RemoteModule) is tested once, on both transports, by the contract suite in tests/contract/;
+what stays here needs this transport's internals: the transport itself, a runtime's own
+objects (a one-thread pool, the encoded messages, the progress engine) or this process's
+logging.
 """
 
 from __future__ import annotations
@@ -20,8 +26,7 @@ import torch
 from mpidag._config import Config
 from mpidag._runtime import Runtime
 from mpidag.agent.messages import FLAG_FUNCTION_REF
-from mpidag.errors import RemoteTraceback, RPCError, SerializationError
-from mpidag.testing import _DelayedSender
+from mpidag.errors import RPCError, SerializationError
 from mpidag.transport import frames
 from mpidag.transport.frames import Envelope
 from mpidag.transport.inproc import InProcWorld
@@ -113,16 +118,7 @@ def test_collectives_of_an_in_process_world():
 
 # ------------------------------------------------------------------------------- agent
 
-def test_calls_results_and_remote_errors(world):
-    last = len(world) - 1
-    assert call(world[0], last, rf.add, torch.ones(2), 3).tolist() == [4.0, 4.0]
-    assert call(world[last], 0, rf.add, "a", b="b") == "ab"
-    with pytest.raises(ValueError, match="from rank 0") as info:
-        call(world[0], 1, rf.raise_value_error, "from rank 0")
-    assert isinstance(info.value.__cause__, RemoteTraceback)
-    assert "worker1" in info.value.__cause__.text
-
-
+# in-process only: a one-thread pool (tests/contract/test_rpc.py has the public behaviour)
 def test_base_exceptions_are_answers_and_the_pool_survives():
     runtimes = start_world(2, num_worker_threads=1)
     try:
@@ -206,56 +202,6 @@ def test_a_call_naming_an_unknown_handler_gets_a_clear_error(world):
     stranger = Handler("no.such.handler", rf.noop)
     with pytest.raises(RPCError, match="no internal handler 'no.such.handler'"):
         call(world[0], 1, stranger)
-
-
-# -------------------------------------------------------------------------------- RRef
-
-def fetch_from(rref):
-    """Runs on another rank: fetches through that rank's own RRef layer."""
-    return rref.to_here() + 1
-
-
-def test_rref_create_fork_fetch_and_free(world):
-    owner = len(world) - 1
-    rrefs = world[0].rrefs
-    handle = rrefs.remote(owner, torch.add, (torch.ones(2), 1), {}, TIMEOUT)
-    assert not handle.is_owner() and handle.owner().id == owner
-    assert handle.to_here().tolist() == [2.0, 2.0]
-    # forked to every rank (the owner included) as an argument
-    for rank in range(len(world)):
-        assert call(world[0], rank, fetch_from, handle).tolist() == [3.0, 3.0]
-    assert handle.rpc_sync().sum().item() == 4.0                  # proxy on the owner
-    assert handle.remote().mul(2).to_here().tolist() == [4.0, 4.0]
-    assert world[owner].rrefs.debug_info()["num_owner_rrefs"] >= 1
-    del handle
-    settle(world)
-    for runtime in world:
-        info = runtime.rrefs.debug_info()
-        assert info["num_owner_rrefs"] == 0 and info["num_user_rrefs"] == 0, info
-
-
-def test_rref_protocol_with_delayed_reordered_control_messages(world):
-    senders = [_DelayedSender(rt.transport, max_delay=0.005, seed=rt.agent.rank)
-               for rt in world]
-    for rt, sender in zip(world, senders, strict=True):
-        rt.transport.send_hook = sender.hook
-    try:
-        handles = [world[r].rrefs.remote((r + 1) % len(world), torch.ones, (r + 1,), {},
-                                         TIMEOUT) for r in range(len(world))]
-        for r, handle in enumerate(handles):
-            nxt = (r + 2) % len(world)
-            assert call(world[r], nxt, fetch_from, handle).sum().item() == 2 * (r + 1)
-        del handles, handle
-        settle(world)
-    finally:
-        for rt, sender in zip(world, senders, strict=True):
-            rt.transport.send_hook = None
-            sender.stop()
-    settle(world)
-    assert sum(s.delayed for s in senders) > 0
-    for runtime in world:
-        info = runtime.rrefs.debug_info()
-        assert not any(info.values()), info
 
 
 # ---------------------------------------------------------------------------- autograd

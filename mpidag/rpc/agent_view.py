@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -88,15 +89,32 @@ class _Gathering:
         self.done = threading.Event()
 
 
-_gatherings: defaultdict[str, _Gathering] = defaultdict(_Gathering)
-_sequence: dict[str, int] = {}
+class _GatherState:
+    """A worker's all-gathers: those it leads or waits in, and its sequence numbers."""
+
+    def __init__(self) -> None:
+        self.gatherings: defaultdict[str, _Gathering] = defaultdict(_Gathering)
+        self.sequence: dict[str, int] = {}
+
+
+#: per runtime, not per process: the ranks of an in-process world share this module
+_states: weakref.WeakKeyDictionary[Any, _GatherState] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
+
+
+def _state() -> _GatherState:
+    """The current runtime's all-gather state (call with ``_lock`` held)."""
+    runtime = _runtime.current()
+    state = _states.get(runtime)
+    if state is None:
+        state = _states[runtime] = _GatherState()
+    return state
 
 
 def _gather_to_leader(sequence_id: str, worker_name: str, obj: Any,
                       worker_names: list[str]) -> None:
     with _lock:
-        gathering = _gatherings[sequence_id]
+        gathering = _state().gatherings[sequence_id]
         if worker_name in gathering.objects:
             raise RuntimeError(f"{worker_name} joined all-gather {sequence_id!r} twice")
         gathering.objects[worker_name] = obj
@@ -106,7 +124,7 @@ def _gather_to_leader(sequence_id: str, worker_name: str, obj: Any,
 
 def _broadcast_to_follower(sequence_id: str, objects: dict[str, Any]) -> None:
     with _lock:
-        gathering = _gatherings[sequence_id]
+        gathering = _state().gatherings[sequence_id]
     gathering.objects = objects
     gathering.done.set()
 
@@ -133,8 +151,8 @@ def _all_gather(obj: Any, worker_names: Iterable[str] | None = None,
     me = agent.get_worker_info().name
     with _lock:
         key = "".join(names)
-        number = _sequence.get(key, 0)
-        _sequence[key] = number + 1
+        number = _state().sequence.get(key, 0)
+        _state().sequence[key] = number + 1
         sequence_id = f"{key}{number}"
     if timeout == UNSET_RPC_TIMEOUT:
         rpc_timeout, wait_timeout = float(runtime.agent.default_timeout), None
@@ -148,10 +166,10 @@ def _all_gather(obj: Any, worker_names: Iterable[str] | None = None,
         runtime.agent.call_sync(runtime.to_rank(leader), _gather_to_leader,
                                 (sequence_id, me, obj, names), {}, rpc_timeout)
     with _lock:
-        gathering = _gatherings[sequence_id]
+        gathering = _state().gatherings[sequence_id]
     if not gathering.done.wait(timeout=wait_timeout):
         with _lock:
-            _gatherings.pop(sequence_id, None)
+            _state().gatherings.pop(sequence_id, None)
         raise RPCTimeoutError(
             f"timed out in _all_gather after {timeout:.2f} seconds: "
             f"{sorted(set(names) - set(gathering.objects))} had not joined; "
@@ -169,12 +187,12 @@ def _all_gather(obj: Any, worker_names: Iterable[str] | None = None,
                 failed.append((name, exc))
         if failed:
             with _lock:
-                _gatherings.pop(sequence_id, None)
+                _state().gatherings.pop(sequence_id, None)
             raise RuntimeError(
                 f"Followers {[n for n, _ in failed]} timed out in _all_gather after "
                 f"{rpc_timeout:.2f} seconds. The first exception is {failed[0][1]}")
     with _lock:
-        _gatherings.pop(sequence_id, None)
+        _state().gatherings.pop(sequence_id, None)
     return gathering.objects
 
 
