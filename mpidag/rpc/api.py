@@ -526,18 +526,7 @@ def _rref_context_get_debug_info() -> dict[str, str]:
         >>> rpc._rref_context_get_debug_info()["num_owner_rrefs"]
         '0'
     """
-    rrefs = _runtime.current().rrefs
-    info = rrefs.debug_info()  # carries out queued releases first
-    with rrefs.lock:
-        shared = sum(1 for rec in rrefs.owners.values()
-                     if rec.forks or rec.tombstones or not rec.created)
-        releasing = len(rrefs.releases) + rrefs.releasing
-    return {
-        "num_owner_rrefs": str(shared),
-        "num_forks": str(info["num_forks"]),
-        "num_pending_users": str(info["num_pending_users"]),
-        "num_pending_futures": str(info["num_pending_children"] + releasing),
-    }
+    return _runtime.current().rrefs.torch_debug_info()
 
 
 # ------------------------------------------------------------------------ profiling

@@ -35,31 +35,27 @@ import gc
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from mpidag._ids import IdGenerator
 from mpidag._remote_profiling import function_name
-from mpidag.agent.agent import Handler, RpcAgent, RpcFuture, describe, detaches_parameters
+from mpidag.agent.agent import Handler, RpcAgent, describe, detaches_parameters
 from mpidag.dist_autograd import DistAutograd
 from mpidag.errors import (
     RemoteBaseException,
     RPCError,
     async_result_error,
     detached_copy,
-    frameless,
     future_error,
     operator_error,
-    storable,
 )
 from mpidag.rref.handle import RRefHandle
+from mpidag.rref.owners import OwnerRecord, OwnerTable
+from mpidag.rref.users import UserRecord, UserTable
 
-__all__ = ["RRefContext", "OwnerRecord", "UserRecord"]
-
-#: how many freed RRef ids an owner remembers to recognise repeated protocol messages
-FREED_MEMORY = 1 << 16
+__all__ = ["OwnerRecord", "RRefContext", "UserRecord"]
 
 log = logging.getLogger(__name__)
 
@@ -71,39 +67,6 @@ class _ArgumentForks(threading.local):
 
 
 _arguments = _ArgumentForks()
-
-
-@dataclass(slots=True)
-class OwnerRecord:
-    """The owner's state of one RRef."""
-
-    rref_id: int
-    value: RpcFuture = field(default_factory=RpcFuture)
-    forks: set[int] = field(default_factory=set)  # user forks counted (confirmed or pending)
-    holders: dict[int, int] = field(default_factory=dict)  # fork id -> the rank holding it
-    pending: set[int] = field(default_factory=set)  # forks sent by the owner, not accepted
-    tombstones: set[int] = field(default_factory=set)  # deleted before being registered
-    deleted: set[int] = field(default_factory=set)  # for idempotence
-    local_handles: int = 0  # Python RRef objects for this value on the owner
-    created: bool = False  # the value (or the creation error) is set
-    #: how ``to_here()`` sends parameters in the value, by torch's rule: a Python object
-    #: is pickled (parameters detached); a tensor from ``RRef(tensor)`` or a builtin op's
-    #: ``remote()`` travels as a TorchScript value (attached)
-    detach_parameters: bool = True
-
-
-@dataclass(slots=True)
-class UserRecord:
-    """A user fork's state on the rank that holds it."""
-
-    rref_id: int
-    fork_id: int
-    owner: int
-    confirmed: bool = False
-    pending_children: set[int] = field(default_factory=set)
-    released: bool = False  # its Python handle is gone
-    delete_sent: bool = False
-    creation_error: BaseException | None = None  # remote() whose function failed
 
 
 class RRefContext:
@@ -130,24 +93,28 @@ class RRefContext:
         #: RRef and fork ids, counted apart from the agent's ids (as torch's RRef context
         #: does), so a rank's n-th RRef id reads as torch's (``repr`` of an RRef)
         self.ids = IdGenerator(agent.rank, agent.world_size)
-        self.owners: dict[int, OwnerRecord] = {}
-        self.users: dict[int, UserRecord] = {}  # by fork id
         self.lock = threading.RLock()
+        #: the values this rank owns, and the forks of them other ranks hold
+        self.owners = OwnerTable(self.lock, self.ids, agent.failed, agent.where())
+        #: the forks of values owned elsewhere that this rank holds
+        self.users = UserTable(
+            self.lock, lambda owner, rref_id, fork_id: self.send(
+                owner, self._user_delete, rref_id, fork_id),
+            agent.engine.wake_waiters, agent.where())
         #: (rref_id, fork_id or None) of handles Python freed, for the leader to process
         self.releases: collections.deque[tuple[int, int | None]] = collections.deque()
         self.releasing = 0  # releases taken off the queue whose messages are not sent yet
-        #: ids of freed owner records, so a repeated message is not taken for an early one
-        self._freed: collections.deque[int] = collections.deque(maxlen=FREED_MEMORY)
-        self._freed_set: set[int] = set()
         register = agent.register_handler
         # protocol steps: short, in arrival order, on the receiving leader
-        self._user_delete = register("rref.user_delete", self.delete_fork, mode="control")
-        self._user_accept = register("rref.user_accept", self.accept_pending, mode="control")
+        self._user_delete = register("rref.user_delete", self.owners.delete_fork,
+                                     mode="control")
+        self._user_accept = register("rref.user_accept", self.owners.accept_pending,
+                                     mode="control")
         self._fork_request = register("rref.fork_request", self._on_fork_request,
                                       mode="control")
-        self._child_accept = register("rref.child_accept", self.child_accepted,
+        self._child_accept = register("rref.child_accept", self.users.child_accepted,
                                       mode="control")
-        self._fork_confirmed = register("rref.fork_confirmed", self.confirm_user,
+        self._fork_confirmed = register("rref.fork_confirmed", self.users.confirm,
                                         mode="control")
         # calls on the owner
         self._create = register(
@@ -160,7 +127,7 @@ class RRefContext:
             "rref.fetch", self._on_fetch, asynchronous=True,
             describe=lambda rref_id: f"RRef(0x{rref_id:x}).to_here()",
             profile_as=lambda rref_id: (None, "to_here"),
-            detaches=self._fetch_detaches)
+            detaches=self.owners.detaches)
         self._invoke = register(
             "rref.invoke", self._on_invoke, asynchronous=True,
             describe=lambda rref, name, *_: f"RRef(0x{rref._rref_id:x}).{name}()",
@@ -175,124 +142,7 @@ class RRefContext:
                         before_shutdown=self.release_all_users,
                         arguments=(self._begin_arguments, self._end_arguments))
 
-    # ------------------------------------------------------------- owner side
-    def owner_record(self, rref_id: int) -> OwnerRecord:
-        """Get or make the record: protocol messages may arrive before the creation."""
-        rec = self.owners.get(rref_id)
-        if rec is None:
-            rec = self.owners[rref_id] = OwnerRecord(rref_id)
-        return rec
-
-    def existing_or_pending(self, rref_id: int) -> OwnerRecord | None:
-        """The record, made if its creation has not run yet; ``None`` if already freed.
-
-        A fetch can overtake the ``remote()`` call that creates the value: both are
-        dispatched in order but run on different pool threads.
-        """
-        with self.lock:
-            if rref_id in self._freed_set:
-                return None
-            return self.owner_record(rref_id)
-
-    def create_local_record(self, value: Any) -> int:
-        """An owner record holding ``value`` at once (``RRef(value)``); returns its id."""
-        rref_id = self.ids.next()
-        with self.lock:
-            rec = self.owner_record(rref_id)
-            rec.value.set_result(value)
-            rec.created = True
-            rec.detach_parameters = not isinstance(value, torch.Tensor)
-            rec.local_handles += 1
-        return rref_id
-
-    def finish_creation(self, rref_id: int, value: Any = None,
-                        error: BaseException | None = None,
-                        detach_parameters: bool = True) -> None:
-        if error is not None:
-            error = frameless(error, self.agent.where())
-        with self.lock:
-            rec = self.owner_record(rref_id)
-            if rec.created:
-                return
-            rec.created = True
-            rec.detach_parameters = detach_parameters
-            fut = rec.value
-            self._maybe_free(rec)
-        if error is None:
-            fut.set_result(value)
-        else:  # a future holds Exceptions only; its wait() raises a SystemExit as itself
-            fut.set_exception(storable(error))
-
-    def register_fork(self, rref_id: int, fork_id: int, holder: int,
-                      pending: bool = False) -> None:
-        with self.lock:
-            rec = self.owner_record(rref_id)
-            if fork_id in rec.deleted or fork_id in rec.forks:
-                return
-            if fork_id in rec.tombstones:  # its delete arrived first
-                rec.tombstones.discard(fork_id)
-                self._retire(rec, fork_id)
-                return
-            if holder in self.agent.failed:  # a fork for a rank that failed: never counted
-                return
-            rec.forks.add(fork_id)
-            rec.holders[fork_id] = holder
-            if pending:
-                rec.pending.add(fork_id)
-
-    def delete_fork(self, rref_id: int, fork_id: int) -> None:
-        with self.lock:
-            rec = self.owners.get(rref_id)
-            if rec is None:
-                if rref_id in self._freed_set:  # a repeated delete: nothing to do
-                    return
-                # the delete overtook the creation (or the fork request): remember it
-                rec = self.owner_record(rref_id)
-            if fork_id in rec.deleted:
-                return
-            if fork_id in rec.forks:
-                self._retire(rec, fork_id)
-            else:
-                rec.tombstones.add(fork_id)
-                self._maybe_free(rec)
-
-    def accept_pending(self, rref_id: int, fork_id: int) -> None:
-        with self.lock:
-            rec = self.owners.get(rref_id)
-            if rec is not None:
-                rec.pending.discard(fork_id)
-
-    def add_local_handle(self, rref_id: int, from_pending_fork: int | None = None) -> None:
-        with self.lock:
-            rec = self.owner_record(rref_id)
-            rec.local_handles += 1
-            if from_pending_fork is not None and from_pending_fork in rec.forks:
-                self._retire(rec, from_pending_fork)
-
-    def drop_local_handle(self, rref_id: int) -> None:
-        with self.lock:
-            rec = self.owners.get(rref_id)
-            if rec is not None:
-                rec.local_handles -= 1
-                self._maybe_free(rec)
-
-    def _retire(self, rec: OwnerRecord, fork_id: int) -> None:
-        """The fork no longer counts; remember it so repeated messages are ignored."""
-        rec.forks.discard(fork_id)
-        rec.pending.discard(fork_id)
-        rec.holders.pop(fork_id, None)
-        rec.deleted.add(fork_id)
-        self._maybe_free(rec)
-
-    def _maybe_free(self, rec: OwnerRecord) -> None:
-        if not rec.created or rec.forks or rec.tombstones or rec.local_handles > 0:
-            return
-        if self.owners.pop(rec.rref_id, None) is not None:
-            if len(self._freed) == self._freed.maxlen:
-                self._freed_set.discard(self._freed[0])
-            self._freed.append(rec.rref_id)
-            self._freed_set.add(rec.rref_id)
-
+    # ------------------------------------------------------------- releases
     def process_releases(self) -> None:
         """Carry out the releases queued by ``RRef.__del__`` (called by the leader)."""
         releases = self.releases
@@ -305,70 +155,24 @@ class RRefContext:
                 except IndexError:
                     return
                 if fork_id is None:
-                    self.drop_local_handle(rref_id)
+                    self.owners.drop_local_handle(rref_id)
                 else:
-                    self.release_user(fork_id)
+                    self.users.release(fork_id)
             finally:
                 with self.lock:
                     self.releasing -= 1
 
-    # -------------------------------------------------------------- user side
-    def add_user(self, rref_id: int, fork_id: int, owner: int, confirmed: bool) -> UserRecord:
-        with self.lock:
-            rec = self.users.get(fork_id)
-            if rec is None:
-                rec = self.users[fork_id] = UserRecord(rref_id, fork_id, owner, confirmed)
-            return rec
-
-    def confirm_user(self, fork_id: int, error: BaseException | None = None) -> None:
-        with self.lock:
-            rec = self.users.get(fork_id)
-            if rec is not None:
-                rec.confirmed = True
-                if isinstance(error, RemoteBaseException):  # to_here() raises SystemExit &co.
-                    error = error.exception
-                if error is not None:
-                    rec.creation_error = frameless(error, self.agent.where())
-                self._maybe_delete_user(rec)
-        self.agent.engine.wake_waiters()  # a call may wait for its RRef arguments
-
-    def child_accepted(self, parent_fork: int, child_fork: int) -> None:
-        with self.lock:
-            rec = self.users.get(parent_fork)
-            if rec is not None:
-                rec.pending_children.discard(child_fork)
-                self._maybe_delete_user(rec)
-
-    def release_user(self, fork_id: int) -> None:
-        """The Python handle of a user fork is gone."""
-        with self.lock:
-            rec = self.users.get(fork_id)
-            if rec is not None:
-                rec.released = True
-                self._maybe_delete_user(rec)
-
-    def _maybe_delete_user(self, rec: UserRecord) -> None:
-        # G2: not before every child forked from this user is confirmed by the owner. The
-        # delete may overtake the remote() that made the value (the owner then keeps a
-        # tombstone for it); a failed creation's fork is counted too and is dropped alike
-        if not rec.released or rec.pending_children or rec.delete_sent:
-            return
-        rec.delete_sent = True
-        self.users.pop(rec.fork_id, None)
-        self.send(rec.owner, self._user_delete, rec.rref_id, rec.fork_id)
+    def create_local_record(self, value: Any) -> int:
+        """An owner record holding ``value`` at once (``RRef(value)``); returns its id."""
+        return self.owners.create_local_record(value)
 
     # ------------------------------------------------------------ failed ranks
     def _on_peer_failed(self, rank: int) -> None:
         """``rank`` failed: its forks of this rank's values no longer count (the values
         are freed when nothing else holds them), and this rank's forks of values it owned
         are dropped (using them raises ``WorkerFailedError``; nothing is sent for them)."""
-        with self.lock:
-            for rec in list(self.owners.values()):
-                for fork_id in [f for f, holder in rec.holders.items() if holder == rank]:
-                    self._retire(rec, fork_id)
-            for fork_id in [f for f, rec in self.users.items() if rec.owner == rank]:
-                rec = self.users.pop(fork_id)
-                rec.delete_sent = True
+        self.owners.drop_forks_of(rank)
+        self.users.drop_forks_owned_by(rank)
 
     # --------------------------------------------------------------- messages
     def send(self, dst: int, handler: Any, *args: Any) -> None:
@@ -387,37 +191,53 @@ class RRefContext:
         """Shutdown hook: release user forks Python still references, and report them."""
         gc.collect()
         self.process_releases()
-        with self.lock:
-            live = [rec for rec in self.users.values() if not rec.released]
-            for rec in live:
-                rec.released = True
-            for rec in list(self.users.values()):
-                rec.pending_children.clear()
-                self._maybe_delete_user(rec)
+        live = self.users.release_all()
         if live:
             log.warning("%s: %d user RRef(s) still referenced at shutdown were released "
-                        "(their owners free the values)", self.agent.where(), len(live))
+                        "(their owners free the values)", self.agent.where(), live)
 
     def debug_info(self) -> dict[str, int]:
-        self.process_releases()
-        with self.lock:
-            return {
-                "num_owner_rrefs": len(self.owners),
-                "num_forks": sum(len(r.forks) for r in self.owners.values()),
-                "num_pending_users": sum(len(r.pending) for r in self.owners.values())
-                + sum(1 for r in self.users.values() if not r.confirmed),
-                "num_pending_children": sum(len(r.pending_children)
-                                            for r in self.users.values()),
-                "num_user_rrefs": len(self.users),
-                "num_tombstones": sum(len(r.tombstones) for r in self.owners.values()),
-            }
+        """mpidag's RRef counters (after carrying out queued releases).
 
+        Example::
+
+            >>> runtime.rrefs.debug_info()["num_owner_rrefs"]
+            0
+        """
+        self.process_releases()
+        owners, users = self.owners.counts(), self.users.counts()
+        return {
+            "num_owner_rrefs": owners["num_owner_rrefs"],
+            "num_forks": owners["num_forks"],
+            "num_pending_users": owners["num_pending_forks"] + users["num_unconfirmed_users"],
+            "num_pending_children": users["num_pending_children"],
+            "num_user_rrefs": users["num_user_rrefs"],
+            "num_tombstones": owners["num_tombstones"],
+        }
+
+    def torch_debug_info(self) -> dict[str, str]:
+        """torch's ``_rref_context_get_debug_info()``: its four keys, string values.
+
+        Example::
+
+            >>> runtime.rrefs.torch_debug_info()["num_pending_futures"]
+            '0'
+        """
+        info = self.debug_info()  # carries out queued releases first
+        shared = self.owners.counts()["num_shared"]
+        with self.lock:
+            releasing = len(self.releases) + self.releasing
+        return {
+            "num_owner_rrefs": str(shared),
+            "num_forks": str(info["num_forks"]),
+            "num_pending_users": str(info["num_pending_users"]),
+            "num_pending_futures": str(info["num_pending_children"] + releasing),
+        }
 
     def stuck_owners(self) -> list[int]:
         """Ids of owner records that still count user forks (after a graceful shutdown:
         a protocol message was lost)."""
-        with self.lock:
-            return [rec.rref_id for rec in self.owners.values() if rec.forks or rec.tombstones]
+        return self.owners.stuck()
 
     # ------------------------------------------------------------ pickling handles
     def _handle(self, rref_id: int, owner: int, fork_id: int | None) -> RRefHandle:
@@ -439,15 +259,12 @@ class RRefContext:
         child = self.ids.next()
         rref_id, fork_id = handle._rref_id, handle._fork_id
         if fork_id is None:  # the owner forks: count the child at once
-            self.register_fork(rref_id, child, dst, pending=True)
-            scope.on_failure(lambda: self.delete_fork(rref_id, child))
+            self.owners.register_fork(rref_id, child, dst, pending=True)
+            scope.on_failure(lambda: self.owners.delete_fork(rref_id, child))
         else:  # a user forks: keep this user alive until the owner confirms the child (G2)
-            with self.lock:
-                rec = self.users.get(fork_id)
-                if rec is None or rec.delete_sent:
-                    raise RPCError(f"{handle!r} was already deleted")
-                rec.pending_children.add(child)
-            scope.on_failure(lambda: self.child_accepted(fork_id, child))
+            if not self.users.start_child(fork_id, child):
+                raise RPCError(f"{handle!r} was already deleted")
+            scope.on_failure(lambda: self.users.child_accepted(fork_id, child))
         return rref_id, handle._owner, child, self.rank, fork_id
 
     def _rebuild_handle(self, state: tuple) -> RRefHandle:
@@ -456,16 +273,16 @@ class RRefContext:
         me = self.rank
         if me == owner:
             # back at the owner: a local handle; a pending fork of the owner's is consumed
-            self.add_local_handle(rref_id,
-                                  from_pending_fork=child if parent_fork is None else None)
+            self.owners.add_local_handle(
+                rref_id, from_pending_fork=child if parent_fork is None else None)
             if parent_fork is not None:
                 self.send(parent_rank, self._child_accept, parent_fork, child)
             return self._handle(rref_id, owner, None)
         if parent_fork is None:  # sent by the owner, which already counts this fork
-            self.add_user(rref_id, child, owner, confirmed=True)
+            self.users.add(rref_id, child, owner, confirmed=True)
             self.send(owner, self._user_accept, rref_id, child)
         else:  # sent by another user: ask the owner to count it
-            rec = self.add_user(rref_id, child, owner, confirmed=False)
+            rec = self.users.add(rref_id, child, owner, confirmed=False)
             unconfirmed = _arguments.unconfirmed
             if unconfirmed is not None:  # an argument: the call waits for the owner's answer
                 unconfirmed.append(rec)
@@ -491,7 +308,7 @@ class RRefContext:
     # ---------------------------------------------------------- user-facing calls
     def create_local(self, value: Any) -> RRefHandle:
         """A handle to ``value`` owned by this rank (``RRef(value)``)."""
-        return self._handle(self.create_local_record(value), self.rank, None)
+        return self._handle(self.owners.create_local_record(value), self.rank, None)
 
     def remote(self, dst: int, func: Callable, args: tuple, kwargs: dict,
                timeout: float) -> RRefHandle:
@@ -500,7 +317,7 @@ class RRefContext:
         rref_id = self.ids.next()
         if dst == self.rank:
             with self.lock:
-                self.owner_record(rref_id).local_handles += 1
+                self.owners.record(rref_id).local_handles += 1
             handle = self._handle(rref_id, dst, None)
             fut = agent.call(dst, self._create, (rref_id, None, func, args, kwargs), {},
                              timeout)
@@ -508,18 +325,18 @@ class RRefContext:
             handle._creation_future = fut
             return handle
         fork_id = self.ids.next()
-        self.add_user(rref_id, fork_id, dst, confirmed=False)
+        self.users.add(rref_id, fork_id, dst, confirmed=False)
         handle = self._handle(rref_id, dst, fork_id)
         fut = agent.call(dst, self._create, (rref_id, fork_id, func, args, kwargs), {},
                          timeout)
-        fut.add_internal_callback(lambda f: self.confirm_user(fork_id, error=future_error(f)))
+        fut.add_internal_callback(lambda f: self.users.confirm(fork_id, error=future_error(f)))
         handle._creation_future = fut
         return handle
 
     def _creation_timeout(self, rref_id: int, fut: torch.futures.Future) -> None:
         error = future_error(fut)
         if error is not None:  # the call itself failed (e.g. timed out): fail the value
-            self.finish_creation(rref_id, error=error)
+            self.owners.finish_creation(rref_id, error=error)
 
     def fetch(self, handle: RRefHandle, timeout: float) -> Any:
         """A copy of a user handle's value, from its owner (``to_here()``)."""
@@ -559,7 +376,7 @@ class RRefContext:
 
     def owner_value(self, rref_id: int) -> Any:
         """The value of an owner record (waits for a ``remote()`` still running)."""
-        rec = self.existing_or_pending(rref_id)
+        rec = self.owners.existing_or_pending(rref_id)
         if rec is None:
             raise RPCError(f"the value of RRef 0x{rref_id:x} no longer exists on its owner "
                            f"{self.agent.info.name}")
@@ -568,13 +385,13 @@ class RRefContext:
     # ------------------------------------------------------------------ handlers
     def _on_fork_request(self, rref_id: int, fork_id: int, parent_rank: int,
                          parent_fork: int, child_rank: int) -> None:
-        self.register_fork(rref_id, fork_id, child_rank)
+        self.owners.register_fork(rref_id, fork_id, child_rank)
         self.send(parent_rank, self._child_accept, parent_fork, fork_id)
         self.send(child_rank, self._fork_confirmed, fork_id)
 
     def _on_fetch(self, rref_id: int) -> torch.futures.Future:
         """On the owner: a future of the value, answered when the value exists."""
-        rec = self.existing_or_pending(rref_id)
+        rec = self.owners.existing_or_pending(rref_id)
         if rec is None:
             fut = torch.futures.Future()
             fut.set_exception(RPCError(
@@ -583,17 +400,12 @@ class RRefContext:
             return fut
         return rec.value
 
-    def _fetch_detaches(self, rref_id: int) -> bool:
-        """On the owner: how ``to_here()`` sends the value's parameters (torch's rule)."""
-        rec = self.owners.get(rref_id)
-        return True if rec is None else rec.detach_parameters
-
     def _run_on_owner(self, rref_id: int, creator_fork: int | None, func: Callable,
                       args: tuple, kwargs: dict) -> None:
         """On the owner: count the creator's fork, then run the function behind
         ``remote()`` and store its value or error."""
         if creator_fork is not None:  # made (by id) on the rank that called remote()
-            self.register_fork(rref_id, creator_fork, self.ids.creator(creator_fork))
+            self.owners.register_fork(rref_id, creator_fork, self.ids.creator(creator_fork))
         try:
             value = func(*args, **kwargs)
             if getattr(func, "_wrapped_async_rpc_function", None) is not None:
@@ -605,10 +417,10 @@ class RRefContext:
                 value = value.wait()
         except BaseException as exc:  # noqa: BLE001 - SystemExit & co. fail the value too
             exc = operator_error(func, exc)
-            self.finish_creation(rref_id, error=exc)
+            self.owners.finish_creation(rref_id, error=exc)
             raise exc  # the caller of remote() learns of it too
-        self.finish_creation(rref_id, value=value,
-                             detach_parameters=detaches_parameters(func, args))
+        self.owners.finish_creation(rref_id, value=value,
+                                    detach_parameters=detaches_parameters(func, args))
 
     def _on_invoke(self, handle: RRefHandle, name: str, args: tuple, kwargs: dict) -> Any:
         """On the owner: ``getattr(value, name)(*args, **kwargs)``, or the method's own
