@@ -197,16 +197,23 @@ def forward_unused(to, x):
 
 
 def in_threads(worker, n: int) -> None:
-    """Run ``worker(i)`` for i in range(n), each in its own thread; raise the first error."""
+    """Run ``worker(i)`` for i in range(n), each in its own thread; raise the first error.
+    Each thread acts as the caller's rank (in-process ranks: the caller's runtime)."""
     import threading
 
+    from mpidag import _runtime
+
     errors: list[BaseException] = []
+    runtime = _runtime.current_or_none()
 
     def guarded(i: int) -> None:
+        _runtime.bind_thread(runtime)
         try:
             worker(i)
         except BaseException as exc:  # noqa: BLE001 - raised below, in the caller
             errors.append(exc)
+        finally:
+            _runtime.bind_thread(None)
 
     threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
     for t in threads:

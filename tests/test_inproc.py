@@ -30,7 +30,6 @@ from mpidag.errors import RPCError, SerializationError
 from mpidag.transport import frames
 from mpidag.transport.frames import Envelope
 from mpidag.transport.inproc import InProcWorld
-from tests import autograd_funcs as af
 from tests import rpc_funcs as rf
 
 TIMEOUT = 20.0
@@ -202,100 +201,6 @@ def test_a_call_naming_an_unknown_handler_gets_a_clear_error(world):
     stranger = Handler("no.such.handler", rf.noop)
     with pytest.raises(RPCError, match="no internal handler 'no.such.handler'"):
         call(world[0], 1, stranger)
-
-
-# ---------------------------------------------------------------------------- autograd
-
-def test_distributed_backward_matches_local_autograd(world):
-    rt = world[0]
-    contexts = rt.autograd.container
-    x = torch.rand(4, requires_grad=True)
-    w = torch.rand(4, requires_grad=True)
-    ctx = contexts.new_context()
-    previous = contexts.enter(ctx)
-    try:
-        y = call(rt, 1, af.mul_sin, x, w)                    # recorded: send + recv
-        handle = rt.rrefs.remote(len(world) - 1, af.square, (x,), {}, TIMEOUT)
-        loss = (y * handle.to_here()).sum()
-    finally:
-        contexts.leave(previous)
-    rt.autograd.backward(ctx.context_id, [loss])
-    grads = ctx.gradients.snapshot()
-    ex, ew = torch.autograd.grad((af.mul_sin(x, w) * af.square(x)).sum(), [x, w])
-    torch.testing.assert_close(grads[x], ex)
-    torch.testing.assert_close(grads[w], ew)
-    assert x.grad is None
-    contexts.release(ctx)
-    del handle, y, loss
-    settle(world)
-    for runtime in world:
-        info = runtime.autograd.container.debug_info()
-        assert info["num_autograd_contexts"] == 0 and info["num_live_send_functions"] == 0, \
-            info
-
-
-def live_functions(runtime: Runtime) -> tuple[int, int]:
-    info = runtime.debug_info()
-    return info["num_live_send_functions"], info["num_live_recv_functions"]
-
-
-def test_live_send_and_recv_functions_are_counted_by_the_rank_that_made_them(world):
-    """A tensor that requires grad goes from rank 0 to rank 1 and a float comes back: one
-    send function on rank 0, one recv function on rank 1, none elsewhere (the counts were
-    process-wide: every rank of an in-process world reported the others' too)."""
-    rt = world[0]
-    contexts = rt.autograd.container
-    x = torch.rand(4, requires_grad=True)
-    ctx = contexts.new_context()
-    previous = contexts.enter(ctx)
-    try:
-        assert call(rt, 1, rf.checksum, x)[0] == pytest.approx(float(x.sum()))
-    finally:
-        contexts.leave(previous)
-    assert [live_functions(r) for r in world] == [(1, 0), (0, 1)] + [(0, 0)] * (len(world) - 2)
-    assert set(contexts.torch_debug_info()) == {"num_current_backward_passes",
-                                                "num_autograd_contexts"}
-    contexts.release(ctx)
-    settle(world)  # rank 1 lets go of the context when rank 0's release reaches it
-    assert [live_functions(r) for r in world] == [(0, 0)] * len(world)
-
-
-def test_live_count_is_exact_while_threads_count_and_read_at_once():
-    from mpidag.dist_autograd.context import LiveCount
-
-    count = LiveCount()
-    seen: list[int] = []
-
-    def work(thread: int) -> None:
-        for _ in range(20_000):
-            count.made()
-            if thread % 2:
-                seen.append(count.live)  # readers too: they must not shift the figure
-            count.freed()
-
-    on_every_rank(4, work)
-    assert count.live == 0 and min(seen) >= 1 and max(seen) <= 4
-    for _ in range(5):
-        count.made()
-    assert count.live == 5
-
-
-def test_tensor_subclass_takes_part_in_distributed_autograd(world):
-    rt = world[0]
-    contexts = rt.autograd.container
-    x = torch.rand(3, requires_grad=True)
-    ctx = contexts.new_context()
-    previous = contexts.enter(ctx)
-    try:
-        back = call(rt, 1, af.scale_tagged, af.tagged(x * 2, "metres"), 3.0)
-    finally:
-        contexts.leave(previous)
-    assert type(back) is af.TaggedTensor and back.tag == "scaled"
-    rt.autograd.backward(ctx.context_id, [(back * x).sum()])
-    (expected,) = torch.autograd.grad((af.scale_tagged(af.tagged(x * 2, "metres"), 3.0)
-                                       * x).sum(), [x])
-    torch.testing.assert_close(ctx.gradients.snapshot()[x], expected)
-    contexts.release(ctx)
 
 
 # ---------------------------------------------------------------------------- progress
