@@ -76,6 +76,20 @@ def reports(out: str) -> dict[str, dict]:
 @pytest.mark.parametrize("how", ["kill", "segfault"])
 def test_calls_rrefs_and_shutdown_survive_a_lost_worker(job, how):
     result = job(PRELUDE + f"""
+import atexit
+hook, exit_fn = sys.excepthook, sys.exit
+registered = []   # the exit hooks registered now (atexit does not say)
+real_register, real_unregister = atexit.register, atexit.unregister
+
+def register(fn):
+    registered.append(fn.__name__)
+    return real_register(fn)
+
+def unregister(fn):
+    registered[:] = [name for name in registered if name != fn.__name__]
+    real_unregister(fn)
+
+atexit.register, atexit.unregister = register, unregister
 rpc.init_rpc()
 me = rpc.get_worker_info().id
 if me == 0:
@@ -110,7 +124,8 @@ elif me == 1:
     report(failed=[w.name for w in rpc.failed_workers()], owned_before=before,
            owned_after=int(rpc.api._get_debug_info()["num_owner_rrefs"]))
 rpc.shutdown()
-report(shutdown=True)
+report(shutdown=True, hooks=(sys.excepthook is hook, sys.exit is exit_fn,
+                             getattr(sys.exit, "previous", None) is exit_fn, registered))
 """, nprocs=3, timeout=90, launcher=FT)
     out = result.stdout + result.stderr
     seen = reports(out)
@@ -122,6 +137,12 @@ report(shutdown=True)
     assert w1["failed"] == ["worker2"], out
     assert (w1["owned_before"], w1["owned_after"]) == (1, 0), out  # the dead fork let go
     assert w0.get("shutdown") and w1.get("shutdown"), out
+    # after a shutdown that lost a worker, sys.excepthook is the program's again; what
+    # stays on purpose, for the rest of the process: the exit hook that leaves without
+    # MPI_Finalize (which would wait for the dead rank forever) and the sys.exit that
+    # keeps its status for it (api._keep_exit_without_finalize says why)
+    for survivor in (w0, w1):
+        assert survivor["hooks"] == (True, False, True, ["_skip_finalize_after_failures"]), out
     assert "worker2" not in seen
 
 

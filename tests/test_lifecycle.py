@@ -61,6 +61,59 @@ print("LIFECYCLE-OK", me)
     assert out.count("LIFECYCLE-OK") == 2
 
 
+def test_process_hooks_are_removed_at_shutdown_and_installed_once_per_session(job):
+    """init_rpc installs sys.excepthook (an uncaught error ends the job) and two exit hooks
+    (a forgotten shutdown; the exit without MPI_Finalize after a failure); shutdown(),
+    graceful or not, puts sys.excepthook back and unregisters both, so every session
+    installs them once and none stacks up. sys.exit is never touched without a failure
+    (tests/test_ft.py: what stays after one). A hook the program set over mpidag's stays."""
+    out = ok(job(PRELUDE + """
+import atexit
+from mpi4py import MPI
+from mpidag.rpc import api
+hook, exit_fn = sys.excepthook, sys.exit
+registered = []   # the exit hooks registered now (atexit does not say)
+real_register, real_unregister = atexit.register, atexit.unregister
+
+def register(fn, *args, **kwargs):
+    registered.append(fn.__name__)
+    return real_register(fn, *args, **kwargs)
+
+def unregister(fn):
+    registered[:] = [name for name in registered if name != fn.__name__]
+    real_unregister(fn)
+
+atexit.register, atexit.unregister = register, unregister
+
+def state():
+    mpidags = isinstance(sys.excepthook, api._AbortOnUncaught) and \\
+        sys.excepthook.previous is hook
+    return ("mpidag's" if mpidags else "before" if sys.excepthook is hook else "other",
+            sys.exit is exit_fn, sorted(registered))
+
+seen = [state()]
+for graceful in (True, True, False):
+    rpc.init_rpc()
+    seen.append(state())
+    me = rpc.get_worker_info().id
+    assert rpc.rpc_sync(1 - me, add, args=(me, 1), timeout=10) == me + 1
+    MPI.COMM_WORLD.Barrier()   # both calls answered: neither rank needs the other now
+    rpc.shutdown(graceful=graceful, timeout=30)
+    seen.append(state())
+print("HOOKS", me, seen)
+rpc.init_rpc()
+own = lambda *exc: hook(*exc)   # the program's own hook, set over mpidag's
+sys.excepthook = own
+rpc.shutdown()
+print("OWN-HOOK-KEPT", me, sys.excepthook is own, registered)
+"""))
+    exit_hooks = ["_shutdown_at_exit", "_skip_finalize_after_failures"]
+    session = [("mpidag's", True, exit_hooks), ("before", True, [])]
+    for me in (0, 1):
+        assert f"HOOKS {me} {[('before', True, [])] + session * 3}" in out, out
+        assert f"OWN-HOOK-KEPT {me} True []" in out, out
+
+
 def test_torch_style_init_arguments_and_options(job):
     out = ok(job(PRELUDE + """
 from mpi4py import MPI

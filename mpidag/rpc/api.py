@@ -55,8 +55,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_hooks_installed = False
-
 
 def is_available() -> bool:
     """Whether mpidag's RPC can be used (mpi4py importable), as torch's ``is_available``.
@@ -275,20 +273,25 @@ def _check_world(rank: Any, world_size: Any, my_rank: int, size: int) -> Excepti
     return None
 
 
-def _install_process_hooks() -> None:
-    """At exit, shut down a forgotten agent; on an uncaught error, abort the job."""
-    global _hooks_installed
-    if _hooks_installed:
-        return
-    _hooks_installed = True
-    # registered first, so it runs last of mpidag's and later hooks (atexit is LIFO)
-    atexit.register(_skip_finalize_after_failures)
-    atexit.register(_shutdown_at_exit)
-    install_signal_dump()  # `kill -USR1 <pid>`: thread stacks, calls in flight, RRefs
-    previous = sys.excepthook
+# ------------------------------------------------------------------ process hooks
+# What a session needs from the process while it runs is installed by init_rpc and taken
+# out by shutdown(), so every init_rpc/shutdown cycle installs and removes it once and the
+# process is left as it was. One thing stays after a shutdown in which a worker of a
+# fault-tolerant job had failed: the exit that skips MPI_Finalize, and the record of
+# sys.exit's status it needs (see _keep_exit_without_finalize).
 
-    def abort_on_uncaught(exc_type, exc, tb):
-        previous(exc_type, exc, tb)
+
+class _AbortOnUncaught:
+    """``sys.excepthook`` while a session runs: prints as the hook before it did
+    (``previous``), then ends what would otherwise hang: the whole MPI job (the other ranks
+    would wait for this one forever), or under ``--ft`` this rank alone (killed, so that
+    the survivors see it fail), or the job when ``init_rpc`` failed on this rank alone."""
+
+    def __init__(self, previous: Callable[..., Any]) -> None:
+        self.previous = previous
+
+    def __call__(self, exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        self.previous(exc_type, exc, tb)
         if getattr(exc, "_mpidag_abort_if_uncaught", False):  # see init_rpc
             from mpidag.transport.mpi import abort_world
 
@@ -314,19 +317,78 @@ def _install_process_hooks() -> None:
             sys.stderr.flush()
             runtime.transport.abort(1)
 
-    sys.excepthook = abort_on_uncaught
+
+def _install_process_hooks() -> None:
+    """Install the session's process hooks (taken out by :func:`_remove_process_hooks`);
+    calling it again before they are removed changes nothing.
+
+    * ``sys.excepthook``: :class:`_AbortOnUncaught`, over the hook there was;
+    * at exit, :func:`_shutdown_at_exit` shuts down a session the program forgot to, and
+      :func:`_skip_finalize_after_failures` (registered first, so that it runs after the
+      ones registered later: atexit is last in, first out) leaves without
+      ``MPI_Finalize`` once a worker of a fault-tolerant job failed;
+    * ``kill -USR1 <pid>``: thread stacks, calls in flight, RRefs (once per process).
+    """
+    install_signal_dump()
+    for hook in (_skip_finalize_after_failures, _shutdown_at_exit):
+        atexit.unregister(hook)  # never twice: the last session's may still be there
+        atexit.register(hook)
+    if not isinstance(sys.excepthook, _AbortOnUncaught):
+        sys.excepthook = _AbortOnUncaught(sys.excepthook)
 
 
-#: set by shutdown() of a fault-tolerant session in which some worker failed
+def _remove_process_hooks() -> None:
+    """Undo :func:`_install_process_hooks` at ``shutdown()``: ``sys.excepthook`` is the
+    hook there was before ``init_rpc`` again, the exit hooks are unregistered. A hook the
+    program set over mpidag's since is left in place (it may call mpidag's, which still
+    calls the one before it). After a worker failed, the exit without ``MPI_Finalize``
+    stays (:func:`_keep_exit_without_finalize`)."""
+    hook = sys.excepthook
+    if isinstance(hook, _AbortOnUncaught):
+        sys.excepthook = hook.previous
+    atexit.unregister(_shutdown_at_exit)  # no session left to shut down at exit
+    if not _lost_workers:
+        atexit.unregister(_skip_finalize_after_failures)
+
+
+#: set by shutdown() of a fault-tolerant session in which some worker failed; for good:
+#: MPI_Finalize would wait for the dead ranks in any later session of this process too
 _lost_workers = False
 #: the status a program asked for with sys.exit() (see _skip_finalize_after_failures)
 _exit_status: list[Any] = [0]
-_sys_exit = sys.exit
 
 
-def _recording_exit(status: Any = None) -> None:
-    _exit_status[0] = status
-    _sys_exit(status)
+class _RecordingExit:
+    """``sys.exit`` once a worker of a fault-tolerant job failed: keeps the status for
+    :func:`_skip_finalize_after_failures`, then exits through the ``sys.exit`` there was
+    (``previous``)."""
+
+    def __init__(self, previous: Callable[..., Any]) -> None:
+        self.previous = previous
+
+    def __call__(self, status: Any = None) -> None:
+        _exit_status[0] = status
+        self.previous(status)
+
+
+def _keep_exit_without_finalize() -> None:
+    """At the shutdown of a fault-tolerant session in which a worker failed: this process
+    must leave without ``MPI_Finalize`` (:func:`_skip_finalize_after_failures`), so two
+    hooks outlive the session, on purpose, for the rest of the process:
+
+    * :func:`_skip_finalize_after_failures` stays registered with atexit: Open MPI 5's
+      finalize waits for the dead rank forever (open-mpi/ompi#11404), and mpi4py calls
+      it after every Python exit hook (``Py_AtExit``), with no switch to turn it off once
+      ``mpi4py.MPI`` is imported: only ``os._exit`` from an exit hook gets past it.
+    * ``sys.exit`` records its status (:class:`_RecordingExit`): ``os._exit`` needs the
+      status to exit with, and Python keeps the status of a ``SystemExit`` to itself
+      (it is gone by the time exit hooks run), so ``sys.exit(status)`` is the one place
+      to see it (docs/fault_tolerance.md: the status of ``sys.exit(status)`` is kept).
+    """
+    global _lost_workers
+    _lost_workers = True
+    if not isinstance(sys.exit, _RecordingExit):
+        sys.exit = _RecordingExit(sys.exit)
 
 
 def _skip_finalize_after_failures() -> None:
@@ -366,7 +428,6 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
         >>> fut = rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 1))
         >>> rpc.shutdown()       # waits for fut's reply and for every rank
     """
-    global _lost_workers
     with _runtime.lifecycle_lock:
         runtime = _runtime.current()
         try:
@@ -374,8 +435,8 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
         finally:
             _runtime.uninstall(runtime)
             if runtime.config.ft and runtime.agent.failed:
-                _lost_workers = True  # MPI_Finalize would wait for the dead ranks
-                sys.exit = _recording_exit
+                _keep_exit_without_finalize()  # MPI_Finalize would wait for the dead ranks
+            _remove_process_hooks()
 
 
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
