@@ -203,6 +203,55 @@ def test_a_call_naming_an_unknown_handler_gets_a_clear_error(world):
         call(world[0], 1, stranger)
 
 
+# ---------------------------------------------------------------------- debug counters
+# (per runtime: what only an in-process world, with several runtimes in one process, shows)
+
+def live_functions(runtime: Runtime) -> tuple[int, int]:
+    info = runtime.debug_info()
+    return info["num_live_send_functions"], info["num_live_recv_functions"]
+
+
+def test_live_send_and_recv_functions_are_counted_by_the_rank_that_made_them(world):
+    """A tensor that requires grad goes from rank 0 to rank 1 and a float comes back: one
+    send function on rank 0, one recv function on rank 1, none elsewhere (the counts were
+    process-wide: every rank of an in-process world reported the others' too)."""
+    rt = world[0]
+    contexts = rt.autograd.container
+    x = torch.rand(4, requires_grad=True)
+    ctx = contexts.new_context()
+    previous = contexts.enter(ctx)
+    try:
+        assert call(rt, 1, rf.checksum, x)[0] == pytest.approx(float(x.sum()))
+    finally:
+        contexts.leave(previous)
+    assert [live_functions(r) for r in world] == [(1, 0), (0, 1)] + [(0, 0)] * (len(world) - 2)
+    assert set(contexts.torch_debug_info()) == {"num_current_backward_passes",
+                                                "num_autograd_contexts"}
+    contexts.release(ctx)
+    settle(world)  # rank 1 lets go of the context when rank 0's release reaches it
+    assert [live_functions(r) for r in world] == [(0, 0)] * len(world)
+
+
+def test_live_count_is_exact_while_threads_count_and_read_at_once():
+    from mpidag.dist_autograd.context import LiveCount
+
+    count = LiveCount()
+    seen: list[int] = []
+
+    def work(thread: int) -> None:
+        for _ in range(20_000):
+            count.made()
+            if thread % 2:
+                seen.append(count.live)  # readers too: they must not shift the figure
+            count.freed()
+
+    on_every_rank(4, work)
+    assert count.live == 0 and min(seen) >= 1 and max(seen) <= 4
+    for _ in range(5):
+        count.made()
+    assert count.live == 5
+
+
 # ---------------------------------------------------------------------------- progress
 
 def test_leader_tells_a_waiting_main_thread_from_a_computing_one():
