@@ -8,8 +8,14 @@ import torch
 
 import mpidag.rpc as rpc
 
-_shared: dict[str, torch.Tensor] = {}
 _shared_lock = threading.Lock()
+
+
+def _shared() -> dict[str, torch.Tensor]:
+    """This rank's named parameters (per rank: in-process ranks share this module)."""
+    from tests.contract.harness import rank_state
+
+    return rank_state("optim_funcs.shared", dict)
 
 
 def random_tensor(seed):
@@ -18,15 +24,16 @@ def random_tensor(seed):
 
 
 def shared_param(name, numel):
-    """On the owner: an RRef to the process-wide parameter `name` (made on first call)."""
+    """On the owner: an RRef to this rank's parameter `name` (made on first call)."""
+    shared = _shared()
     with _shared_lock:
-        if name not in _shared:
-            _shared[name] = torch.zeros(numel, requires_grad=True)
-    return rpc.RRef(_shared[name])
+        if name not in shared:
+            shared[name] = torch.zeros(numel, requires_grad=True)
+    return rpc.RRef(shared[name])
 
 
 def shared_value(name):
-    return _shared[name].detach().clone()
+    return _shared()[name].detach().clone()
 
 
 def scaled_sum(param_rref, scale):
