@@ -41,10 +41,12 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from mpidag._backoff import PURE_SPIN, Backoff
 from mpidag.transport.frames import Envelope
+from mpidag.transport.naps import MainThreadCPU, Naps
+from mpidag.transport.sentinel import Sentinel
 
 __all__ = ["EngineSnapshot", "MainThreadCPU", "ProgressEngine"]
 
@@ -63,9 +65,6 @@ _in_work = _WorkFlag()
 LONG_SLEEP_FACTOR = 10
 #: the most pool threads a rank starts when all of them wait for nested calls
 MAX_POOL_THREADS = 256
-_MAIN = threading.main_thread()
-_MAIN_IDENT = _MAIN.ident
-_get_ident = threading.get_ident
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -80,61 +79,26 @@ class EngineSnapshot:
     pool_threads: int
 
 
-class MainThreadCPU:
-    """Whether the main thread used the CPU lately, from the kernel's count of its on-CPU
-    time (``/proc/self/task/<tid>/schedstat``, read at most every ``interval`` seconds).
+def _run(work: Work) -> None:
+    """Run a work item that the caller counted in ``_running_work`` (and uncounts)."""
+    _in_work.active = True
+    try:
+        work()
+    except BaseException:  # SystemExit too: a pool thread must never die of its work
+        log.exception("work item failed")
+    finally:
+        _in_work.active = False
 
-    A main thread that waits outside mpidag (``torch.futures.wait_all`` on RPC futures, a
-    lock, a C++ call) is not computing, and the leader should poll for its answer instead
-    of napping: measured, one ``rpc_async`` at a time waited with ``wait_all`` took 365 us
-    per call with naps, 89-91 us with this check, and 40-53 us with ``Future.wait()``,
-    which marks the thread as waiting. A main thread that computes keeps its core: the
-    leader naps. Where the kernel does not tell (no such file), the main thread always
-    counts as busy, as before.
 
-    Example::
-
-        >>> cpu = MainThreadCPU()
-        >>> cpu.busy()           # True while the main thread runs, False while it waits
-        True
-    """
-
-    __slots__ = ("_fd", "_interval_ns", "_checked_at", "_cpu_ns", "_busy")
-
-    #: the main thread counts as busy when it was on a CPU for this share of the interval
-    BUSY_SHARE = 0.5
-
-    def __init__(self, interval: float = 1e-4) -> None:
-        self._interval_ns = int(interval * 1e9)
-        self._busy = True
-        try:
-            self._fd: int | None = os.open(
-                f"/proc/self/task/{_MAIN.native_id}/schedstat", os.O_RDONLY)
-        except OSError:
-            self._fd = None
-        self._checked_at = time.perf_counter_ns()
-        self._cpu_ns = self._read()
-
-    def _read(self) -> int:
-        if self._fd is None:
-            return 0
-        try:
-            return int(os.pread(self._fd, 64, 0).split()[0])
-        except (OSError, ValueError, IndexError):
-            self._fd = None
-            return 0
-
-    def busy(self) -> bool:
-        if self._fd is None:
-            return True
-        now = time.perf_counter_ns()
-        elapsed = now - self._checked_at
-        if elapsed < self._interval_ns:
-            return self._busy
-        cpu = self._read()
-        self._busy = (cpu - self._cpu_ns) > self.BUSY_SHARE * elapsed
-        self._checked_at, self._cpu_ns = now, cpu
-        return self._busy
+def _dispatch_safely(dispatch: Callable[[Envelope], Work | None], env: Envelope
+                     ) -> Work | None:
+    """``dispatch(env)``; an error is logged, never fatal to the leader."""
+    try:
+        return dispatch(env)
+    except Exception:
+        log.exception("dispatch of a message of kind %d from rank %d failed",
+                      env.kind, env.src)
+        return None
 
 
 class ProgressEngine:
@@ -153,9 +117,6 @@ class ProgressEngine:
         >>> engine.wait_until(future.done, deadline=None)   # leads until the future is done
         True
     """
-
-    #: the sentinel parks after this many checks in a row found a leader and no vacancy
-    SENTINEL_PARK_AFTER = 20
 
     def __init__(
         self,
@@ -178,7 +139,6 @@ class ProgressEngine:
         self._spin = spin
         self._min_sleep = min_sleep
         self._max_sleep = max_sleep
-        self._sentinel_interval = sentinel_interval
         self._lock = threading.Lock()
         self._pool_cv = threading.Condition(self._lock)
         self._user_cv = threading.Condition(self._lock)
@@ -188,15 +148,9 @@ class ProgressEngine:
         self._work: collections.deque[Work] = collections.deque()
         self._running_work = 0
         self._blocked_work = 0  # of those, work items waiting in wait_until (not computing)
-        self._main_parked = 0  # the main thread waits inside mpidag (is not computing)
-        self._nappers = 0  # leaders napping in _nap (woken when computing ends)
-        self._nap_lock = threading.Lock()  # held; a waker releases it to end a nap
-        self._nap_lock.acquire()
-        self._sentinel_cv = threading.Condition(self._lock)
-        self._sentinel_parked = False  # the sentinel sleeps until the next lazy vacancy
-        self._vacancy_epoch = 0  # counts lazy vacancies, for the sentinel
+        self._naps = Naps(self._lock)
+        self._sentinel = Sentinel(self._lock, sentinel_interval)
         self._stopping = False
-        self._main_cpu = MainThreadCPU()
         self._name = name
         #: called first on every thread this engine starts (pool threads, the sentinel):
         #: the runtime binds its threads to itself there (several runtimes in one process)
@@ -205,8 +159,8 @@ class ProgressEngine:
         #: nested call and a request is queued (see _grow_if_starved_locked), up to this
         self.max_threads = max(MAX_POOL_THREADS, num_threads)
         self._grown = self._at_max = False  # (each logged once)
-        sentinel = threading.Thread(target=self._sentinel_main, name=f"{name}-sentinel",
-                                    daemon=True)
+        sentinel = threading.Thread(target=self._sentinel.run, args=(self,),
+                                    name=f"{name}-sentinel", daemon=True)
         #: the pool threads, then the sentinel; grows by pool threads (under the lock)
         self._threads = [
             threading.Thread(target=self._pool_main, name=f"{name}-pool-{i}", daemon=True)
@@ -231,7 +185,7 @@ class ProgressEngine:
             self._stopping = True
             self._pool_cv.notify_all()
             self._user_cv.notify_all()
-            self._sentinel_cv.notify_all()
+            self._sentinel.wake_locked()
         deadline = time.monotonic() + timeout
         me = threading.current_thread()
         for thread in self._threads:
@@ -269,8 +223,7 @@ class ProgressEngine:
                 if finished:
                     finished = False
                     self._running_work -= 1
-                    if self._nappers:
-                        self._wake_nappers()
+                    self._naps.wake_locked()
                 while True:
                     if self._stopping and not self._work:
                         return
@@ -289,7 +242,7 @@ class ProgressEngine:
                 work = self._lead_as_pool()  # returns work counted in _running_work
                 if work is None:
                     continue
-            self._run(work)
+            _run(work)
             finished = True
             # drop the request (and its tensors) now, not when the next one is received:
             # large received tensors return their buffers to the receive cache on release
@@ -321,7 +274,7 @@ class ProgressEngine:
                 backoff.idle(self._computing())
                 continue
             backoff.reset()
-            work = self._dispatch_safely(dispatch, env)
+            work = _dispatch_safely(dispatch, env)
             env = None
             if work is None:
                 continue
@@ -354,58 +307,27 @@ class ProgressEngine:
         return Backoff(self._spin, self._min_sleep, self._max_sleep, self._nap,
                        self._max_sleep * LONG_SLEEP_FACTOR)
 
-    @staticmethod
-    def _run(work: Work) -> None:
-        """Run a work item that the caller counted in ``_running_work`` (and uncounts)."""
-        _in_work.active = True
-        try:
-            work()
-        except BaseException:  # SystemExit too: a pool thread must never die of its work
-            log.exception("work item failed")
-        finally:
-            _in_work.active = False
 
     def _computing(self) -> bool:
-        """Whether some thread of this process may be computing: a work item that is not
-        waiting, or the main thread while it is not waiting inside mpidag and used the CPU
-        lately (other threads of the program are not counted: idle timers and monitors are
-        common)."""
-        if self._running_work > self._blocked_work:
-            return True
-        return not self._main_parked and _MAIN.is_alive() and self._main_cpu.busy()
+        """Whether some thread of this process may be computing (see :class:`Naps`)."""
+        return self._naps.computing(self._running_work, self._blocked_work)
 
     def _nap(self, seconds: float) -> None:
-        """The leader's sleep: ends early when a computation ends or a thread wants to
-        lead (both call :meth:`_wake_nappers`). A timed acquire of a held lock, which the
-        waker releases: 62 us of CPU per wakeup here, a ``Condition.wait`` 90 us."""
-        with self._lock:
-            if self._waiters or self._stopping:
-                return
-            self._nappers += 1
-        try:
-            self._nap_lock.acquire(timeout=seconds)  # released by a waker: keep it held
-        finally:
-            with self._lock:
-                self._nappers -= 1
+        """The leader's sleep (see :meth:`Naps.nap`): none while a thread wants to lead."""
+        self._naps.nap(seconds, self._nap_skip)
 
-    def _wake_nappers(self) -> None:
-        """End the naps in progress (call with ``_lock`` held, when ``_nappers``)."""
-        with contextlib.suppress(RuntimeError):  # already released: a nap ends anyway
-            self._nap_lock.release()
+    def _nap_skip(self) -> bool:
+        return bool(self._waiters or self._stopping)
 
-    @contextlib.contextmanager
-    def parked(self) -> Iterator[None]:
-        """Mark this thread as waiting (not computing) while inside the block."""
-        main = _get_ident() == _MAIN_IDENT
-        with self._lock:
-            self._main_parked += main
-            if self._nappers:
-                self._wake_nappers()
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._main_parked -= main
+    def parked(self) -> contextlib.AbstractContextManager[None]:
+        """Mark this thread as waiting (not computing) while inside the block.
+
+        Example::
+
+            >>> with engine.parked():      # a collective's wait: the leader may poll
+            ...     request.Wait()
+        """
+        return self._naps.parked()
 
     def _vacate_locked(self, lazy: bool = False) -> None:
         """Give up the leadership: to a waiting user thread, else to a pool thread.
@@ -417,62 +339,27 @@ class ProgressEngine:
         if self._waiters:
             self._user_cv.notify()
         elif lazy:
-            self._vacancy_epoch += 1
-            if self._sentinel_parked:
-                self._sentinel_parked = False
-                self._sentinel_cv.notify()
+            self._sentinel.note_vacancy_locked()
         else:
             self._pool_cv.notify()
 
-    def _sentinel_main(self) -> None:
-        """If the leadership stays vacant for a whole interval, wake an idle pool thread to
-        lead; if every pool thread is busy (all of them run requests, or wait for replies
-        or for their sends to complete), lead itself until one is free: progress never
-        depends on the size of the pool (two ranks with one pool thread each, both sending
-        a large reply that the other must receive, would otherwise wait forever)."""
-        if self.thread_started is not None:
-            self.thread_started()
-        seen_vacant_epoch = -1
-        quiet_checks = 0  # checks in a row that found a leader and no new vacancy
-        last_epoch = -1
-        while True:
-            time.sleep(self._sentinel_interval)
-            lead = False
-            with self._lock:
-                if self._stopping:
-                    return
-                if self._leader_busy or self._waiters:
-                    seen_vacant_epoch = -1
-                    quiet_checks = quiet_checks + 1 if self._vacancy_epoch == last_epoch else 0
-                    last_epoch = self._vacancy_epoch
-                    if quiet_checks >= self.SENTINEL_PARK_AFTER:
-                        # nothing happened for a while: sleep until the next lazy vacancy
-                        # instead of waking every interval (an idle rank's CPU use)
-                        quiet_checks = 0
-                        self._sentinel_parked = True
-                        while self._sentinel_parked and not self._stopping:
-                            self._sentinel_cv.wait()
-                    continue
-                if seen_vacant_epoch == self._vacancy_epoch:
-                    seen_vacant_epoch = -1
-                    if self._idle:
-                        self._pool_cv.notify()
-                    else:
-                        self._leader_busy = lead = True
-                else:
-                    seen_vacant_epoch = self._vacancy_epoch
-            if lead:
-                self._lead_as_pool(sentinel=True)
+    # ----------------------------------------------------- for the Sentinel
+    def _leadership_held_locked(self) -> bool:
+        """A thread leads, or a user thread is about to."""
+        return self._leader_busy or bool(self._waiters)
 
-    @staticmethod
-    def _dispatch_safely(dispatch: Callable[[Envelope], Work | None], env: Envelope
-                         ) -> Work | None:
-        try:
-            return dispatch(env)
-        except Exception:
-            log.exception("dispatch of a message of kind %d from rank %d failed",
-                          env.kind, env.src)
-            return None
+    def _fill_vacancy_locked(self) -> bool:
+        """The leadership stayed vacant a whole interval: wake an idle pool thread to lead,
+        or, with none idle, claim it for the sentinel (returns True: call
+        :meth:`_lead_for_sentinel`)."""
+        if self._idle:
+            self._pool_cv.notify()
+            return False
+        self._leader_busy = True
+        return True
+
+    def _lead_for_sentinel(self) -> None:
+        self._lead_as_pool(sentinel=True)
 
     def submit(self, work: Work) -> None:
         """Queue ``work`` for a pool thread."""
@@ -525,26 +412,26 @@ class ProgressEngine:
             return True
         lock = self._lock
         blocked = _in_work.active  # a work item that waits: not computing
-        main = _get_ident() == _MAIN_IDENT
+        naps = self._naps
+        main = naps.on_main_thread()
         with lock:
             lead = not self._leader_busy and not self._stopping
             self._blocked_work += blocked
-            self._main_parked += main
+            naps.main_parked += main
             if blocked and self._work:
                 self._grow_if_starved_locked()
             if lead:  # the common case: nobody leads (a pool leader vacated lazily)
                 self._leader_busy = True
             else:
                 self._waiters += 1  # from now on pool leaders hand over to this thread
-                if self._nappers:
-                    self._wake_nappers()
+                naps.wake_locked()
         if lead:
             try:
                 return self._lead_as_user(done, deadline)
             finally:
                 with lock:
                     self._blocked_work -= blocked
-                    self._main_parked -= main
+                    naps.main_parked -= main
                     self._vacate_locked(lazy=True)
         yields = 0
         registered = True
@@ -583,7 +470,7 @@ class ProgressEngine:
         finally:
             with lock:
                 self._blocked_work -= blocked
-                self._main_parked -= main
+                naps.main_parked -= main
                 if registered:
                     self._waiters -= 1
 
@@ -615,7 +502,7 @@ class ProgressEngine:
             spin_until = 0.0
             if backoff is not None:
                 backoff.reset()
-            work = self._dispatch_safely(dispatch, env)
+            work = _dispatch_safely(dispatch, env)
             env = None
             if work is not None:
                 self.submit(work)
