@@ -30,6 +30,7 @@ import collections
 import itertools
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -67,8 +68,11 @@ class LiveCount:
     :meth:`made` and :meth:`freed` are one ``next()`` of an ``itertools.count`` each: one C
     call, atomic under the GIL, so no count is lost between threads, and a ``__del__`` that
     runs inside another count (a collection) has no lock to wait for. :attr:`live` reads
-    both counts by advancing each once more, under a lock that only readers take: both
-    have advanced by the same number of reads, which cancels out. Each
+    the counts by advancing them (it knows by how much: readers take a lock of their own)
+    as ``made``, ``freed``, ``made`` again, and retries until nothing was made between its
+    two reads of ``made``: the value read is then the live count at the moment ``freed``
+    was read (reading each count once let a thread make and free thousands of objects
+    between the two reads, and the difference overstate the live count). Each
     :class:`ContextContainer` has its own (its runtime's figures, however many runtimes
     share the process).
 
@@ -80,12 +84,13 @@ class LiveCount:
         1
     """
 
-    __slots__ = ("_made", "_freed", "_read_lock")
+    __slots__ = ("_made", "_freed", "_read_lock", "_made_reads", "_freed_reads")
 
     def __init__(self) -> None:
         self._made = itertools.count()
         self._freed = itertools.count()
         self._read_lock = threading.Lock()
+        self._made_reads = self._freed_reads = 0  # how far reads advanced each count
 
     def made(self) -> None:
         """One more object made."""
@@ -99,10 +104,18 @@ class LiveCount:
     def live(self) -> int:
         """Objects made and not freed yet, as of this read."""
         with self._read_lock:
-            # freed first: an object freed by then was made by then, so never below 0
-            freed = next(self._freed)
-            made = next(self._made)
-        return made - freed
+            attempts = 0
+            while True:
+                made = next(self._made) - self._made_reads
+                freed = next(self._freed) - self._freed_reads
+                made_after = next(self._made) - self._made_reads - 1
+                self._made_reads += 2
+                self._freed_reads += 1
+                if made_after == made:  # nothing made meanwhile: exact when freed was read
+                    return made - freed
+                attempts += 1
+                if attempts % 64 == 0:
+                    time.sleep(0)  # let the threads that make objects move on
 
 
 class SendFunction:
