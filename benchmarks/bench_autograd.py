@@ -52,7 +52,7 @@ from mpi4py import MPI
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
-from bench_rpc import (  # noqa: E402 - after the path set-up
+from _common import (  # noqa: E402 - after the path set-up
     Watchdog,
     log,
     machine_info,

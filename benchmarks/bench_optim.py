@@ -43,7 +43,7 @@ from mpi4py import MPI
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
-from bench_rpc import log, machine_info, start_torch_rpc  # noqa: E402
+from _common import log, machine_info, start_torch_rpc  # noqa: E402
 
 DEFAULT_OUT = HERE / "results" / "optim.json"
 ROWS_, DIM, CLASSES, BATCH = 20_000, 64, 16, 256

@@ -25,26 +25,34 @@ answers ``None``, i.e. "not applicable", for anything it does not know), and app
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as _dt
-import faulthandler
 import json
 import os
-import platform
-import socket
 import statistics
 import sys
-import threading
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType, TracebackType
+from types import ModuleType
 from typing import Any
 
 import torch
 from mpi4py import MPI
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402 - after the path set-up
+    RPC_TIMEOUT_S,
+    Watchdog,
+    log,
+    machine_info,
+    ratio,
+    selected_impls,
+    start_torch_rpc,
+    timed_allreduce_min,
+    timed_barrier,
+    timed_recv,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -52,9 +60,6 @@ DEFAULT_OUT = RESULTS_DIR / "rpc.json"
 
 #: Implementation keys as they appear in the JSON, in the order they are run.
 IMPL_KEYS: dict[str, str] = {"raw": "raw_mpi", "torch": "torch_rpc", "mpidag": "mpidag"}
-
-#: Timeout (seconds) passed to every RPC call and to the RPC agents.
-RPC_TIMEOUT_S = 120.0
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -82,95 +87,7 @@ def identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-# --------------------------------------------------------------------------------------------
-# Safety: every blocking step runs under a watchdog that aborts the whole MPI job.
-# --------------------------------------------------------------------------------------------
-
-
-class Watchdog:
-    """Abort the MPI job (after dumping all thread stacks) if a block runs too long.
-
-    Used as ``with Watchdog(60, "init torch"): ...``. MPI calls and RPC shutdowns have no
-    timeout of their own, so this is what guarantees that a broken implementation cannot hang
-    the benchmark forever. Results already written to disk are kept.
-    """
-
-    def __init__(self, seconds: float, what: str) -> None:
-        self.seconds = seconds
-        self.what = what
-        self._timer: threading.Timer | None = None
-
-    def _fire(self) -> None:
-        rank = MPI.COMM_WORLD.Get_rank()
-        sys.stderr.write(
-            f"\n[bench rank {rank}] WATCHDOG: '{self.what}' exceeded {self.seconds:.0f} s; "
-            "thread stacks follow, then MPI_Abort\n"
-        )
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(124)
-
-    def __enter__(self) -> Watchdog:
-        self._timer = threading.Timer(self.seconds, self._fire)
-        self._timer.daemon = True
-        self._timer.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-
-
-def _wait_request(req: MPI.Request, timeout: float, what: str) -> Any:
-    """Poll a nonblocking MPI request until done; raise ``TimeoutError`` after ``timeout`` s.
-
-    Polls with short sleeps so that a waiting rank does not steal a core from the other one.
-    Returns the request's received object (for ``irecv``) or ``None``.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        done, obj = req.test()
-        if done:
-            return obj
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: no progress after {timeout:.0f} s")
-        time.sleep(0.0005)
-
-
-def timed_barrier(comm: MPI.Comm, timeout: float, what: str) -> None:
-    """``comm.Barrier()`` that raises ``TimeoutError`` instead of hanging."""
-    _wait_request(comm.Ibarrier(), timeout, what)
-
-
-def timed_allreduce_min(comm: MPI.Comm, value: int, timeout: float, what: str) -> int:
-    """Minimum of an ``int`` over ``comm``, with a timeout (used to agree on success flags)."""
-    send = torch.tensor([value], dtype=torch.int64).numpy()
-    recv = send.copy()
-    _wait_request(comm.Iallreduce(send, recv, op=MPI.MIN), timeout, what)
-    return int(recv[0])
-
-
-def timed_recv(comm: MPI.Comm, source: int, tag: int, timeout: float, what: str) -> Any:
-    """Pickled ``comm.recv`` with a timeout."""
-    return _wait_request(comm.irecv(source=source, tag=tag), timeout, what)
-
-
-def free_tcp_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def log(msg: str) -> None:
-    """Print a progress line to stderr (rank 0 only calls this)."""
-    sys.stderr.write(f"[bench {time.strftime('%H:%M:%S')}] {msg}\n")
-    sys.stderr.flush()
+# Safety: every blocking step runs under _common.Watchdog, which aborts the whole MPI job.
 
 
 # --------------------------------------------------------------------------------------------
@@ -438,25 +355,6 @@ class _RpcImpl(Impl):
         return elapsed
 
 
-def start_torch_rpc(comm: MPI.Comm, transports: list[str] | None = None,
-                    timeout: float = RPC_TIMEOUT_S) -> None:
-    """``torch.distributed.rpc.init_rpc`` with TensorPipe on every rank of ``comm``, named
-    ``worker{rank}``; rank 0 picks a free port and MPI tells the others."""
-    import torch.distributed.rpc as rpc
-
-    rank = comm.Get_rank()
-    port = comm.bcast(free_tcp_port() if rank == 0 else None, root=0)
-    extra: dict[str, Any] = {"_transports": transports} if transports else {}
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
-                                           num_worker_threads=16, rpc_timeout=timeout, **extra)
-    with warnings.catch_warnings():
-        # init_rpc gathers device maps through a Gloo group and torch warns about its own
-        # internal use of the Backend as a ProcessGroup; it is noise here.
-        warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
-        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=comm.Get_size(),
-                     rpc_backend_options=opts)
-
-
 class TorchRPC(_RpcImpl):
     """``torch.distributed.rpc`` with TensorPipe; rendezvous on a port agreed through MPI."""
 
@@ -613,37 +511,6 @@ def rows_for(cfg: Config) -> list[Row]:
 # --------------------------------------------------------------------------------------------
 
 
-def machine_info() -> dict[str, Any]:
-    """Describe the machine and software versions for the JSON header."""
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    mem_gib = None
-    with contextlib.suppress(ValueError, OSError):
-        mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB, 1)
-    import numpy
-
-    return {
-        "host": socket.gethostname(),
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "mem_GiB": mem_gib,
-        "os": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": numpy.__version__,
-        "mpi4py": __import__("mpi4py").__version__,
-        "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
-        "mpi": MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip(),
-    }
-
-
 def run_impl(
     key: str, comm: MPI.Comm, cfg: Config, rows: list[Row]
 ) -> dict[str, Measurement] | None:
@@ -703,12 +570,6 @@ def run_impl(
     return results
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
-
-
 def build_report(
     measured: dict[str, dict[str, Measurement]],
     rows: list[Row],
@@ -746,8 +607,8 @@ def build_report(
                     errors[impl] = m.extra["error"]
                 if "rank0_percent" in m.extra:
                     entry.setdefault("rank0_percent", {})[impl] = m.extra["rank0_percent"]
-        entry["mpidag_vs_torch"] = _ratio(entry["mpidag"], entry["torch_rpc"])
-        entry["mpidag_vs_raw"] = _ratio(entry["mpidag"], entry["raw_mpi"])
+        entry["mpidag_vs_torch"] = ratio(entry["mpidag"], entry["torch_rpc"])
+        entry["mpidag_vs_raw"] = ratio(entry["mpidag"], entry["raw_mpi"])
         if row.name.startswith("echo_"):
             entry["GBps"] = {k: gbps.get(k) for k in IMPL_KEYS.values()}
         entry["samples"] = samples
@@ -819,20 +680,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.impls = selected_impls(p, args.only, IMPL_KEYS)
     return args
-
-
-def selected_impls(parser: argparse.ArgumentParser, only: str, impl_keys: dict[str, str]
-                   ) -> list[str]:
-    """The JSON keys of the implementations ``--only`` names (short or long names), in
-    ``impl_keys``' order; a parser error for an unknown one."""
-    wanted = [s.strip() for s in only.split(",") if s.strip()]
-    aliases = {**impl_keys, **{v: v for v in impl_keys.values()}}
-    unknown = [w for w in wanted if w not in aliases]
-    if unknown or not wanted:
-        parser.error(f"--only: unknown implementation(s) {unknown}; choose from "
-                     f"{','.join(impl_keys)}")
-    keys = {aliases[w] for w in wanted}
-    return [k for k in impl_keys.values() if k in keys]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,11 +64,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
+import functools
 import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -82,21 +82,27 @@ import torch
 from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_rpc import (  # noqa: E402 - after the path set-up
+from _common import (  # noqa: E402 - after the path set-up
+    RPC_TIMEOUT_S,
     Watchdog,
-    free_tcp_port,
+    git_info,
     machine_info,
+    ratio,
     selected_impls,
+    sleepy_barrier,
+    start_torch_rpc,
+    wait_request,
 )
+from _common import log as _log  # noqa: E402
+
+#: progress lines on stderr, tagged ``[scaling HH:MM:SS]``
+log = functools.partial(_log, tag="scaling")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 #: Implementation keys as they appear in the JSON, in the order they are run.
 IMPL_KEYS: dict[str, str] = {"torch": "torch_rpc", "mpidag": "mpidag"}
-
-#: Timeout (seconds) passed to every RPC call and to the RPC agents.
-RPC_TIMEOUT_S = 120.0
 
 PATTERNS: dict[str, str] = {
     "one_server": "ranks 1..N-1 all call rank 0, which only serves",
@@ -130,23 +136,8 @@ def noop() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Coordination (the watchdog and the free port come from bench_rpc.py)
+# Coordination (the watchdog, the barrier without busy-polling: _common.py)
 # --------------------------------------------------------------------------------------------
-
-
-def wait_request(req: MPI.Request) -> None:
-    """Wait for a nonblocking MPI request with ``Test()`` and 1 ms sleeps.
-
-    Never spins: while this rank waits, its RPC threads keep a core to serve the others'
-    calls. There is no timeout here; the caller's :class:`Watchdog` bounds the wait.
-    """
-    while not req.Test():
-        time.sleep(1e-3)
-
-
-def sleepy_barrier(comm: MPI.Comm) -> None:
-    """A barrier on ``comm`` that sleeps instead of busy-polling (``Ibarrier`` + ``Test``)."""
-    wait_request(comm.Ibarrier())
 
 
 def allreduce_max_float(comm: MPI.Comm, value: float) -> float:
@@ -163,12 +154,6 @@ def allreduce_min(comm: MPI.Comm, value: int) -> int:
     recv = send.copy()
     wait_request(comm.Iallreduce(send, recv, op=MPI.MIN))
     return int(recv[0])
-
-
-def log(msg: str) -> None:
-    """Print a progress line to stderr (rank 0 only calls this)."""
-    sys.stderr.write(f"[scaling {time.strftime('%H:%M:%S')}] {msg}\n")
-    sys.stderr.flush()
 
 
 # --------------------------------------------------------------------------------------------
@@ -223,24 +208,6 @@ class Config:
 # --------------------------------------------------------------------------------------------
 # Implementations
 # --------------------------------------------------------------------------------------------
-
-
-def start_torch_rpc(comm: MPI.Comm) -> ModuleType:
-    """``torch.distributed.rpc.init_rpc`` with TensorPipe on every rank of ``comm``, named
-    ``worker{rank}``; rank 0 picks a free port and MPI tells the others."""
-    import torch.distributed.rpc as rpc
-
-    rank = comm.Get_rank()
-    port = comm.bcast(free_tcp_port() if rank == 0 else None, root=0)
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
-                                           num_worker_threads=16, rpc_timeout=RPC_TIMEOUT_S)
-    with warnings.catch_warnings():
-        # init_rpc gathers device maps through a Gloo group and torch warns about its own
-        # internal use of the Backend as a ProcessGroup; it is noise here.
-        warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
-        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=comm.Get_size(),
-                     rpc_backend_options=opts)
-    return rpc
 
 
 def start_mpidag(comm: MPI.Comm) -> ModuleType:
@@ -397,26 +364,6 @@ def row_name(pattern: str, metric: str) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def git_info() -> dict[str, Any]:
-    """The checkout's commit and the uncommitted changes under ``mpidag/`` (what is measured)."""
-    def git(*args: str) -> str:
-        try:
-            out = subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True,
-                                 text=True, timeout=30, check=False)
-        except (OSError, subprocess.TimeoutExpired):
-            return ""
-        return out.stdout.strip()
-
-    dirty = [line for line in git("status", "--porcelain", "--", "mpidag").splitlines() if line]
-    return {"head": git("rev-parse", "HEAD") or None, "mpidag_uncommitted": dirty}
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
-
-
 def build_report(measured: dict[str, dict[str, RowResult]], cfg: Config, size: int,
                  previous: dict[str, Any] | None, extra: dict[str, Any]) -> dict[str, Any]:
     """Assemble the JSON document; with ``previous``, keep its values for impls not run now."""
@@ -443,7 +390,7 @@ def build_report(measured: dict[str, dict[str, RowResult]], cfg: Config, size: i
                 samples[impl] = res.samples
                 if res.errors:
                     errors[impl] = res.errors
-        entry["mpidag_vs_torch"] = _ratio(entry["mpidag"], entry["torch_rpc"])
+        entry["mpidag_vs_torch"] = ratio(entry["mpidag"], entry["torch_rpc"])
         if metric == "calls_per_s":
             entry["aggregate_wall_calls_per_s"] = {
                 impl: samples.get(impl, {}).get("aggregate_wall_calls_per_s")

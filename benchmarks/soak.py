@@ -69,8 +69,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # measure this checkout's mpidag
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_rpc import machine_info  # noqa: E402
-from bench_scaling import git_info, sleepy_barrier  # noqa: E402
+from _common import git_info, machine_info, sleepy_barrier  # noqa: E402
 
 import mpidag.autograd as dist_autograd  # noqa: E402 - after the path set-up
 import mpidag.rpc as rpc  # noqa: E402
