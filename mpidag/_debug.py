@@ -33,6 +33,7 @@ from mpidag import _runtime
 from mpidag._runtime import Runtime
 
 __all__ = ["configure_logging", "state_report", "state_snapshot", "install_signal_dump",
+           "uninstall_signal_dump",
            "StateWatcher"]
 
 log = logging.getLogger(__name__)
@@ -230,21 +231,22 @@ class StateWatcher:
             self.job_dir.rmdir()  # the last rank out removes the directory
 
 
-_installed = False
+#: the SIGUSR1 handler there was before install_signal_dump(), while it is installed
+_previous_handler: list[Any] = []
 
 
 def install_signal_dump() -> None:
-    """``kill -USR1 <pid>``: thread stacks (faulthandler) and then :func:`state_report`."""
-    global _installed
+    """``kill -USR1 <pid>``: thread stacks (faulthandler) and then :func:`state_report`;
+    undone by :func:`uninstall_signal_dump` (``shutdown()``). Only from the main thread
+    (Python sets signal handlers there); installing twice changes nothing."""
     import signal
 
-    if _installed or not hasattr(signal, "SIGUSR1"):
+    if _previous_handler or not hasattr(signal, "SIGUSR1"):
         return
     import threading
 
     if threading.current_thread() is not threading.main_thread():
         return  # signal handlers can only be set from the main thread
-    _installed = True
     import faulthandler
 
     def report(signum, frame) -> None:
@@ -254,6 +256,23 @@ def install_signal_dump() -> None:
         sys.stderr.write(text + "\n")
         sys.stderr.flush()
 
-    signal.signal(signal.SIGUSR1, report)
+    _previous_handler.append(signal.signal(signal.SIGUSR1, report))
     # the C-level dump first (works while Python is blocked), then the handler above
     faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
+
+
+def uninstall_signal_dump() -> None:
+    """Put back the SIGUSR1 handler there was before :func:`install_signal_dump`."""
+    import signal
+
+    if not _previous_handler:
+        return
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return  # (a shutdown from another thread leaves it: it reports "not running")
+    import faulthandler
+
+    faulthandler.unregister(signal.SIGUSR1)
+    previous = _previous_handler.pop()
+    signal.signal(signal.SIGUSR1, previous if previous is not None else signal.SIG_DFL)

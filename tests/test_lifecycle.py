@@ -66,12 +66,14 @@ def test_process_hooks_are_removed_at_shutdown_and_installed_once_per_session(jo
     (a forgotten shutdown; the exit without MPI_Finalize after a failure); shutdown(),
     graceful or not, puts sys.excepthook back and unregisters both, so every session
     installs them once and none stacks up. sys.exit is never touched without a failure
-    (tests/test_ft.py: what stays after one). A hook the program set over mpidag's stays."""
+    (tests/test_ft.py: what stays after one). The ``kill -USR1`` report's handler comes and
+    goes with the session too. A hook the program set over mpidag's stays."""
     out = ok(job(PRELUDE + """
-import atexit
+import atexit, signal
 from mpi4py import MPI
 from mpidag.rpc import api
 hook, exit_fn = sys.excepthook, sys.exit
+usr1 = signal.getsignal(signal.SIGUSR1)
 registered = []   # the exit hooks registered now (atexit does not say)
 real_register, real_unregister = atexit.register, atexit.unregister
 
@@ -89,7 +91,8 @@ def state():
     mpidags = isinstance(sys.excepthook, api._AbortOnUncaught) and \\
         sys.excepthook.previous is hook
     return ("mpidag's" if mpidags else "before" if sys.excepthook is hook else "other",
-            sys.exit is exit_fn, sorted(registered))
+            sys.exit is exit_fn, sorted(registered),
+            signal.getsignal(signal.SIGUSR1) is usr1)
 
 seen = [state()]
 for graceful in (True, True, False):
@@ -108,9 +111,9 @@ rpc.shutdown()
 print("OWN-HOOK-KEPT", me, sys.excepthook is own, registered)
 """))
     exit_hooks = ["_shutdown_at_exit", "_skip_finalize_after_failures"]
-    session = [("mpidag's", True, exit_hooks), ("before", True, [])]
+    session = [("mpidag's", True, exit_hooks, False), ("before", True, [], True)]
     for me in (0, 1):
-        assert f"HOOKS {me} {[('before', True, [])] + session * 3}" in out, out
+        assert f"HOOKS {me} {[('before', True, [], True)] + session * 3}" in out, out
         assert f"OWN-HOOK-KEPT {me} True []" in out, out
 
 

@@ -22,7 +22,12 @@ import torch
 
 from mpidag import _runtime
 from mpidag._config import Config
-from mpidag._debug import StateWatcher, configure_logging, install_signal_dump
+from mpidag._debug import (
+    StateWatcher,
+    configure_logging,
+    install_signal_dump,
+    uninstall_signal_dump,
+)
 from mpidag._remote_profiling import set_gil_profiling
 from mpidag._runtime import Runtime
 from mpidag.agent.options import (
@@ -327,7 +332,7 @@ def _install_process_hooks() -> None:
       :func:`_skip_finalize_after_failures` (registered first, so that it runs after the
       ones registered later: atexit is last in, first out) leaves without
       ``MPI_Finalize`` once a worker of a fault-tolerant job failed;
-    * ``kill -USR1 <pid>``: thread stacks, calls in flight, RRefs (once per process).
+    * ``kill -USR1 <pid>``: thread stacks, calls in flight, RRefs.
     """
     install_signal_dump()
     for hook in (_skip_finalize_after_failures, _shutdown_at_exit):
@@ -346,6 +351,7 @@ def _remove_process_hooks() -> None:
     hook = sys.excepthook
     if isinstance(hook, _AbortOnUncaught):
         sys.excepthook = hook.previous
+    uninstall_signal_dump()
     atexit.unregister(_shutdown_at_exit)  # no session left to shut down at exit
     if not _lost_workers:
         atexit.unregister(_skip_finalize_after_failures)
