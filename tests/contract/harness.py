@@ -27,8 +27,10 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import gc
 import sys
 import threading
+import time
 import traceback
 import weakref
 from collections.abc import Callable, Iterator
@@ -43,6 +45,8 @@ __all__ = ["World", "InProcGroup", "bound", "serial", "rank_state"]
 #: seconds an in-process test may run on its ranks before the harness reports the ranks
 #: that did not finish (their stacks) and starts a fresh world for the next test
 RANK_TIMEOUT = 240.0
+#: seconds the other ranks may go on after one failed, before the world is aborted
+FAILURE_GRACE = 5.0
 
 
 @dataclass(frozen=True)
@@ -99,18 +103,27 @@ class InProcGroup:
                 rref_type=RRef), range(self.size), timeout=60))
         for runtime in self.runtimes:
             runtime.serve()
+        # as init_rpc does (MPIDAG_GC_FREEZE): the collections of testing.settle() and of the
+        # RRef tests then scan only what the tests made, not pytest's and torch's heap
+        # (undone by close())
+        gc.collect()
+        gc.freeze()
         self.broken = False
 
     def run(self, fn: Callable[..., Any], kwargs: dict[str, Any]) -> None:
         """Run ``fn(**kwargs, world=...)`` on every rank, each in a thread bound to its
-        rank's runtime; raise the first failure (by rank) with the rank in a note.
+        rank's runtime; raise the failure of the rank that failed first, the rank in a note.
 
-        A failing rank aborts the in-process world (ranks waiting in a collective for it
-        fail at once), and the group starts a fresh world before its next test.
+        When a rank fails, the others get :data:`FAILURE_GRACE` seconds to finish what
+        they are doing (its pool still serves them); then the in-process world is aborted,
+        so ranks waiting for it in a collective fail at once, and the group starts a fresh
+        world before its next test.
         """
         if self.broken:
             self._restart()
         errors: dict[int, BaseException] = {}  # in the order the ranks failed
+        failed = threading.Event()
+        finished = threading.Semaphore(0)
 
         def body(rank: int) -> None:
             _runtime.bind_thread(self.runtimes[rank])
@@ -118,16 +131,29 @@ class InProcGroup:
                 fn(**{**kwargs, "world": World(rank, self.size, "inproc")})
             except BaseException as exc:  # noqa: BLE001 - raised by the test's thread
                 errors[rank] = exc
-                self._abort()
+                self.broken = True
+                failed.set()
             finally:
                 _runtime.bind_thread(None)
+                finished.release()
 
         threads = [threading.Thread(target=body, args=(r,), daemon=True,
                                     name=f"contract-rank{r}") for r in range(self.size)]
         for thread in threads:
             thread.start()
+        deadline = time.monotonic() + RANK_TIMEOUT
+        grace_end = None
+        for _ in threads:
+            while not finished.acquire(timeout=0.05):
+                now = time.monotonic()
+                if failed.is_set() and grace_end is None:
+                    grace_end = now + FAILURE_GRACE
+                if grace_end is not None and now > grace_end:
+                    self._abort()
+                if now > deadline:
+                    break
         for thread in threads:
-            thread.join(RANK_TIMEOUT)
+            thread.join(max(0.0, deadline - time.monotonic()))
         hung = [r for r, t in enumerate(threads) if t.is_alive()]
         if hung:
             self.broken = True
@@ -152,7 +178,6 @@ class InProcGroup:
             raise exc
 
     def _abort(self) -> None:
-        self.broken = True
         with self.world.changed:
             if self.world.aborted is None:
                 self.world.aborted = 1
@@ -181,7 +206,10 @@ class InProcGroup:
             if not self.broken:
                 self.run(lambda world: testing.assert_no_leaks(), {})
         finally:
-            self._stop(graceful=not self.broken)
+            try:
+                self._stop(graceful=not self.broken)
+            finally:
+                gc.unfreeze()
 
 
 def bound(fn: Callable[..., Any]) -> Callable[..., Any]:
