@@ -233,3 +233,37 @@ def embedding_weight_and_gradient(rref, context_id):
     """On the owner: the embedding's weight and its gradient in the context (sparse)."""
     weight = rref.local_value().weight
     return weight.detach().clone(), dist_autograd.get_gradients(context_id)[weight]
+
+
+def build_sparse(coalesce: bool = False, requires_grad: bool = False) -> torch.Tensor:
+    """torch's dist_autograd_test ``build_sparse_tensor`` (uncoalesced unless asked)."""
+    tensor = torch.sparse_coo_tensor([[0, 1, 1], [2, 0, 2]], [3.2, 4.1, 5.3], (3, 3),
+                                     requires_grad=requires_grad)
+    return tensor.coalesce() if coalesce else tensor
+
+
+def sparse_pair(d: dict) -> dict:
+    """Runs on another rank: sparse tensors inside containers, both ways."""
+    a, b = d["pair"]
+    return {"sum": [a + b], "flags": (a.is_coalesced(), b.is_coalesced())}
+
+
+def fetch_doubled(rref):
+    """Runs on another rank: fetches a sparse value through that rank's RRef layer."""
+    return rref.to_here() * 2
+
+
+def embedding_bag_forward(rref, indices, offsets, weights):
+    """Runs on the embedding's owner (torch's ``_call_remote_embedding``)."""
+    return rref.local_value()(indices, offsets, weights)
+
+
+def gradient_of_weight(rref, context_id) -> torch.Tensor:
+    """Runs on the embedding's owner: its weight's gradient in the context (torch's
+    ``_get_grad``)."""
+    return dist_autograd.get_gradients(context_id)[rref.local_value().weight]
+
+
+def weight_of(rref) -> torch.Tensor:
+    """Runs on the owner: a copy of the embedding's weight."""
+    return rref.local_value().weight.detach().clone()

@@ -325,137 +325,6 @@ def test_a_failing_after_poll_hook_does_not_stop_the_leader(caplog):
 
 # ------------------------------------------------------------------------ sparse tensors
 
-def build_sparse(coalesce: bool = False, requires_grad: bool = False) -> torch.Tensor:
-    """torch's dist_autograd_test ``build_sparse_tensor`` (uncoalesced unless asked)."""
-    tensor = torch.sparse_coo_tensor([[0, 1, 1], [2, 0, 2]], [3.2, 4.1, 5.3], (3, 3),
-                                     requires_grad=requires_grad)
-    return tensor.coalesce() if coalesce else tensor
-
-
-def sparse_pair(d: dict) -> dict:
-    """Runs on another rank: sparse tensors inside containers, both ways."""
-    a, b = d["pair"]
-    return {"sum": [a + b], "flags": (a.is_coalesced(), b.is_coalesced())}
-
-
-def fetch_doubled(rref):
-    """Runs on another rank: fetches a sparse value through that rank's RRef layer."""
-    return rref.to_here() * 2
-
-
-def embedding_bag_forward(rref, indices, offsets, weights):
-    """Runs on the embedding's owner (torch's ``_call_remote_embedding``)."""
-    return rref.local_value()(indices, offsets, weights)
-
-
-def context_gradient_of_weight(rref) -> torch.Tensor:
-    """Runs on the embedding's owner, in the caller's context (torch's ``_get_grad``)."""
-    from mpidag.dist_autograd.context import _current
-
-    return _current.ctx.gradients.snapshot()[rref.local_value().weight]
-
-
-def test_sparse_tensors_as_arguments_results_in_containers_and_rrefs(world):
-    rt = world[0]
-    for coalesce in (False, True):
-        x = build_sparse(coalesce)
-        y = call(rt, 1, torch.add, x, x)
-        assert y.is_sparse and y.is_coalesced() == coalesce
-        torch.testing.assert_close(y.to_dense(), 2 * x.to_dense())
-        got = call(rt, 1, sparse_pair, {"pair": [x, build_sparse(not coalesce)]})
-        assert got["flags"] == (coalesce, not coalesce)
-        torch.testing.assert_close(got["sum"][0].to_dense(), 2 * x.to_dense())
-        # an RRef of a sparse value, fetched, and forked to every rank as an argument
-        handle = rt.rrefs.remote(len(world) - 1, torch.mul, (x, 3), {}, TIMEOUT)
-        value = handle.to_here()
-        assert value.is_sparse and value.is_coalesced() == coalesce
-        torch.testing.assert_close(value.to_dense(), 3 * x.to_dense())
-        for rank in range(len(world)):
-            doubled = call(rt, rank, fetch_doubled, handle)
-            assert doubled.is_sparse and doubled.is_coalesced() == coalesce
-            torch.testing.assert_close(doubled.to_dense(), 6 * x.to_dense())
-        del handle
-    with pytest.raises(TypeError, match=r"layout torch\.sparse_csr cannot be sent over RPC"):
-        call(rt, 1, torch.neg, torch.eye(2).to_sparse_csr())
-    settle(world)
-
-
-def test_sparse_leaves_get_sparse_gradients_like_local_autograd(world):
-    rt = world[0]
-    contexts = rt.autograd.container
-    t1, t2 = build_sparse(requires_grad=True), build_sparse(coalesce=True).requires_grad_()
-    dense = torch.rand(3, 3, requires_grad=True)
-    ctx = contexts.new_context()
-    previous = contexts.enter(ctx)
-    try:
-        ret = call(rt, 1, torch.add, t1, t2)
-        back = call(rt, len(world) - 1, torch.mul, ret, dense)   # sparse * dense, remote
-        loss = torch.sparse.sum(back)
-    finally:
-        contexts.leave(previous)
-    rt.autograd.backward(ctx.context_id, [loss], retain_graph=True)
-    rt.autograd.backward(ctx.context_id, [loss])                  # accumulates
-    grads = ctx.gradients.snapshot()
-    l1, l2 = build_sparse(requires_grad=True), build_sparse(coalesce=True).requires_grad_()
-    local_dense = dense.detach().clone().requires_grad_()
-    local_loss = torch.sparse.sum(torch.mul(torch.add(l1, l2), local_dense))
-    local_loss.backward(retain_graph=True)
-    local_loss.backward()
-    for leaf, local in ((t1, l1), (t2, l2)):
-        assert grads[leaf].is_sparse and local.grad.is_sparse
-        torch.testing.assert_close(grads[leaf].to_dense(), local.grad.to_dense())
-    torch.testing.assert_close(grads[dense], local_dense.grad)
-    assert t1.grad is None
-    contexts.release(ctx)
-    del ret, back, loss
-    settle(world)
-
-
-def test_remote_sparse_embedding_bag_gradient_matches_local(world):
-    """torch's ``test_embedding_bag_with_no_grad_tensors``: an ``EmbeddingBag(sparse=True)``
-    owned by another rank, two backward passes, its sparse gradient in the owner's context
-    equal to the local computation's ``.grad``."""
-    rt = world[0]
-    owner = len(world) - 1
-    torch.manual_seed(0)
-    remote_embedding = rt.rrefs.remote(owner, torch.nn.EmbeddingBag, (16, 16),
-                                       {"mode": "sum", "sparse": True}, TIMEOUT)
-    local_embedding = torch.nn.EmbeddingBag(16, 16, mode="sum", sparse=True)
-    with torch.no_grad():
-        local_embedding.weight.copy_(call(rt, owner, weight_of, remote_embedding))
-    indices = torch.LongTensor([1, 2, 4, 5, 4, 3, 2, 9])
-    per_sample_weights = torch.rand(8, requires_grad=True)  # records send/recv functions
-    offsets = torch.LongTensor([0, 4])
-    local_res = local_embedding(indices, offsets, per_sample_weights)
-    torch.autograd.backward([local_res.sum()], retain_graph=True)
-    torch.autograd.backward([local_res.sum()])
-    contexts = rt.autograd.container
-    ctx = contexts.new_context()
-    previous = contexts.enter(ctx)
-    try:
-        res = call(rt, owner, embedding_bag_forward, remote_embedding, indices, offsets,
-                   per_sample_weights)
-        rt.autograd.backward(ctx.context_id, [res.sum()], retain_graph=True)
-        rt.autograd.backward(ctx.context_id, [res.sum()])
-        remote_grad = call(rt, owner, context_gradient_of_weight, remote_embedding)
-    finally:
-        contexts.leave(previous)
-    assert remote_grad.is_sparse and local_embedding.weight.grad.is_sparse
-    torch.testing.assert_close(remote_grad.to_dense(), local_embedding.weight.grad.to_dense())
-    torch.testing.assert_close(ctx.gradients.snapshot()[per_sample_weights],
-                               2 * torch.autograd.grad(
-                                   local_embedding(indices, offsets, per_sample_weights).sum(),
-                                   [per_sample_weights])[0])
-    contexts.release(ctx)
-    del remote_embedding, res
-    settle(world)
-
-
-def weight_of(rref) -> torch.Tensor:
-    """Runs on the owner: a copy of the embedding's weight."""
-    return rref.local_value().weight.detach().clone()
-
-
 def test_sparse_gradients_are_kept_or_copied_like_torch_accumulates_them():
     """torch's ``test_no_grad_copy_sparse``: a sparse gradient with contiguous parts is
     stored as it is, a non-contiguous one (or one reaching two leaves) is copied; later ones
@@ -493,6 +362,7 @@ def test_sparse_gradients_are_kept_or_copied_like_torch_accumulates_them():
 
 # ------------------------------------------------------------------ issue 21: small ones
 
+# in-process only: reads the callee's log record, which under MPI is in another process
 def test_a_failing_call_is_logged_on_the_callee_as_torch_prints_it(world, caplog):
     """torch's _run_function prints ``On <WorkerInfo>:``, the exception's repr and its
     traceback on the callee (test_py_raise_in_user_func reads it there): one record."""

@@ -461,3 +461,81 @@ def test_post_accumulate_grad_hooks_run_once_on_the_complete_gradient(world):
     close(seen[0][2], expected)  # complete after the first pass, once
     close(seen[1][2], 2 * expected)
     close(final, 2 * expected)
+
+
+def test_sparse_tensors_as_arguments_results_in_containers_and_rrefs(world):
+    for coalesce in (False, True):
+        x = af.build_sparse(coalesce)
+        y = rpc.rpc_sync(world.next, torch.add, args=(x, x))
+        assert y.is_sparse and y.is_coalesced() == coalesce
+        close(y.to_dense(), 2 * x.to_dense())
+        got = rpc.rpc_sync(world.next, af.sparse_pair,
+                           args=({"pair": [x, af.build_sparse(not coalesce)]},))
+        assert got["flags"] == (coalesce, not coalesce)
+        close(got["sum"][0].to_dense(), 2 * x.to_dense())
+        # an RRef of a sparse value, fetched, and forked to every rank as an argument
+        rref = rpc.remote(world.prev, torch.mul, args=(x, 3))
+        value = rref.to_here()
+        assert value.is_sparse and value.is_coalesced() == coalesce
+        close(value.to_dense(), 3 * x.to_dense())
+        for rank in range(world.size):
+            doubled = rpc.rpc_sync(rank, af.fetch_doubled, args=(rref,))
+            assert doubled.is_sparse and doubled.is_coalesced() == coalesce
+            close(doubled.to_dense(), 6 * x.to_dense())
+        del rref
+    with pytest.raises(TypeError, match=r"layout torch\.sparse_csr cannot be sent over RPC"):
+        rpc.rpc_sync(world.next, torch.neg, args=(torch.eye(2).to_sparse_csr(),))
+
+
+def test_sparse_leaves_get_sparse_gradients_like_local_autograd(world):
+    t1, t2 = af.build_sparse(requires_grad=True), af.build_sparse(coalesce=True).requires_grad_()
+    (dense,) = _seeded(world.rank, (3, 3))
+    with dist_autograd.context() as context_id:
+        ret = rpc.rpc_sync(world.next, torch.add, args=(t1, t2))
+        back = rpc.rpc_sync(world.prev, torch.mul, args=(ret, dense))  # sparse * dense
+        loss = torch.sparse.sum(back)
+        dist_autograd.backward(context_id, [loss], retain_graph=True)
+        dist_autograd.backward(context_id, [loss])  # accumulates
+        grads = dist_autograd.get_gradients(context_id)
+    l1, l2 = af.build_sparse(requires_grad=True), af.build_sparse(coalesce=True).requires_grad_()
+    local_dense = dense.detach().clone().requires_grad_()
+    local_loss = torch.sparse.sum(torch.mul(torch.add(l1, l2), local_dense))
+    local_loss.backward(retain_graph=True)
+    local_loss.backward()
+    for leaf, local in ((t1, l1), (t2, l2)):
+        assert grads[leaf].is_sparse and local.grad.is_sparse
+        close(grads[leaf].to_dense(), local.grad.to_dense())
+    close(grads[dense], local_dense.grad)
+    assert t1.grad is None
+
+
+def test_remote_sparse_embedding_bag_gradient_matches_local(world):
+    """torch's ``test_embedding_bag_with_no_grad_tensors``: an ``EmbeddingBag(sparse=True)``
+    owned by another rank, two backward passes, its sparse gradient in the owner's context
+    equal to the local computation's ``.grad``."""
+    owner = world.prev
+    remote_embedding = rpc.remote(owner, torch.nn.EmbeddingBag, args=(16, 16),
+                                  kwargs={"mode": "sum", "sparse": True})
+    local_embedding = torch.nn.EmbeddingBag(16, 16, mode="sum", sparse=True)
+    with torch.no_grad():
+        local_embedding.weight.copy_(rpc.rpc_sync(owner, af.weight_of, args=(remote_embedding,)))
+    indices = torch.LongTensor([1, 2, 4, 5, 4, 3, 2, 9])
+    (per_sample_weights,) = _seeded(world.rank, (8,))  # records send/recv functions
+    offsets = torch.LongTensor([0, 4])
+    local_res = local_embedding(indices, offsets, per_sample_weights)
+    torch.autograd.backward([local_res.sum()], retain_graph=True)
+    torch.autograd.backward([local_res.sum()])
+    with dist_autograd.context() as context_id:
+        res = rpc.rpc_sync(owner, af.embedding_bag_forward,
+                           args=(remote_embedding, indices, offsets, per_sample_weights))
+        dist_autograd.backward(context_id, [res.sum()], retain_graph=True)
+        dist_autograd.backward(context_id, [res.sum()])
+        remote_grad = rpc.rpc_sync(owner, af.gradient_of_weight,
+                                   args=(remote_embedding, context_id))
+        grads = dist_autograd.get_gradients(context_id)
+    assert remote_grad.is_sparse and local_embedding.weight.grad.is_sparse
+    close(remote_grad.to_dense(), local_embedding.weight.grad.to_dense())
+    (expected,) = torch.autograd.grad(
+        local_embedding(indices, offsets, per_sample_weights).sum(), [per_sample_weights])
+    close(grads[per_sample_weights], 2 * expected)
+    del remote_embedding, res
