@@ -76,6 +76,7 @@ class Runtime:
         self.options = options
         self.agent = RpcAgent(transport, workers, options, device_maps, config)
         self.autograd = DistAutograd(self.agent)
+        self.closers.append(self.autograd.close)
         self.rrefs = RRefContext(self.agent, self.autograd, rref_type)
         self.parameter_locks = ParameterLocks(config.optim_locks)
         # the engine's threads serve this runtime: calls they run see it as current()

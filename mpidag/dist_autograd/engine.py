@@ -75,7 +75,7 @@ from mpidag.dist_autograd.context import (
     ContextContainer,
     DistAutogradContext,
 )
-from mpidag.dist_autograd.graph import Plan, edge_of
+from mpidag.dist_autograd.graph import Plan, edge_of, track_intermediate_hooks
 from mpidag.errors import detached_copy, frameless, future_error, node_error
 
 __all__ = ["DistAutograd", "PassState", "UnusedRPCGradientError", "UnusedRPCWarning",
@@ -511,6 +511,8 @@ class DistAutograd:
     def __init__(self, agent: RpcAgent) -> None:
         self.agent = agent
         self.container = ContextContainer(agent)
+        #: tensor hooks of intermediate tensors run once on their whole gradient (graph.py)
+        self.close = track_intermediate_hooks()
         self.gradients_handler = agent.register_handler(
             "autograd.gradients", self._on_gradients, asynchronous=True,
             describe=lambda context_id, *_: f"gradients of autograd context {context_id}")

@@ -24,11 +24,13 @@ hooks (``register_hook``: run by :class:`Plan` on the complete gradient, the hoo
 value replacing it; the native engine's own run of them on each part is suppressed),
 leaves with post-accumulate-grad hooks, and leaves the caller asks to watch (the engine:
 parameters of a torch ``DistributedDataParallel``). :meth:`Plan.take_completed` hands them
-over once complete. A known gap: a tensor hook on an *intermediate* tensor whose node gets
-its gradient in parts (it is an exit of one region and an entry of another, e.g. a tensor both
-sent and used locally) runs when the engine captures each part and again on their sum, so its
-effect is applied twice; Python cannot reach a graph node's tensor hooks to hold them back.
-Hooks on leaves, on RPC results and on tensors inside one region are exact.
+over once complete. A tensor hook on an *intermediate* tensor whose node gets its gradient
+in parts (it is an exit of one region and an entry of another, e.g. a tensor both sent and
+used locally) would run when the engine captures each part and again on their sum; Python
+cannot reach a graph node's tensor hooks, so while a runtime lives
+(:func:`track_intermediate_hooks`) the non-leaf tensors given hooks are remembered (weakly)
+and their hooks are held back while a part is captured: they run once, on the sum, when
+the region behind the node runs, as in local autograd.
 
 This module knows nothing of RPC: :mod:`mpidag.dist_autograd.engine` feeds it gradients and
 sends what it returns. It is tested on one process with sources that arrive in any order.
@@ -57,7 +59,8 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["AccumulateGrad", "EdgeKey", "Plan", "Reach", "edge_of", "tensor_hooks"]
+__all__ = ["AccumulateGrad", "EdgeKey", "Plan", "Reach", "edge_of", "tensor_hooks",
+           "track_intermediate_hooks"]
 
 #: the node type of a leaf tensor's gradient accumulator
 AccumulateGrad: type = type(get_gradient_edge(torch.empty(0, requires_grad=True)).node)
@@ -415,7 +418,7 @@ class Plan:
             retain_graph = True
         hooked = [n.variable for n, _ in keys if n in self.hooked] if self.hooked else ()
         try:
-            with _hooks_suppressed(hooked):  # they run once, on the complete gradient
+            with _hooks_suppressed(hooked), _intermediate_hooks_suppressed(exits):
                 results = torch.autograd.grad(
                     outputs, [GradientEdge(n, i) for n, i in keys], grad_outputs,
                     retain_graph=retain_graph, allow_unused=True,
@@ -529,3 +532,96 @@ def _hooks_suppressed(variables: list[torch.Tensor] | tuple):
                         else:
                             hooks.update(added)
                     var._backward_hooks = hooks
+
+
+# -------------------------------------------------------- intermediate tensor hooks
+#: non-leaf tensors given a tensor hook while tracking is on (weakly; see the module text)
+_hooked_intermediates: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: [runtimes tracking, torch's own Tensor.register_hook while replaced]
+_tracking: list[Any] = [0, None]
+#: id(hooks dict) -> [native calls holding it back, the dict, its hooks]
+_held: dict[int, list[Any]] = {}
+
+
+def track_intermediate_hooks() -> Callable[[], None]:
+    """Remember the non-leaf tensors given a tensor hook (``Tensor.register_hook`` wrapped,
+    counted per caller); returns the function that stops it (the last one puts torch's
+    ``register_hook`` back, unless another library replaced it since).
+
+    Example::
+
+        >>> stop = track_intermediate_hooks()
+        >>> h = torch.ones(2, requires_grad=True) * 2; _ = h.register_hook(lambda g: g)
+        >>> stop()
+    """
+    with _suppressed_lock:
+        if _tracking[0] == 0:
+            original = torch.Tensor.register_hook
+
+            def register_hook(self: torch.Tensor, hook: Callable) -> Any:
+                handle = original(self, hook)
+                if self.grad_fn is not None:
+                    _hooked_intermediates[self] = None
+                return handle
+
+            register_hook.__doc__ = original.__doc__
+            register_hook.__wrapped__ = original  # type: ignore[attr-defined]
+            torch.Tensor.register_hook = register_hook  # type: ignore[method-assign]
+            _tracking[1] = (original, register_hook)
+        _tracking[0] += 1
+    stopped = [False]
+
+    def stop() -> None:
+        with _suppressed_lock:
+            if stopped[0]:
+                return
+            stopped[0] = True
+            _tracking[0] -= 1
+            if _tracking[0] == 0:
+                original, wrapper = _tracking[1]
+                if torch.Tensor.register_hook is wrapper:
+                    torch.Tensor.register_hook = original  # type: ignore[method-assign]
+                _tracking[1] = None
+
+    return stop
+
+
+@contextmanager
+def _intermediate_hooks_suppressed(nodes: list[Any]):
+    """Hold back the tensor hooks of the non-leaf tensors whose node is in ``nodes`` (the
+    exits of a native-engine call: they get a part of their gradient now, and run on the
+    sum later) for that call; reference counted across threads."""
+    if not nodes or not _hooked_intermediates:
+        yield
+        return
+    targets = set(nodes)
+    held: list[dict] = []
+    with _suppressed_lock:
+        for tensor in list(_hooked_intermediates.keys()):
+            if tensor.grad_fn not in targets:
+                continue
+            hooks = tensor._backward_hooks
+            if hooks is None:
+                continue
+            entry = _held.get(id(hooks))
+            if entry is not None:
+                entry[0] += 1
+            elif hooks:
+                _held[id(hooks)] = [1, hooks, dict(hooks)]
+                hooks.clear()  # in place: the node's pre-hook reads this very dict
+            else:
+                continue
+            held.append(hooks)
+    try:
+        yield
+    finally:
+        with _suppressed_lock:
+            for hooks in held:
+                entry = _held[id(hooks)]
+                entry[0] -= 1
+                if entry[0] == 0:
+                    del _held[id(hooks)]
+                    added = dict(hooks)  # registered meanwhile: after the earlier ones
+                    hooks.clear()
+                    hooks.update(entry[2])
+                    hooks.update(added)
