@@ -97,3 +97,52 @@ class FailingSGD(torch.optim.SGD):
         if rpc.get_worker_info().name == self.fail_on:
             raise FloatingPointError(f"step refused on {self.fail_on} on purpose")
         return super().step(closure)
+
+
+def _gate(name):
+    """This rank's record of the gated steps named ``name``: (condition, events)."""
+    from tests.contract.harness import rank_state
+
+    gates = rank_state("optim_funcs.gates", dict)
+    with _shared_lock:
+        if name not in gates:
+            gates[name] = (threading.Condition(), [])
+        return gates[name]
+
+
+class GatedSGD(torch.optim.SGD):
+    """SGD whose steps record on their owner when they enter and leave, per ``gate``: the
+    ``holder``'s step, once entered, waits (holding its parameters' locks) until the other
+    step has entered too, at most ``hold`` seconds. What the record shows is the order of
+    the two steps, whatever the speed of the machine: with disjoint locks the other step
+    enters while the holder waits; with one lock it enters only after the holder left."""
+
+    def __init__(self, params, lr, gate, holder, hold):
+        super().__init__(params, lr=lr)
+        self.gate, self.holder, self.hold = gate, holder, hold
+
+    def step(self, closure=None):
+        cond, events = _gate(self.gate)
+        with cond:
+            events.append(("enter", self.holder))
+            cond.notify_all()
+            if self.holder:
+                cond.wait_for(lambda: ("enter", False) in events, timeout=self.hold)
+        result = super().step(closure)
+        with cond:
+            events.append(("leave", self.holder))
+            cond.notify_all()
+        return result
+
+
+def wait_entered(gate, holder, limit):
+    """On the owner: wait until the ``holder`` (or other) step of ``gate`` has entered."""
+    cond, events = _gate(gate)
+    with cond:
+        return cond.wait_for(lambda: ("enter", holder) in events, timeout=limit)
+
+
+def gate_events(gate):
+    cond, events = _gate(gate)
+    with cond:
+        return list(events)

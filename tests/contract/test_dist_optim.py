@@ -99,43 +99,46 @@ def test_no_update_is_lost_when_everyone_steps_one_parameter(world):
     param = None  # noqa: F841 - drop the RRef before the module's leak check
 
 
-def _overlaps(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> int:
-    return sum(1 for s1, e1 in a for s2, e2 in b if s1 < e2 and s2 < e1)
+def _gated_steps(world, gate: str, names: tuple[str, str], hold: float) -> list[tuple]:
+    """Two optimizer steps on ``world.next``: the holder's over parameter ``names[0]``
+    first; once it is inside its step (holding its locks, see ``GatedSGD``), the other's
+    over ``names[1]``. Returns the owner's record of their entering and leaving."""
+    owner = world.next
+    rrefs = {n: rpc.rpc_sync(owner, of.shared_param, args=(n, 64)) for n in set(names)}
+    opts = [DistributedOptimizer(of.GatedSGD, [rrefs[name]], lr=0.1, gate=gate,
+                                 holder=holder, hold=hold)
+            for name, holder in zip(names, (True, False), strict=True)]
+
+    def step(opt: DistributedOptimizer, name: str) -> None:
+        with dist_autograd.context() as context_id:
+            loss = rpc.rpc_sync(owner, of.scaled_sum, args=(rrefs[name], torch.ones(64)))
+            dist_autograd.backward(context_id, [loss])
+            opt.step(context_id)
+
+    holder = threading.Thread(target=bound(step), args=(opts[0], names[0]))
+    holder.start()
+    try:
+        assert rpc.rpc_sync(owner, of.wait_entered, args=(gate, True, 60.0))
+        step(opts[1], names[1])
+    finally:
+        holder.join()
+    return rpc.rpc_sync(owner, of.gate_events, args=(gate,))
 
 
-def _concurrent_steps(owner: str, names: tuple[str, str], numel: int, steps: int):
-    rrefs = {n: rpc.rpc_sync(owner, of.shared_param, args=(n, numel)) for n in set(names)}
-    opts = [DistributedOptimizer(torch.optim.Adam, [rrefs[n]], lr=1e-3) for n in names]
-    barrier = threading.Barrier(2)
-
-    def run(opt: DistributedOptimizer, name: str) -> None:
-        scale = torch.ones(numel)
-        barrier.wait()
-        for _ in range(steps):
-            with dist_autograd.context() as context_id:
-                loss = rpc.rpc_sync(owner, of.scaled_sum, args=(rrefs[name], scale))
-                dist_autograd.backward(context_id, [loss])
-                opt.step(context_id)
-
-    workers = [threading.Thread(target=bound(run), args=(o, n)) for o, n in zip(opts, names,
-                                                                          strict=True)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    times = [rpc.rpc_sync(owner, of.step_times, args=(o.remote_optimizers[0],))
-             for o in opts]
-    return _overlaps(times[0], times[1])
+#: the record of two steps that did not overlap: the holder left before the other entered
+ONE_AFTER_THE_OTHER = [("enter", True), ("leave", True), ("enter", False), ("leave", False)]
 
 
 def test_disjoint_parameters_step_in_parallel_shared_ones_do_not(world):
-    owner = world.next
-    numel = 1 << 20
+    """Orderings, not a stopwatch: over disjoint parameters the other step enters while the
+    holder waits inside its own (the holder would wait its full 60 s otherwise, and the
+    record would show it); over the same parameter it enters only after the holder left
+    (the holder waits 0.5 s for it: a slow machine can only make it enter later)."""
     tag = f"r{world.rank}"
-    disjoint = _concurrent_steps(owner, (f"{tag}a", f"{tag}b"), numel, 12)
-    assert disjoint > 0, "steps over disjoint parameters never overlapped in time"
-    shared = _concurrent_steps(owner, (f"{tag}c", f"{tag}c"), numel, 12)
-    assert shared == 0, f"{shared} steps over the same parameter overlapped in time"
+    events = _gated_steps(world, f"{tag}-disjoint", (f"{tag}a", f"{tag}b"), hold=60.0)
+    assert events.index(("enter", False)) < events.index(("leave", True)), events
+    events = _gated_steps(world, f"{tag}-shared", (f"{tag}c", f"{tag}c"), hold=0.5)
+    assert events == ONE_AFTER_THE_OTHER, events
     testing.quiesce()
 
 
@@ -144,7 +147,8 @@ def test_global_lock_mode_serializes_everything(world):
     previous = rpc.rpc_sync(owner, of.set_lock_mode, args=("global",))
     try:
         tag = f"g{world.rank}"
-        assert _concurrent_steps(owner, (f"{tag}a", f"{tag}b"), 1 << 18, 6) == 0
+        events = _gated_steps(world, f"{tag}-global", (f"{tag}a", f"{tag}b"), hold=0.5)
+        assert events == ONE_AFTER_THE_OTHER, events
     finally:
         testing.quiesce()
         rpc.rpc_sync(owner, of.set_lock_mode, args=(previous,))
