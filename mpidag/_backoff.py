@@ -44,8 +44,10 @@ class Backoff:
 
     Example::
 
+        >>> done = threading.Event()
+        >>> threading.Timer(0.01, done.set).start()     # progress, 10 ms from now
         >>> backoff = Backoff(spin=1e-3, min_sleep=50e-6, max_sleep=1e-3)
-        >>> while not done():
+        >>> while not done.is_set():
         ...     backoff.idle()
         >>> backoff.reset()          # after progress: the next wait starts spinning again
     """

@@ -53,7 +53,8 @@ class ConfigError(ValueError):
 
         >>> Config.from_env({"MPIDAG_BACKOFF_MAX": "fast"})
         Traceback (most recent call last):
-        ConfigError: MPIDAG_BACKOFF_MAX='fast' is not a number of seconds ...
+        mpidag._config.ConfigError: MPIDAG_BACKOFF_MAX='fast' is not a number of seconds >= 0
+        (e.g. 1e-3)
     """
 
 

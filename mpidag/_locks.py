@@ -27,9 +27,14 @@ class ParameterLocks:
 
     Example::
 
+        >>> w, b = torch.zeros(2), torch.zeros(1)
         >>> locks = ParameterLocks()
-        >>> with locks.holding([w, b]):      # w and b locked, in registration order
+        >>> locks.register([w, b])               # the order: w, then b
+        >>> with locks.holding([b, w]):          # w and b locked, w first
         ...     w.add_(1)
+        tensor([1., 1.])
+        >>> len(locks)
+        2
     """
 
     def __init__(self, mode: str = "parameter") -> None:

@@ -260,8 +260,15 @@ def profiled_call(key: str, send: Callable[[Options], torch.futures.Future],
 
     Example::
 
-        >>> fut = profiled_call("rpc_async#f(worker0 -> worker1)",
-        ...                     lambda options: agent_call(options), RpcFuture)
+        >>> def send(options):       # sends the call; here it is answered at once
+        ...     answer = torch.futures.Future()
+        ...     answer.set_result(3)
+        ...     return answer
+        >>> fut = profiled_call("rpc_async#f(worker0 -> worker1)", send, torch.futures.Future)
+        >>> fut.wait()
+        3
+        >>> take_profiled_future() is fut      # kept for RRef._get_profiling_future
+        True
     """
     session = _session()
     call = _Call(key)
@@ -332,8 +339,10 @@ def serve_profiled(node_id: int, options: Options | None, func: Callable, args: 
 
     Example::
 
-        >>> serve_profiled(1, DEFAULT_OPTIONS, torch.add, (x, y), {}, False).events[0][1]
-        'aten::add'
+        >>> x, y = torch.ones(2), torch.ones(2)
+        >>> answer = serve_profiled(1, DEFAULT_OPTIONS, torch.add, (x, y), {}, False)
+        >>> answer.value, answer.events[0][1]
+        (tensor([2., 2.]), 'aten::add')
     """
     servers = list(_servers)
     caller = options is not None
@@ -466,6 +475,12 @@ def stop_server_profile(handle: object) -> list[list[FunctionEvent]]:
 
     Example::
 
+        >>> handle = start_server_profile(DEFAULT_OPTIONS)
+        >>> x, y = torch.ones(2), torch.ones(2)
+        >>> rpc.rpc_sync("worker0", torch.add, args=(x, y))     # served by this worker
+        tensor([2., 2.])
+        >>> rpc.rpc_sync("worker0", torch.sub, args=(x, y))
+        tensor([0., 0.])
         >>> [[e.name for e in call] for call in stop_server_profile(handle)]
         [['aten::add'], ['aten::sub']]
     """
@@ -485,6 +500,8 @@ def set_gil_profiling(flag: bool) -> None:
 
         >>> set_gil_profiling(True); gil_average_wait_us()
         0.0
+        >>> set_gil_profiling(False); gil_average_wait_us() is None
+        True
     """
     global _gil
     with _lock:
@@ -551,7 +568,8 @@ def install(node_id: int) -> None:
 
     Example::
 
-        >>> install(0)
+        >>> install(0)          # rank 0's agent starts
+        >>> install(-1)         # and shuts down
     """
     global _installed, _node_id
     _node_id = node_id

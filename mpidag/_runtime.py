@@ -55,11 +55,17 @@ class Runtime:
 
     Example::
 
-        >>> world = InProcWorld(2)                   # or MPITransport() under mpirun
-        >>> runtime = Runtime.connect(world.transports[rank])   # in one thread per rank
-        >>> runtime.serve()
-        >>> runtime.agent.workers
+        >>> world = InProcWorld(2)          # or MPITransport() on each rank under mpirun
+        >>> every_rank = concurrent.futures.ThreadPoolExecutor(2)   # a thread per rank
+        >>> ranks = list(every_rank.map(lambda r: Runtime.connect(world.transports[r]),
+        ...                             range(2)))
+        >>> for r in ranks:
+        ...     r.serve()
+        >>> ranks[0].agent.workers
         [WorkerInfo(id=0, name=worker0), WorkerInfo(id=1, name=worker1)]
+        >>> list(every_rank.map(lambda r: r.shutdown(), ranks))
+        [None, None]
+        >>> every_rank.shutdown()
     """
 
     def __init__(self, transport: Transport, workers: list[WorkerInfo],

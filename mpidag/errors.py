@@ -43,7 +43,7 @@ class RPCError(RuntimeError):
     Example::
 
         >>> try:
-        ...     rpc.rpc_sync("worker1", time.sleep, args=(1,), timeout=0.1)
+        ...     rpc.rpc_sync("worker1", time.sleep, args=(0.5,), timeout=0.1)
         ... except rpc.RPCError as exc:        # every mpidag error, timeouts included
         ...     print(type(exc).__name__)
         RPCTimeoutError
@@ -57,7 +57,9 @@ class RPCNotInitializedError(RPCError):
 
         >>> rpc.get_worker_info()              # before init_rpc()
         Traceback (most recent call last):
-        RPCNotInitializedError: RPC has not been initialized. Call mpidag.rpc.init_rpc first.
+        mpidag.errors.RPCNotInitializedError: RPC has not been initialized. Call
+        mpidag.rpc.init_rpc first, on every rank of the MPI job (torch: Current RPC agent is
+        not set! Did you initialize the RPC framework?)
     """
 
 
@@ -66,7 +68,7 @@ class RPCTimeoutError(TimeoutError, RPCError):
 
     Example::
 
-        >>> fut = rpc.rpc_async("worker1", time.sleep, args=(1,), timeout=0.1)
+        >>> fut = rpc.rpc_async("worker1", time.sleep, args=(0.5,), timeout=0.1)
         >>> try:
         ...     fut.wait()
         ... except TimeoutError:               # what torch raises; RuntimeError works too
@@ -82,7 +84,8 @@ class UnknownWorkerError(ValueError, RPCError):
 
         >>> rpc.rpc_sync("worker9", torch.add, args=(1, 2))   # a job of 2 ranks
         Traceback (most recent call last):
-        UnknownWorkerError: unknown destination worker 'worker9'; workers: ['worker0', 'worker1']
+        mpidag.errors.UnknownWorkerError: could not find destination name worker9 (unknown
+        destination worker 'worker9'); workers: ['worker0', 'worker1']
     """
 
 
@@ -95,7 +98,9 @@ class InvalidArgumentError(ValueError, RPCError):
 
         >>> rpc.rpc_sync("worker1", torch.add, args=(1, 2), timeout=-5)
         Traceback (most recent call last):
-        InvalidArgumentError: timeout=-5 is not a valid timeout: pass seconds >= 0 (0: no ...
+        mpidag.errors.InvalidArgumentError: timeout=-5 is not a valid timeout: pass seconds >= 0
+        (0: no timeout), or leave timeout= out (UNSET_RPC_TIMEOUT, -1.0) for the default
+        timeout of the backend options (rpc_timeout)
     """
 
 
@@ -104,11 +109,12 @@ class WorkerDiedError(RPCError):
 
     Example::
 
-        >>> fut = rpc.rpc_async("worker1", time.sleep, args=(60,))
+        >>> fut = rpc.rpc_async("worker1", time.sleep, args=(1,))
         >>> rpc.shutdown(graceful=False)       # this rank stops: fut fails
         >>> fut.wait()
         Traceback (most recent call last):
-        WorkerDiedError: ... did not complete: the RPC agent was shut down
+        mpidag.errors.WorkerDiedError: time.sleep to worker1 did not complete: the RPC agent was
+        shut down
     """
 
 
@@ -123,13 +129,13 @@ class WorkerFailedError(WorkerDiedError):
     once. ``rank`` is the failed rank, ``worker_name`` its name (``None`` where only the rank
     is known). The survivors go on; :func:`mpidag.rpc.failed_workers` lists what was lost.
 
-    Example::
+    Example (in a job of ``python -m mpidag.run --ft -n 3`` whose worker2 was killed: not
+    run by the doctests, which kill no process)::
 
-        >>> try:
-        ...     rpc.rpc_sync("worker2", torch.add, args=(x, 1))
-        ... except rpc.WorkerFailedError as exc:
-        ...     print(exc.worker_name, "is gone")
-        worker2 is gone
+        try:
+            rpc.rpc_sync("worker2", torch.add, args=(x, 1))
+        except rpc.WorkerFailedError as exc:
+            print(exc.worker_name, "is gone")       # prints: worker2 is gone
     """
 
     def __init__(self, message: str, rank: int = -1, worker_name: str | None = None) -> None:
@@ -148,7 +154,10 @@ class SerializationError(TypeError, RPCError):
 
         >>> rpc.rpc_sync("worker1", lambda: 1)     # lambdas do not pickle
         Traceback (most recent call last):
-        SerializationError: could not pickle the call of ... for worker1: ...
+        mpidag.errors.SerializationError: could not pickle the call of ...<lambda> for worker1:
+        Can't pickle <function <lambda> at 0x...>: attribute lookup <lambda> on ... failed.
+        Arguments and the function must be picklable (define functions at module level; no
+        lambdas, locks, open files or generators).
     """
 
 
@@ -163,9 +172,13 @@ class RemoteBaseException(RPCError):
         >>> rpc.rpc_sync("worker1", sys.exit, args=(3,))
         Traceback (most recent call last):
         SystemExit: 3
-        >>> rpc.rpc_async("worker1", sys.exit, args=(3,)).value()   # once done
+        >>> fut = rpc.rpc_async("worker1", sys.exit, args=(3,))
+        >>> fut.wait()
         Traceback (most recent call last):
-        RemoteBaseException: the remote function raised SystemExit: 3
+        SystemExit: 3
+        >>> fut.value()                        # once done
+        Traceback (most recent call last):
+        mpidag.errors.RemoteBaseException: the remote function raised SystemExit: 3
     """
 
     def __init__(self, exception: BaseException) -> None:
@@ -190,10 +203,22 @@ class WrappedError(RuntimeError):
 
     Example::
 
-        >>> try:
-        ...     dist_autograd.backward(context_id, [loss])  # a ValueError on worker1's part
-        ... except RuntimeError as exc:                     # torch's type; ValueError works too
-        ...     print(exc, "|", type(exc.original).__name__, isinstance(exc, ValueError))
+        >>> class Bad(torch.autograd.Function):          # its backward fails
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         return x.clone()
+        ...     @staticmethod
+        ...     def backward(ctx, grad):
+        ...         raise ValueError("bad gradient")
+        >>> def bad(x):
+        ...     return Bad.apply(x)
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> with dist_autograd.context() as context_id:
+        ...     loss = rpc.rpc_sync("worker1", bad, args=(x,)).sum()
+        ...     try:
+        ...         dist_autograd.backward(context_id, [loss])  # fails on worker1's part
+        ...     except RuntimeError as exc:                 # torch's type; ValueError works too
+        ...         print(exc, "|", type(exc.original).__name__, isinstance(exc, ValueError))
         Error on Node 1: bad gradient | ValueError True
     """
 

@@ -75,10 +75,13 @@ class context:  # noqa: N801 - torch's name
 
     Example::
 
+        >>> w = torch.tensor([1.0, 2.0], requires_grad=True)
+        >>> x = torch.tensor([3.0, 4.0])
         >>> with dist_autograd.context() as context_id:
         ...     loss = rpc.rpc_sync("worker1", torch.mul, args=(w, x)).sum()
         ...     dist_autograd.backward(context_id, [loss])
         ...     dist_autograd.get_gradients(context_id)[w]
+        tensor([3., 4.])
     """
 
     def __init__(self) -> None:
@@ -127,10 +130,15 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
 
     Example::
 
+        >>> t1 = torch.tensor([1.0, 2.0], requires_grad=True)
+        >>> t2 = torch.tensor([3.0, 4.0], requires_grad=True)
         >>> with dist_autograd.context() as context_id:
         ...     loss = rpc.rpc_sync("worker1", torch.add, args=(t1, t2)).sum()
         ...     unused = rpc.rpc_sync("worker1", torch.mul, args=(t1, t2))
         ...     dist_autograd.backward(context_id, [loss])      # exact, unused or not
+        ...     grads = dist_autograd.get_gradients(context_id)
+        >>> grads[t1], grads[t2]
+        (tensor([1., 1.]), tensor([1., 1.]))
     """
     if isinstance(context_id, bool) or not isinstance(context_id, int):
         raise TypeError(f"backward(): incompatible function arguments: context_id must be "
@@ -144,8 +152,12 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
 
     Example::
 
-        >>> dist_autograd.get_gradients(context_id)
-        {tensor([...], requires_grad=True): tensor([...])}
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> with dist_autograd.context() as context_id:
+        ...     y = rpc.rpc_sync("worker1", torch.mul, args=(x, 3.0)).sum()
+        ...     dist_autograd.backward(context_id, [y])
+        ...     dist_autograd.get_gradients(context_id)
+        {tensor([1., 1.], requires_grad=True): tensor([3., 3.])}
     """
     return _container().retrieve(context_id).gradients.snapshot()
 
@@ -176,8 +188,12 @@ def _get_max_id() -> int:
 
     Example::
 
-        >>> dist_autograd._get_max_id() >> 48      # on worker 1 of a job of 2
+        >>> dist_autograd._get_max_id() >> 48      # on worker0 of a job of 2: its rank
+        0
+        >>> rpc.rpc_sync("worker1", dist_autograd._get_max_id) >> 48
         1
+        >>> dist_autograd._get_max_id() & 0xFFFF_FFFF_FFFF == (1 << 48) - 1
+        True
     """
     ids = _runtime.current().agent.ids
     return (ids.rank << ids.counter_bits) | ((1 << ids.counter_bits) - 1)

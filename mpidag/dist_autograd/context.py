@@ -266,8 +266,11 @@ class GradientMap:
 
     Example::
 
+        >>> weight = torch.zeros(4, 2, requires_grad=True)
         >>> grads = GradientMap()
         >>> grads.add(weight, torch.sparse_coo_tensor([[1]], [[1.0, 2.0]], (4, 2)))
+        >>> grads.snapshot()[weight].is_sparse
+        True
         >>> grads.add(weight, torch.ones(4, 2))       # sparse + dense: a dense sum
         >>> grads.snapshot()[weight][1]
         tensor([2., 3.])
@@ -335,11 +338,13 @@ class DistAutogradContext:
 
     Example::
 
+        >>> x = torch.ones(2, requires_grad=True)
         >>> with dist_autograd.context() as context_id:
-        ...     y = rpc.rpc_sync("worker1", torch.mul, args=(x, 2))   # x requires grad
+        ...     y = rpc.rpc_sync("worker1", torch.mul, args=(x, 2))
         ...     ctx = dist_autograd._current_context()
-        ...     ctx._send_functions()    # {message id: SendRpcBackward(... to rank 1 ...)}
+        ...     ctx._send_functions()
         ...     ctx._known_worker_ids()
+        {...: SendRpcBackward(...)}
         {1}
     """
 
@@ -395,9 +400,15 @@ class ContextContainer(CallObserver):
 
     Example::
 
-        >>> container = ContextContainer(agent)     # registers itself in the agent
+        >>> container = runtime.autograd.container  # ContextContainer(runtime.agent)
         >>> ctx = container.new_context()
         >>> previous = container.enter(ctx)         # this thread's RPCs now record
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> y = rpc.rpc_sync("worker1", torch.neg, args=(x,))
+        >>> container.leave(previous)
+        >>> ctx
+        DistAutogradContext(id=1, sends=1, recvs=1, known_workers=[1])
+        >>> container.release(ctx)                  # here and on worker1
     """
 
     def __init__(self, agent: RpcAgent) -> None:

@@ -106,13 +106,18 @@ class UnusedRPCGradientError(RuntimeError):
 
     Example::
 
+        >>> a = torch.ones(2, requires_grad=True)
         >>> with dist_autograd.context() as context_id:
         ...     h = a * 2
         ...     d = rpc.rpc_sync("worker1", torch.square, args=(h,))
         ...     e = rpc.rpc_sync("worker1", torch.sin, args=(h,))   # never used
         ...     dist_autograd.backward(context_id, [d.sum()], mode="fast")
         Traceback (most recent call last):
-        UnusedRPCGradientError: ... torch.sin ... never received a gradient ...
+        mpidag.dist_autograd.engine.UnusedRPCGradientError: distributed backward of context 1
+        could not finish: the arguments of torch...sin sent to worker1 (from rank 0) never
+        received a gradient, and other gradients depend on them. ... Results the loss does
+        not use: the result of torch...sin from worker1. Detach or drop those results, or
+        make those calls outside the autograd context.
     """
 
 
@@ -123,11 +128,16 @@ class UnusedRPCWarning(UserWarning):
 
     Example::
 
-        >>> with dist_autograd.context() as context_id:
-        ...     d = rpc.rpc_sync("worker1", torch.add, args=(a, b))
-        ...     e = rpc.rpc_sync("worker1", torch.mul, args=(b, c))   # not in the loss
-        ...     dist_autograd.backward(context_id, [d.sum()], mode="fast")
-        UnusedRPCWarning: distributed backward did not reach the result of torch.mul ...
+        >>> a, b, c = (torch.ones(2, requires_grad=True) for _ in range(3))
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     with dist_autograd.context() as context_id:
+        ...         d = rpc.rpc_sync("worker1", torch.add, args=(a, b))
+        ...         e = rpc.rpc_sync("worker1", torch.mul, args=(b, c))   # not in the loss
+        ...         dist_autograd.backward(context_id, [d.sum()], mode="fast")
+        >>> print(caught[0].message)
+        distributed backward did not reach the result of torch...mul from worker1: no gradient
+        flows back through those RPCs (their results are not used by the loss)
     """
 
 
@@ -324,7 +334,7 @@ class PassState:
             self.source_of[send.message_id] = len(sources)
             sources.append(send.edges)
             reaches.append(send.prepare())
-            self.source_what.append(f"{send.what} (rank {self.agent.rank})")
+            self.source_what.append(f"{send.what} (from rank {self.agent.rank})")
             self.source_send.append(send)
         self.plan = Plan(sources, RECV_NODE_TYPE, reaches, watch=_ddp_index.watch)
         for node in self.plan.leaf_mask:
@@ -503,9 +513,16 @@ class DistAutograd:
 
     Example::
 
-        >>> autograd = DistAutograd(agent)
+        >>> autograd = runtime.autograd             # DistAutograd(runtime.agent)
         >>> ctx = autograd.container.new_context()
-        >>> autograd.backward(ctx.context_id, [loss], retain_graph=False)
+        >>> previous = autograd.container.enter(ctx)
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> loss = rpc.rpc_sync("worker1", torch.mul, args=(x, 2)).sum()
+        >>> autograd.container.leave(previous)
+        >>> autograd.backward(ctx.context_id, [loss], retain_graph=False, mode="smart")
+        >>> ctx.gradients.snapshot()[x]
+        tensor([2., 2.])
+        >>> autograd.container.release(ctx)
     """
 
     def __init__(self, agent: RpcAgent) -> None:
@@ -711,9 +728,11 @@ def average_ddp_gradients(ddp: Any, grads: dict[torch.Tensor, torch.Tensor | Non
     Modules with sparse gradients (no flat buckets) all-reduce each parameter instead.
     Every member of the group must call this for the same module and backward.
 
-    Example::
+    Example (on every member of the group: not run by the doctests, which have no process
+    group)::
 
-        >>> averaged = average_ddp_gradients(ddp, {p: g for p, g in ...})  # [(param, avg)]
+        averaged = average_ddp_gradients(ddp, {p: grads.get(p) for p in ddp.parameters()})
+        # [(param, gradient averaged over the group)]
     """
     group = ddp.process_group
     divide = not getattr(ddp, "_comm_hooks", None)
