@@ -56,8 +56,7 @@ class RpcWorld:
 
     Example::
 
-        >>> rpc_world                          # in a test on rank 0 of 2 ranks
-        RpcWorld(rank=0, size=2)
+        >>> rpc_world = RpcWorld(rank=0, size=2)     # the fixture, in a test on rank 0 of 2
         >>> rpc_world.name, rpc_world.next, rpc_world.prev
         ('worker0', 'worker1', 'worker1')
     """

@@ -120,6 +120,7 @@ def assert_no_leaks(timeout: float = 60.0) -> None:
         ...     assert rref.to_here().sum() == 2
         ...     del rref
         ...     testing.assert_no_leaks()    # raises on every rank if one leaks
+        >>> test_no_leaks(rpc_world)         # on every rank
     """
     report = leak_report(timeout)
     if report:
@@ -187,7 +188,8 @@ def delayed_control_messages(max_delay: float = 0.01, seed: int = 0) -> Iterator
         ...     rref = rpc.remote(rpc_world.next, torch.ones, args=(2,))
         ...     rpc.rpc_sync(rpc_world.prev, len, args=([rref],))   # forks, deletes: late
         ...     del rref
-        >>> testing.assert_no_leaks()
+        1
+        >>> testing.assert_no_leaks()         # collective: every rank does the same
     """
     transport = _runtime.current().transport
     sender = _DelayedSender(transport, max_delay, seed)

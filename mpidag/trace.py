@@ -57,7 +57,7 @@ def clock_offset_ns(samples: int = 8) -> int:
 
     Example::
 
-        >>> mpidag.trace.clock_offset_ns()     # on one machine
+        >>> mpidag.trace.clock_offset_ns()     # on worker0 (rank 0)
         0
     """
     runtime = _runtime.current()
@@ -82,7 +82,7 @@ def export_rank_trace(prof: Any, path: str | Path) -> Path:
     Example::
 
         >>> with torch.profiler.profile() as prof:
-        ...     rpc.rpc_sync("worker1", torch.add, args=(x, 1))
+        ...     y = rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
         >>> mpidag.trace.export_rank_trace(prof, "trace/rank0.json")
         PosixPath('trace/rank0.json')
     """
@@ -106,6 +106,13 @@ def merge_traces(paths: Iterable[str | Path], out: str | Path | None = None
 
     Example::
 
+        >>> def traced(path):            # each rank: profile its work, save its trace
+        ...     with torch.profiler.profile() as prof:
+        ...         torch.ones(2).add(1)
+        ...     return mpidag.trace.export_rank_trace(prof, path)
+        >>> traced("trace/rank0.json"), rpc.rpc_sync("worker1", traced,
+        ...                                          args=("trace/rank1.json",))
+        (PosixPath('trace/rank0.json'), PosixPath('trace/rank1.json'))
         >>> job = mpidag.trace.merge_traces(["trace/rank0.json", "trace/rank1.json"],
         ...                                 "trace/job.json")
         >>> sorted({e["pid"] for e in job["traceEvents"]})

@@ -20,9 +20,11 @@ fails for a module with ``>>>`` examples that is in neither it nor :data:`NOT_RU
 
 from __future__ import annotations
 
+import builtins
 import concurrent.futures
 import contextlib
 import doctest
+import gc
 import importlib
 import itertools
 import operator
@@ -61,7 +63,6 @@ MODULES = (
     "mpidag.dist_autograd.graph",
     "mpidag.errors",
     "mpidag.nn.api.remote_module",
-    "mpidag.nn.parallel",
     "mpidag.optim.optimizer",
     "mpidag.pytest_plugin",
     "mpidag.rpc.agent_view",
@@ -106,9 +107,15 @@ EVERY_RANK = {
     "mpidag.rpc.agent_view._barrier",
     "mpidag.rpc.agent_view._wait_all_workers",
     "mpidag.testing.quiesce",
+    "mpidag.testing.assert_no_leaks",
     "mpidag.testing.settle",
     "mpidag.testing.leak_report",
     "mpidag.testing.delayed_control_messages",
+}
+
+#: docstrings that need the in-process world though no name of WORLD_NAMES says so
+WORLD = {
+    "mpidag.trace.clock_offset_ns",
 }
 
 #: docstrings whose examples run with no RPC session (no runtime bound to the thread)
@@ -193,14 +200,16 @@ _numbers = itertools.count()
 
 def example_globals(test: doctest.DocTest, rank: int,
                     runtimes: list[Runtime] | None) -> dict:
-    """The namespace of one docstring's examples on ``rank``: the usual imports, then the
-    module's own names; a module of its own in ``sys.modules``, so that functions the
-    examples define are pickled by name and found again by the rank that runs them."""
+    """The namespace of one docstring's examples on ``rank``: the usual imports, the
+    module's own names, then this rank's ``rank``, ``runtime``, ``runtimes`` and
+    ``rpc_world``. It is the namespace of a module of its own in ``sys.modules``, so that
+    functions the examples define are pickled by name and found again by the rank that
+    runs them."""
     import mpidag.autograd
     import mpidag.optim
-    import mpidag.rpc
     import mpidag.testing
     import mpidag.trace
+    from mpidag.pytest_plugin import RpcWorld
 
     module = types.ModuleType(f"mpidag_doctest_{next(_numbers)}")
     namespace = module.__dict__
@@ -210,14 +219,20 @@ def example_globals(test: doctest.DocTest, rank: int,
         "mpidag": mpidag, "rpc": mpidag.rpc, "dist_autograd": mpidag.autograd,
         "RRef": mpidag.rpc.RRef, "DistributedOptimizer": mpidag.optim.DistributedOptimizer,
         "optim": torch.optim, "testing": mpidag.testing, "InProcWorld": InProcWorld,
-        "rank": rank,
     })
+    namespace.update({k: v for k, v in test.globs.items() if not k.startswith("__")})
+    namespace.update({"rank": rank, "rpc_world": RpcWorld(rank=rank, size=2)})
     if runtimes is not None:
         namespace.update({"runtime": runtimes[rank], "runtimes": runtimes})
-    namespace.update({k: v for k, v in test.globs.items() if not k.startswith("__")})
     namespace["__name__"] = module.__name__
     sys.modules[module.__name__] = module
     return namespace
+
+
+def forget(namespace: dict) -> None:
+    """Drop an examples' namespace (and the RRefs in it, released before the shutdown)."""
+    sys.modules.pop(namespace.get("__name__", ""), None)
+    namespace.clear()
 
 
 def run_statements(test: doctest.DocTest, namespace: dict) -> None:
@@ -238,26 +253,28 @@ def abort(runtimes: list[Runtime]) -> None:
         world.changed.notify_all()
 
 
-def shut_down(runtimes: list[Runtime], rank1: threading.Thread) -> None:
+def shut_down(runtimes: list[Runtime], rank1: threading.Thread) -> bool:
     """Rank 0's graceful shutdown if the examples left it running; rank 1 follows. A rank 0
     that left alone (``shutdown(graceful=False)``) leaves rank 1 waiting: the world is
-    aborted."""
+    aborted (returns whether it was)."""
     if runtimes[0].agent.running:
         runtimes[0].shutdown(graceful=True, timeout=TIMEOUT)
     deadline = time.monotonic() + 5.0
     while rank1.is_alive() and time.monotonic() < deadline \
             and 0 not in runtimes[1].agent.failed:  # rank 0 said goodbye: it left alone
         rank1.join(0.01)
-    if rank1.is_alive():
+    aborted = rank1.is_alive()
+    if aborted:
         abort(runtimes)
         rank1.join(TIMEOUT)
     assert not rank1.is_alive(), "rank 1 did not shut down"
+    return aborted
 
 
 #: names whose use makes a docstring's examples need the in-process world (the others run
 #: without one, which saves its start and shutdown)
 WORLD_NAMES = {"rpc", "dist_autograd", "RRef", "DistributedOptimizer", "RemoteModule",
-               "runtime", "runtimes", "testing", "current", "remote"}
+               "runtime", "runtimes", "testing", "current", "remote", "rpc_world"}
 
 
 def names_used(test: doctest.DocTest) -> set[str]:
@@ -275,24 +292,41 @@ def names_used(test: doctest.DocTest) -> set[str]:
 
 
 def needs_world(test: doctest.DocTest) -> bool:
-    return test.name not in NO_WORLD and bool(names_used(test) & WORLD_NAMES)
+    return test.name in WORLD or (test.name not in NO_WORLD
+                                  and bool(names_used(test) & WORLD_NAMES))
+
+
+@pytest.fixture
+def frozen_heap() -> Iterator[None]:
+    """The objects alive before the item out of the collector's reach while it runs, as
+    ``init_rpc`` does (``MPIDAG_GC_FREEZE``): the full collections of each shutdown (RRef
+    releases) then take milliseconds, not a tenth of a second in this process's heap."""
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 @pytest.mark.parametrize("test", DOCTESTS, ids=[t.name for t in DOCTESTS])
-def test_docstring_examples(test: doctest.DocTest):
+def test_docstring_examples(test: doctest.DocTest, tmp_path, monkeypatch, frozen_heap):
+    monkeypatch.chdir(tmp_path)  # files the examples write land there
     runtimes = start_world(2) if needs_world(test) else None
-    test.globs = example_globals(test, 0, runtimes)
-    every_rank = test.name in EVERY_RANK
-    rank1_error: list[BaseException] = []
+    every_rank = runtimes is not None and test.name in EVERY_RANK
+    mine = doctest.DocTest(test.examples, {}, test.name, test.filename, test.lineno,
+                           test.docstring)
+    mine.globs = example_globals(test, 0, runtimes)  # that module's namespace, not a copy
+    rank1_errors: list[BaseException] = []
 
     def rank1_main() -> None:
         try:
             if every_rank:
                 bind_thread(runtimes[1])
-                run_statements(test, example_globals(test, 1, runtimes))
-            runtimes[1].shutdown(graceful=True)
-        except BaseException as exc:  # noqa: BLE001
-            rank1_error.append(exc)
+                namespace = example_globals(test, 1, runtimes)
+                run_statements(test, namespace)
+                forget(namespace)
+            if runtimes[1].agent.running:  # the examples may have shut it down
+                runtimes[1].shutdown(graceful=True)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            rank1_errors.append(exc)
         finally:
             bind_thread(None)
 
@@ -301,18 +335,21 @@ def test_docstring_examples(test: doctest.DocTest):
     runner = doctest.DocTestRunner(optionflags=FLAGS)
     # an example that hangs (a collective that rank 1 does not join) fails, not the run
     watchdog = threading.Timer(WATCHDOG, lambda: runtimes and abort(runtimes))
+    aborted = False
     if runtimes is not None:
         rank1.start()
         bind_thread(runtimes[0])
         watchdog.start()
     try:
-        runner.run(test, out=output.append, clear_globs=False)
+        runner.run(mine, out=output.append, clear_globs=False)
     finally:
         watchdog.cancel()
         bind_thread(None)
-        sys.modules.pop(test.globs["__name__"], None)
-        test.globs.clear()  # the examples' RRefs are released before the shutdown
+        forget(mine.globs)
+        builtins.__dict__.pop("_", None)  # the last value shown
         if runtimes is not None:
-            shut_down(runtimes, rank1)
+            aborted = shut_down(runtimes, rank1)
     if runner.failures:
         pytest.fail("".join(output), pytrace=False)
+    if rank1_errors and not aborted:
+        raise rank1_errors[0]

@@ -87,15 +87,17 @@ class DistributedDataParallel(_TorchDDP):
     ``static_graph`` and ``find_unused_parameters`` do not apply there (a parameter the loss
     does not use contributes a zero gradient).
 
-    Example::
+    Example (on the trainers of an MPI job, with a remote embedding ``emb`` and a
+    ``DistributedOptimizer`` ``opt``; not run by the doctests, which have no process
+    group)::
 
-        >>> from mpidag.nn.parallel import DistributedDataParallel as DDP
-        >>> pg = rpc.init_process_group(ranks=[0, 1])        # on the trainers
-        >>> dense = DDP(torch.nn.Linear(16, 8), process_group=pg)
-        >>> with dist_autograd.context() as context_id:
-        ...     loss = dense(emb(indices, offsets)).sum()
-        ...     dist_autograd.backward(context_id, [loss])   # dense grads averaged
-        ...     opt.step(context_id)
+        from mpidag.nn.parallel import DistributedDataParallel as DDP
+        pg = rpc.init_process_group(ranks=[0, 1])        # on every rank; None off 0 and 1
+        dense = DDP(torch.nn.Linear(16, 8), process_group=pg)
+        with dist_autograd.context() as context_id:
+            loss = dense(emb(indices, offsets)).sum()
+            dist_autograd.backward(context_id, [loss])   # dense grads averaged
+            opt.step(context_id)
     """
 
     #: mpidag's backward leaves this module's parameters alone (torch's class is averaged
@@ -109,10 +111,10 @@ class DistributedDataParallel(_TorchDDP):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """DDP's forward; inside a distributed autograd context, with averaged gradients.
 
-        Example::
+        Example (on every member of the process group; not run by the doctests)::
 
-            >>> with dist_autograd.context() as context_id:
-            ...     out = ddp_model(batch)
+            with dist_autograd.context() as context_id:
+                out = ddp_model(batch)       # the parameters' gradients will be averaged
         """
         if getattr(self._mpidag_inner, "active", False) or not self._in_distributed_context():
             return super().forward(*inputs, **kwargs)

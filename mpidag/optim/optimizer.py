@@ -137,13 +137,17 @@ class DistributedOptimizer:
 
     Example::
 
+        >>> def parameter():
+        ...     return torch.tensor([1.0, 2.0], requires_grad=True)
         >>> with dist_autograd.context() as context_id:
-        ...     rref1 = rpc.remote("worker1", random_tensor)
-        ...     rref2 = rpc.remote("worker1", random_tensor)
+        ...     rref1 = rpc.remote("worker1", parameter)
+        ...     rref2 = rpc.remote("worker1", parameter)
         ...     loss = rref1.to_here() + rref2.to_here()
         ...     dist_autograd.backward(context_id, [loss.sum()])
         ...     dist_optim = DistributedOptimizer(optim.SGD, [rref1, rref2], lr=0.05)
         ...     dist_optim.step(context_id)
+        >>> rref1.to_here()                     # stepped on worker1: minus 0.05 * 1
+        tensor([0.9500, 1.9500], requires_grad=True)
     """
 
     def __init__(self, optimizer_class: type, params_rref: list, *args: Any,
@@ -194,10 +198,14 @@ class DistributedOptimizer:
 
         Example::
 
+            >>> w = rpc.remote("worker1", torch.ones, args=(2,), kwargs={"requires_grad": True})
+            >>> dist_optim = DistributedOptimizer(optim.SGD, [w], lr=0.1)
             >>> with dist_autograd.context() as context_id:
-            ...     loss = model(batch).sum()               # parameters on other ranks
+            ...     loss = (w.to_here() * 3).sum()          # w lives on worker1
             ...     dist_autograd.backward(context_id, [loss])
             ...     dist_optim.step(context_id)             # every owner steps at once
+            >>> w.to_here()
+            tensor([0.7000, 0.7000], requires_grad=True)
         """
         _retrieve_context(context_id)  # a clear error for an unknown id
         futures = [rpc_async(rref.owner(), _local_step, args=(rref, context_id))

@@ -140,8 +140,8 @@ def _all_gather(obj: Any, worker_names: Iterable[str] | None = None,
 
     Example::
 
-        >>> rpc.api._all_gather(rpc.get_worker_info().id)
-        {'worker0': 0, 'worker1': 1}
+        >>> sorted(rpc.api._all_gather(rpc.get_worker_info().id).items())   # on every rank
+        [('worker0', 0), ('worker1', 1)]
     """
     runtime = _runtime.current()
     agent = CurrentAgent()

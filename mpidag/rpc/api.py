@@ -428,11 +428,12 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
     past it an ``RPCTimeoutError`` is raised after a local shutdown. With
     ``graceful=False`` only this rank stops; its pending futures fail.
 
-    Example::
+    Example (after ``rpc.init_rpc()`` on every rank)::
 
-        >>> rpc.init_rpc()
         >>> fut = rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 1))
         >>> rpc.shutdown()       # waits for fut's reply and for every rank
+        >>> fut.wait()
+        tensor([2., 2.])
     """
     with _runtime.lifecycle_lock:
         runtime = _runtime.current()
@@ -467,8 +468,13 @@ def failed_workers() -> list[WorkerInfo]:
 
     Example::
 
-        >>> [w.name for w in rpc.failed_workers()]   # after worker2 was killed
-        ['worker2']
+        >>> rpc.failed_workers()             # no worker failed
+        []
+
+    and in a job of ``python -m mpidag.run --ft -n 3`` whose worker2 was killed (not run by
+    the doctests, which kill no process)::
+
+        [w.name for w in rpc.failed_workers()]      # ['worker2']
     """
     agent = _runtime.current().agent
     return [agent.workers[rank] for rank in sorted(agent.failed)]
@@ -555,9 +561,9 @@ def get_rpc_timeout() -> float:
     ``get_rpc_timeout``): the backend options' ``rpc_timeout``, or what
     :func:`_set_rpc_timeout` set since.
 
-    Example::
+    Example (after ``rpc.init_rpc(rpc_backend_options=rpc.MPIRpcBackendOptions(rpc_timeout=20))``
+    on every rank)::
 
-        >>> rpc.init_rpc(rpc_backend_options=rpc.MPIRpcBackendOptions(rpc_timeout=20))
         >>> rpc.get_rpc_timeout()
         20.0
     """

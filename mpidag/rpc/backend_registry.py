@@ -36,8 +36,11 @@ def backend_registered(backend_name: str) -> bool:
 
     Example::
 
+        >>> from mpidag.rpc import backend_registry
         >>> backend_registry.backend_registered("TENSORPIPE")
         True
+        >>> backend_registry.backend_registered("GLOO")
+        False
     """
     return backend_name in BackendType.__members__
 
@@ -49,6 +52,7 @@ def register_backend(backend_name: str, construct_rpc_backend_options_handler: A
 
     Example::
 
+        >>> from mpidag.rpc import backend_registry
         >>> backend_registry.register_backend("TENSORPIPE", None, None)
         Traceback (most recent call last):
         RuntimeError: RPC backend TENSORPIPE: already registered
@@ -76,6 +80,7 @@ def construct_rpc_backend_options(
 
     Example::
 
+        >>> from mpidag.rpc import backend_registry
         >>> opts = backend_registry.construct_rpc_backend_options(
         ...     rpc.BackendType.TENSORPIPE, rpc_timeout=20, num_worker_threads=8)
         >>> type(opts).__name__, opts.rpc_timeout, opts.num_worker_threads

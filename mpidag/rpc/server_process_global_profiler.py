@@ -2,11 +2,15 @@
 
 Example::
 
+    >>> x, y = torch.ones(2), torch.ones(2)
     >>> outer = rpc.remote("worker1", rpc._server_process_global_profile)
-    >>> outer.rpc_sync().__enter__()
+    >>> profile = outer.rpc_sync().__enter__()      # worker1 profiles what it serves
     >>> rpc.rpc_sync("worker1", torch.add, (x, y))
+    tensor([2., 2.])
     >>> outer.rpc_sync().__exit__(None, None, None)
-    >>> print(outer.rpc_sync().key_averages())
+    False
+    >>> [e.key for e in outer.rpc_sync().key_averages()]
+    ['aten::add']
 """
 
 from __future__ import annotations
@@ -38,12 +42,14 @@ class _server_process_global_profile(profile):  # noqa: N801 - torch's name
 
     Example::
 
+        >>> x, y = torch.ones(2), torch.ones(2)
         >>> rref = rpc.remote("worker1", rpc._server_process_global_profile)
-        >>> rref.rpc_sync().__enter__()
+        >>> profile = rref.rpc_sync().__enter__()
         >>> rpc.rpc_sync("worker1", torch.sub, (x, y))
+        tensor([0., 0.])
         >>> rref.rpc_sync().__exit__(None, None, None)
-        >>> [[e.name for e in call] for call in
-        ...  rref.rpc_sync().process_global_function_events]
+        False
+        >>> [[e.name for e in call] for call in rref.to_here().process_global_function_events]
         [['aten::sub']]
     """
 

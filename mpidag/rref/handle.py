@@ -80,8 +80,9 @@ class RRefHandle:
 
             >>> rpc.RRef(1)                  # the first RRef of worker0
             OwnerRRef(GloballyUniqueId(created_on=0, local_id=0))
-            >>> str(rpc.remote("worker1", torch.ones, args=(2,)))[:61]
-            'UserRRef(RRefId = GloballyUniqueId(created_on=0, local_id=1)'
+            >>> rpc.remote("worker1", torch.ones, args=(2,))
+            UserRRef(RRefId = GloballyUniqueId(created_on=0, local_id=1),
+                     ForkId = GloballyUniqueId(created_on=0, local_id=...))
         """
         if self._fork_id is None:
             return f"OwnerRRef({self._gid(self._rref_id)})"
@@ -138,7 +139,9 @@ class RRefHandle:
         Example::
 
             >>> rref = rpc.remote("worker1", torch.ones, args=(2,))
-            >>> rref.to_here(); rref.confirmed_by_owner()
+            >>> rref.to_here()                 # answered by the owner: it knows of rref
+            tensor([1., 1.])
+            >>> rref.confirmed_by_owner()
             True
         """
         if self._fork_id is None:
@@ -244,9 +247,12 @@ class RRefHandle:
 
         Example::
 
+            >>> x = torch.ones(2, requires_grad=True)
             >>> with dist_autograd.context() as context_id:
-            ...     rref = rpc.remote("worker1", torch.sum, args=(x,))   # x requires grad
-            ...     rref.backward(context_id)
+            ...     rref = rpc.remote("worker1", torch.sum, args=(x,))
+            ...     rref.backward(context_id)         # runs on worker1, reaches x here
+            ...     dist_autograd.get_gradients(context_id)[x]
+            tensor([1., 1.])
         """
         ctx = self._live("backward()")
         if dist_autograd_ctx_id is None:
@@ -276,6 +282,7 @@ class RRefHandle:
 
         Example::
 
+            >>> rref = rpc.remote("worker1", torch.ones, args=(2,))
             >>> rref.rpc_async().size().wait()
             torch.Size([2])
         """
@@ -286,6 +293,7 @@ class RRefHandle:
 
         Example::
 
+            >>> rref = rpc.remote("worker1", torch.ones, args=(2,))
             >>> rref.remote().size().to_here()
             torch.Size([2])
         """

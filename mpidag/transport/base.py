@@ -54,7 +54,7 @@ class Transport:
         >>> world = InProcWorld(2)                  # or MPITransport() under mpirun
         >>> t0, t1 = world.transports
         >>> t0.send(1, Envelope(kind=1, payload=b"hi"), [])
-        >>> t1.poll().payload
+        >>> bytes(t1.poll().payload)
         b'hi'
     """
 

@@ -185,6 +185,11 @@ class Codecs:
 
     Example::
 
+        >>> from dataclasses import dataclass
+        >>> @dataclass
+        ... class Point:
+        ...     x: int
+        ...     y: int
         >>> codecs = Codecs()
         >>> codecs.register(Point, "point", lambda p, scope: (p.x, p.y), lambda s: Point(*s))
         >>> payload, tensors = dumps([Point(1, 2)], codecs=codecs)
@@ -664,8 +669,14 @@ def assemble_sparse(received: list[torch.Tensor], sparse: list[SparseSpec]
 
     Example::
 
-        >>> env, header = decode_header(frame0)        # header.sparse is not None
-        >>> tensors = assemble_sparse(received, header.sparse)
+        >>> s = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,)).coalesce()
+        >>> frame0, more = encode(Envelope(kind=1, tensors=[s]), ["cpu"], data_tag=0)
+        >>> env, header = decode_header(frame0)
+        >>> len(header.sparse), len(header.specs)    # s travels as indices and values
+        (1, 2)
+        >>> received = list(sparse_parts(s))          # what the receiver read for the specs
+        >>> assemble_sparse(received, header.sparse)[0].to_dense()
+        tensor([1., 0., 2., 0.])
     """
     out: list[torch.Tensor] = []
     pos = 0

@@ -56,8 +56,12 @@ def detect_cuda_aware(forced: bool | None = None) -> bool:
 
     Example::
 
-        >>> detect_cuda_aware()  # on a machine without a GPU
+        >>> detect_cuda_aware(forced=False)     # MPIDAG_CUDA_AWARE=0
         False
+
+    and, asking the library (not run by the doctests, which start no MPI)::
+
+        detect_cuda_aware()        # False on a machine without a GPU
     """
     if forced is not None:
         return forced
@@ -78,10 +82,9 @@ def world_rank_and_size() -> tuple[int, int]:
     """This process's rank in MPI's ``COMM_WORLD`` and the size of that world, with no
     collective call (MPI starts here if it has not: ``from mpi4py import MPI``).
 
-    Example::
+    Example (not run by the doctests, which start no MPI)::
 
-        >>> world_rank_and_size()          # on rank 1 of `python -m mpidag.run -n 2`
-        (1, 2)
+        world_rank_and_size()          # (1, 2) on rank 1 of `python -m mpidag.run -n 2`
     """
     from mpi4py import MPI
 
@@ -92,10 +95,9 @@ def self_communicator() -> Any:
     """``MPI.COMM_SELF``: the world of one process, for ``init_rpc(world_size=1)`` run by
     one rank of a larger job (no other rank takes part).
 
-    Example::
+    Example (not run by the doctests, which start no MPI)::
 
-        >>> MPITransport(self_communicator()).size
-        1
+        MPITransport(self_communicator()).size      # 1
     """
     from mpi4py import MPI
 
@@ -106,9 +108,9 @@ def abort_world(code: int = 1) -> None:
     """End the whole MPI job (``MPI_Abort`` on ``COMM_WORLD``): for a rank whose error
     leaves other ranks waiting for it in a collective call they will never finish.
 
-    Example::
+    Example (not run by the doctests, which start no MPI and end no process)::
 
-        >>> abort_world(1)                 # every rank of the job ends
+        abort_world(1)                 # every rank of the job ends
     """
     from mpi4py import MPI
 
@@ -124,12 +126,12 @@ def thread_level_error() -> RPCError | None:
     or ``"single"`` before ``from mpi4py import MPI``) are refused. Every rank of a job runs
     at the same level, so each rank raises this alone, before any collective call.
 
-    Example::
+    Example (not run by the doctests, which start no MPI)::
 
-        >>> import mpi4py
-        >>> mpi4py.rc.thread_level = "funneled"
-        >>> print(thread_level_error())
-        init_rpc needs MPI_THREAD_MULTIPLE, but MPI runs with MPI_THREAD_FUNNELED ...
+        import mpi4py
+        mpi4py.rc.thread_level = "funneled"    # before MPI starts
+        print(thread_level_error())
+        # init_rpc needs MPI_THREAD_MULTIPLE, but MPI runs with MPI_THREAD_FUNNELED ...
     """
     from mpi4py import MPI
 
@@ -154,12 +156,12 @@ class MPITransport(FramedTransport):
     Calls to the own rank never touch MPI. When the MPI library does not provide
     ``MPI_THREAD_MULTIPLE``, one lock serializes the MPI calls.
 
-    Example::
+    Example (not run by the doctests, which start no MPI;
+    :class:`~mpidag.transport.inproc.InProcWorld` runs the same without MPI)::
 
-        >>> t = MPITransport()                      # collective over COMM_WORLD
-        >>> t.send(t.rank, Envelope(kind=1, payload=b"hi"), [])
-        >>> t.poll().payload
-        b'hi'
+        t = MPITransport()                      # collective over COMM_WORLD
+        t.send(t.rank, Envelope(kind=1, payload=b"hi"), [])
+        bytes(t.poll().payload)                 # b'hi'
     """
 
     def __init__(self, base_comm: Any = None, *, cuda_aware: bool | None = None,

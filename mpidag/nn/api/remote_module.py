@@ -220,6 +220,9 @@ class RemoteModule(nn.Module):
             >>> first = RemoteModule("worker1/cpu", torch.nn.Linear, args=(4, 2))
             >>> same = RemoteModule.init_from_module_rref("worker1/cpu",
             ...                                           first.get_module_rref())
+            >>> x = torch.ones(4)
+            >>> torch.equal(same(x), first(x))          # one module on worker1
+            True
         """
         on, device = parse_remote_device(remote_device)
         runtime = _runtime.current()
@@ -235,8 +238,9 @@ class RemoteModule(nn.Module):
 
         Example::
 
-            >>> RemoteModule("worker1", torch.nn.Linear, args=(4, 2)).forward(torch.ones(4))
-            tensor([...], grad_fn=<...>)
+            >>> layer = RemoteModule("worker1", torch.nn.Linear, args=(4, 2))
+            >>> layer.forward(torch.ones(4))       # outside a context: no graph comes back
+            tensor([..., ...], requires_grad=True)
         """
         return self.forward_async(*args, **kwargs).wait()
 
@@ -245,6 +249,7 @@ class RemoteModule(nn.Module):
 
         Example::
 
+            >>> layer = RemoteModule("worker1/cpu", torch.nn.Linear, args=(4, 2))
             >>> fut = layer.forward_async(torch.ones(3, 4))
             >>> fut.wait().shape
             torch.Size([3, 2])
@@ -258,6 +263,9 @@ class RemoteModule(nn.Module):
 
         Example::
 
+            >>> layer = RemoteModule("worker1/cpu", torch.nn.Linear, args=(4, 2))
+            >>> [p.to_here().shape for p in layer.remote_parameters()]
+            [torch.Size([2, 4]), torch.Size([2])]
             >>> opt = DistributedOptimizer(torch.optim.SGD, layer.remote_parameters(), lr=0.1)
         """
         return rpc.rpc_sync(self.module_rref.owner(), _param_rrefs,
@@ -268,8 +276,11 @@ class RemoteModule(nn.Module):
 
         Example::
 
+            >>> layer = RemoteModule("worker1/cpu", torch.nn.Linear, args=(4, 2))
             >>> layer.get_module_rref().owner_name()
             'worker1'
+            >>> layer.get_module_rref().to_here()
+            Linear(in_features=4, out_features=2, bias=True)
         """
         return self.module_rref
 
@@ -279,8 +290,11 @@ class RemoteModule(nn.Module):
 
         Example::
 
+            >>> layer = RemoteModule("worker1/cpu", torch.nn.Linear, args=(4, 2))
             >>> layer.eval().training
             False
+            >>> layer.train().training
+            True
         """
         rpc.rpc_sync(self.module_rref.owner(), _set_training, args=(self.module_rref, mode))
         self.training = mode
@@ -291,7 +305,11 @@ class RemoteModule(nn.Module):
 
         Example::
 
+            >>> layer = RemoteModule("worker1/cpu", torch.nn.Linear, args=(4, 2))
             >>> layer.eval()
+            RemoteModule(on=worker1, device=cpu, module=Linear)
+            >>> layer.get_module_rref().to_here().training       # the remote module's mode
+            False
         """
         return self.train(False)
 
