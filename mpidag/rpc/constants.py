@@ -2,8 +2,10 @@
 
 Example::
 
-    from mpidag.rpc import constants
-    rpc._set_rpc_timeout(constants.DEFAULT_RPC_TIMEOUT_SEC)   # back to the default
+    >>> from mpidag.rpc import constants
+    >>> rpc._set_rpc_timeout(constants.DEFAULT_RPC_TIMEOUT_SEC)   # back to the default
+    >>> rpc.get_rpc_timeout()
+    60.0
 """
 
 from datetime import timedelta

@@ -17,12 +17,12 @@ def async_execution(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     Example::
 
-        @rpc.functions.async_execution
-        def async_add_chained(to, x, y, z):
-            return rpc.rpc_async(to, torch.add, args=(x, y)).then(
-                lambda fut: fut.wait() + z)
-
-        rpc.rpc_sync("worker1", async_add_chained, args=("worker2", torch.ones(2), 1, 1))
+        >>> @rpc.functions.async_execution
+        ... def async_add_chained(to, x, y, z):
+        ...     return rpc.rpc_async(to, torch.add, args=(x, y)).then(
+        ...         lambda fut: fut.wait() + z)
+        >>> rpc.rpc_sync("worker1", async_add_chained, args=("worker0", torch.ones(2), 1, 1))
+        tensor([3., 3.])
     """
 
     @functools.wraps(fn)

@@ -3,8 +3,10 @@ under the module path of ``torch.distributed.rpc``'s public names.
 
 Example::
 
-    from mpidag.rpc.options import TensorPipeRpcBackendOptions
-    opts = TensorPipeRpcBackendOptions(num_worker_threads=8, rpc_timeout=20)
+    >>> from mpidag.rpc.options import TensorPipeRpcBackendOptions
+    >>> opts = TensorPipeRpcBackendOptions(num_worker_threads=8, rpc_timeout=20)
+    >>> type(opts).__name__, opts.num_worker_threads, opts.rpc_timeout
+    ('MPIRpcBackendOptions', 8, 20.0)
 """
 
 from mpidag.agent.options import (

@@ -8,10 +8,12 @@ MPI transport remains the product and keeps its multi-rank tests.
 
 Example::
 
-    world = InProcWorld(2)
-    t0, t1 = world.transports
-    t0.send(1, Envelope(kind=1, payload=b"hi"), [])
-    assert t1.poll().payload == b"hi"
+    >>> from mpidag.transport.frames import Envelope
+    >>> world = InProcWorld(2)
+    >>> t0, t1 = world.transports
+    >>> t0.send(1, Envelope(kind=1, payload=b"hi"), [])
+    >>> bytes(t1.poll().payload)
+    b'hi'
 """
 
 from __future__ import annotations
