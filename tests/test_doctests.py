@@ -56,7 +56,19 @@ MODULES = (
     "mpidag._locks",
     "mpidag._profiling",
     "mpidag._remote_profiling",
+    "mpidag._debug",
     "mpidag._runtime",
+    "mpidag.agent.agent",
+    "mpidag.agent.calls",
+    "mpidag.agent.encoding",
+    "mpidag.agent.futures",
+    "mpidag.agent.handlers",
+    "mpidag.agent.messages",
+    "mpidag.agent.options",
+    "mpidag.agent.peers",
+    "mpidag.agent.quiescence",
+    "mpidag.agent.sending",
+    "mpidag.agent.serving",
     "mpidag.autograd",
     "mpidag.dist_autograd.context",
     "mpidag.dist_autograd.engine",
@@ -74,6 +86,10 @@ MODULES = (
     "mpidag.rpc.rref",
     "mpidag.rpc.server_process_global_profiler",
     "mpidag.rref.handle",
+    "mpidag.rref.owners",
+    "mpidag.rref.protocol",
+    "mpidag.rref.users",
+    "mpidag.inspect",
     "mpidag.run",
     "mpidag.testing",
     "mpidag.trace",
@@ -82,22 +98,13 @@ MODULES = (
     "mpidag.transport.frames",
     "mpidag.transport.inproc",
     "mpidag.transport.mpi",
+    "mpidag.transport.naps",
+    "mpidag.transport.progress",
 )
 
 #: modules (or packages: every module in them) with ``>>>`` examples that are not run here,
 #: and why; each one is a debt: move the module to MODULES once its examples run
-NOT_RUN = {
-    # pending: being reworked in issue 22; their examples join once that is done
-    "mpidag.agent": "pending: the package is being split (issue 22)",
-    "mpidag.rref.protocol": "pending: being split (issue 22)",
-    "mpidag.rref.owners": "pending: split from rref/protocol.py (issue 22)",
-    "mpidag.rref.users": "pending: split from rref/protocol.py (issue 22)",
-    "mpidag.transport.progress": "pending: being split (issue 22)",
-    "mpidag.transport.naps": "pending: split from transport/progress.py (issue 22)",
-    "mpidag.transport.sentinel": "pending: split from transport/progress.py (issue 22)",
-    "mpidag._debug": "pending (issue 22)",
-    "mpidag.inspect": "pending (issue 22)",
-}
+NOT_RUN: dict[str, str] = {}
 
 
 def not_run(name: str) -> bool:
@@ -106,6 +113,7 @@ def not_run(name: str) -> bool:
 #: docstrings whose examples run on both ranks at once (collective calls); rank 0's
 #: output is checked, rank 1 runs the same statements (``rank`` tells them apart)
 EVERY_RANK = {
+    "mpidag.agent.agent.RpcAgent.register_handler",
     "mpidag.rpc.agent_view._all_gather",
     "mpidag.rpc.agent_view._barrier",
     "mpidag.rpc.agent_view._wait_all_workers",

@@ -84,8 +84,7 @@ class RpcAgent:
 
     Example::
 
-        >>> agent = RpcAgent(transport, workers, options, device_maps={}, config=Config())
-        >>> agent.start()
+        >>> agent = runtime.agent   # RpcAgent(transport, workers, options, device_maps, config)
         >>> agent.wait(agent.call(1, torch.add, (torch.ones(2), 1), {}, timeout=10), 10)
         tensor([2., 2.])
     """
@@ -164,8 +163,9 @@ class RpcAgent:
 
         Example::
 
-            >>> fetch = agent.register_handler("rref.fetch", self._fetch, asynchronous=True)
-            >>> agent.wait(agent.call(owner, fetch, (rref_id,), {}, timeout), timeout)
+            >>> double = runtime.agent.register_handler("example.double", lambda x: 2 * x)
+            >>> runtime.agent.call_sync(1 - rank, double, (21,), {}, timeout=10)  # every rank
+            42
         """
         return self.plugins.register(name, fn, mode=mode, asynchronous=asynchronous,
                                      describe=describe, detaches=detaches,
@@ -196,7 +196,9 @@ class RpcAgent:
 
         Example::
 
-            >>> agent.set_observer(container)      # a ContextContainer records send/recv
+            >>> runtime.agent.set_observer(runtime.autograd.container)  # the one it has: fine
+            >>> runtime.agent.observer is runtime.autograd.container
+            True
         """
         self.plugins.set_observer(observer)
 
@@ -217,7 +219,8 @@ class RpcAgent:
 
         Example::
 
-            >>> agent.add_hooks(tick=self.process_releases, tick_queue=self.releases)
+            >>> queue = []    # filled by the layer, emptied by its hook on the leader
+            >>> runtime.agent.add_hooks(tick=queue.clear, tick_queue=queue)
         """
         self.plugins.add_hooks(tick=tick, tick_queue=tick_queue, busy=busy,
                                before_shutdown=before_shutdown, arguments=arguments)
@@ -265,7 +268,7 @@ class RpcAgent:
 
         Example::
 
-            >>> agent.call(1, torch.add, (torch.ones(2), 1), {}, timeout=10).wait()
+            >>> runtime.agent.call(1, torch.add, (torch.ones(2), 1), {}, timeout=10).wait()
             tensor([2., 2.])
         """
         return self.calls.call(dst, func, args, kwargs, timeout, record=record,
@@ -280,7 +283,7 @@ class RpcAgent:
 
         Example::
 
-            >>> agent.call_sync(1, torch.add, (torch.ones(2), 1), {}, timeout=10)
+            >>> runtime.agent.call_sync(1, torch.add, (torch.ones(2), 1), {}, timeout=10)
             tensor([2., 2.])
         """
         return self.calls.call_sync(dst, func, args, kwargs, timeout, record=record)
@@ -292,7 +295,7 @@ class RpcAgent:
 
         Example::
 
-            >>> agent.notify(owner, user_delete, (rref_id, fork_id))
+            >>> runtime.agent.notify(1, time.sleep, (0,))   # runs on worker1; no answer
         """
         self.calls.notify(dst, func, args, kwargs)
 
@@ -433,8 +436,10 @@ class RpcAgent:
 
         Example::
 
-            >>> [call.what for call in agent.snapshot().calls]
-            ['tests.rpc_funcs.sleep_then']
+            >>> fut = runtime.agent.call(1, time.sleep, (0.5,), {}, timeout=10)
+            >>> [call.what for call in runtime.agent.snapshot().calls]
+            ['time.sleep']
+            >>> fut.wait()
         """
         return AgentSnapshot(self.calls.snapshot(), self.sender.sent, self.sender.processed,
                              sorted(self.peers.failed), self.engine.snapshot())

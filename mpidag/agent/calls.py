@@ -111,6 +111,7 @@ class OutgoingCalls:
 
     Example::
 
+        >>> calls = runtime.agent.calls
         >>> calls.call_sync(1, torch.add, (torch.ones(2), 1), {}, timeout=10)
         tensor([2., 2.])
         >>> fut = calls.call(1, torch.add, (torch.ones(2), 1), {}, timeout=10)

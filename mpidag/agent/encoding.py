@@ -33,6 +33,7 @@ class CallCodec:
 
     Example::
 
+        >>> codec = runtime.agent.calls.codec
         >>> payload, tensors, flags = codec.encode(1, torch.add, (torch.ones(2), 1), {})
         >>> flags == FLAG_FUNCTION_REF, len(tensors)
         (True, 1)

@@ -94,8 +94,8 @@ def describe(func: Any, args: tuple | None = None) -> str:
 
     Example::
 
-        >>> describe(torch.add), describe(Handler("rref.fetch", print))
-        ('torch.add', 'mpidag:rref.fetch')
+        >>> describe(torch.sin), describe(Handler("rref.fetch", print))
+        ('torch.sin', 'mpidag:rref.fetch')
     """
     if isinstance(func, Handler):
         if func.describe is not None and args is not None:
@@ -106,6 +106,8 @@ def describe(func: Any, args: tuple | None = None) -> str:
         return f"mpidag:{func.name}"
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None)
     module = getattr(func, "__module__", None)
+    if name and name.startswith("_VariableFunctionsClass."):  # torch.add & co.: as written
+        name = name[len("_VariableFunctionsClass."):]
     return f"{module}.{name}" if module and name else repr(func)
 
 

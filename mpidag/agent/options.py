@@ -52,7 +52,7 @@ def check_timeout(timeout: Any, name: str = "timeout") -> float:
         (2, -1.0, 0.0)
         >>> check_timeout(-5)
         Traceback (most recent call last):
-        InvalidArgumentError: timeout=-5 is not a valid timeout: pass seconds >= 0 (0: no ...
+        mpidag.errors.InvalidArgumentError: timeout=-5 is not a valid timeout: pass seconds ...
     """
     kind = timeout.__class__
     if (kind is float or kind is int) and 0 <= timeout < math.inf:  # the common case
@@ -78,7 +78,10 @@ class BackendType(enum.Enum):
 
     Example::
 
-        >>> rpc.init_rpc("worker0", backend=rpc.BackendType.TENSORPIPE)   # runs on MPI
+        >>> rpc.BackendType.TENSORPIPE.name   # what torch programs pass; mpidag runs it on MPI
+        'TENSORPIPE'
+
+    so ``rpc.init_rpc("worker0", backend=rpc.BackendType.TENSORPIPE)`` runs unchanged.
     """
 
     MPI = "MPI"
@@ -120,7 +123,7 @@ def check_worker_name(name: str) -> None:
         >>> check_worker_name("trainer:0")
         >>> check_worker_name("abc*")
         Traceback (most recent call last):
-        RuntimeError: Worker name must match ^[A-Za-z0-9-_:]*$, but got 'abc*'; ...
+        RuntimeError: Worker name must match ^[A-Za-z0-9-_:]*$, but got 'abc*': use only ...
     """
     if not isinstance(name, str):
         raise TypeError(f"a worker name must be a str, got {type(name).__name__}")
@@ -179,7 +182,10 @@ class MPIRpcBackendOptions(RpcBackendOptions):
 
         >>> opts = MPIRpcBackendOptions(num_worker_threads=8, rpc_timeout=20)
         >>> opts.set_device_map("worker1", {0: 1})
-        >>> mpidag.rpc.init_rpc("worker0", rpc_backend_options=opts)
+        >>> opts.device_maps
+        {'worker1': {device(type='cuda', index=0): device(type='cuda', index=1)}}
+
+    and then ``mpidag.rpc.init_rpc("worker0", rpc_backend_options=opts)`` on every rank.
     """
 
     def __init__(
@@ -241,6 +247,7 @@ class MPIRpcBackendOptions(RpcBackendOptions):
 
         Example::
 
+            >>> opts = MPIRpcBackendOptions()
             >>> opts.set_devices(["cuda:0", 1])
             >>> opts.devices
             [device(type='cuda', index=0), device(type='cuda', index=1)]

@@ -28,9 +28,11 @@ class Quiescence:
 
     Example::
 
-        >>> quiescence.counters()       # (sent, processed, busy) of this rank
-        (12, 12, 0)
-        >>> quiescence.wait(timeout=60)  # collective: returns on every rank together
+        >>> sent, processed, busy = runtime.agent.quiescence.counters()  # of this rank
+        >>> busy                        # nothing queued or running here
+        0
+
+    ``quiescence.wait(timeout)`` is collective: it returns on every rank together.
     """
 
     def __init__(self, transport: Transport, peers: Peers, sender: Sender,

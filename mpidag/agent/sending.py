@@ -28,9 +28,11 @@ class Sender:
 
     Example::
 
-        >>> sender.send(1, Envelope(kind=NOTIFY, payload=b"..."), reply=False)
-        >>> sender.totals()
-        (1, 0)
+        >>> sender = runtime.agent.sender
+        >>> before = sender.sent
+        >>> runtime.agent.notify(1, time.sleep, (0,))     # one message to worker1
+        >>> sender.sent - before
+        1
     """
 
     def __init__(self, transport: Transport, peers: Peers, device_maps: DeviceMaps,

@@ -47,7 +47,8 @@ class Server:
 
     Example::
 
-        >>> work = server.serve_call          # the agent's dispatch: lambda: work(env)
+        >>> rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1))  # worker1's Server
+        tensor([2.])
     """
 
     def __init__(self, peers: Peers, sender: Sender, codec: CallCodec, plugins: Plugins,

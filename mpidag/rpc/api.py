@@ -614,6 +614,7 @@ def enable_gil_profiling(flag: bool) -> None:
         >>> rpc.enable_gil_profiling(True)
         >>> "agent.gil_average_wait_time_us" in rpc._get_current_rpc_agent().get_debug_info()
         True
+        >>> rpc.enable_gil_profiling(False)     # (process-wide: off again)
     """
     set_gil_profiling(bool(flag))
 

@@ -78,7 +78,7 @@ class RRefContext:
 
     Example::
 
-        >>> rrefs = RRefContext(agent, autograd)     # registers its handlers in the agent
+        >>> rrefs = runtime.rrefs     # RRefContext(agent, autograd): registers its handlers
         >>> handle = rrefs.remote(1, torch.add, (torch.ones(2), 1), {}, timeout=10)
         >>> handle.to_here()
         tensor([2., 2.])

@@ -112,8 +112,8 @@ class ProgressEngine:
 
     Example::
 
-        >>> engine = ProgressEngine(transport.poll, agent.dispatch, lambda: None, 16)
-        >>> engine.start()
+        >>> engine = runtime.agent.engine  # ProgressEngine(transport.poll, agent.dispatch, ...)
+        >>> future = runtime.agent.call(1, torch.add, (torch.ones(1), 1), {}, timeout=10)
         >>> engine.wait_until(future.done, deadline=None)   # leads until the future is done
         True
     """
@@ -200,8 +200,9 @@ class ProgressEngine:
 
         Example::
 
-            >>> engine.snapshot().pool_threads
-            4
+            >>> engine = runtime.agent.engine
+            >>> engine.snapshot().pool_threads == runtime.options.num_worker_threads
+            True
         """
         with self._lock:
             return EngineSnapshot(self._leader_busy, self._waiters, self._idle,
@@ -324,8 +325,8 @@ class ProgressEngine:
 
         Example::
 
-            >>> with engine.parked():      # a collective's wait: the leader may poll
-            ...     request.Wait()
+            >>> with runtime.agent.engine.parked():   # this thread waits: it computes nothing
+            ...     time.sleep(0.01)
         """
         return self._naps.parked()
 

@@ -23,10 +23,10 @@ class Sentinel:
     sleeps until the next lazy vacancy (:meth:`note_vacancy_locked`): an idle rank does not
     wake it 1,000 times a second.
 
-    Example::
+    The engine starts it on a thread of its own::
 
-        >>> sentinel = Sentinel(engine_lock, interval=1e-3)
-        >>> threading.Thread(target=sentinel.run, args=(engine,), daemon=True).start()
+        sentinel = Sentinel(engine_lock, interval=1e-3)
+        threading.Thread(target=sentinel.run, args=(engine,), daemon=True).start()
     """
 
     #: park after this many checks in a row found a leader and no vacancy
