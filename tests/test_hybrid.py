@@ -98,6 +98,19 @@ def _local_grads(seed_rank: int, model: nn.Module, x: torch.Tensor) -> list[torc
     return list(torch.autograd.grad(loss, list(model.parameters())))
 
 
+def _distributed_backward_averages(rpc_world, model: nn.Module, x: torch.Tensor,
+                                   mean: list) -> None:
+    """A distributed backward through the next rank and back (the averaging runs when the
+    gradient arrives from there, in a serving thread): the context holds the mean of every
+    rank's gradients, and .grad stays unset."""
+    with dist_autograd.context() as context_id:
+        out = rpc.rpc_sync(rpc_world.next, torch.mul, args=(model(x), 2))
+        dist_autograd.backward(context_id, [out.pow(2).sum()])
+        grads = dist_autograd.get_gradients(context_id)
+    close([grads[p] for p in model.parameters()], mean)
+    assert all(p.grad is None for p in model.parameters())
+
+
 def _no_sync_keeps_own_then_local_backward_averages(rpc_world, model: nn.Module,
                                                     x: torch.Tensor, own: list, mean: list):
     """Under ``no_sync()`` a distributed backward keeps this rank's own gradients (as torch);
@@ -128,14 +141,7 @@ def test_ddp_averages_gradients_inside_distributed_autograd(rpc_world):
         per_rank = [_local_grads(r, reference, data[r]) for r in range(size)]
         mean = [sum(g[i] for g in per_rank) / size for i in range(2)]
         for _ in range(2):  # twice: nothing left pending in DDP between iterations
-            with dist_autograd.context() as context_id:
-                # through another rank and back: the averaging runs when the gradient
-                # arrives from there (in a serving thread)
-                out = rpc.rpc_sync(rpc_world.next, torch.mul, args=(model(data[rank]), 2))
-                dist_autograd.backward(context_id, [out.pow(2).sum()])
-                grads = dist_autograd.get_gradients(context_id)
-            close([grads[p] for p in model.parameters()], mean)
-            assert all(p.grad is None for p in model.parameters())
+            _distributed_backward_averages(rpc_world, model, data[rank], mean)
         _no_sync_keeps_own_then_local_backward_averages(rpc_world, model, data[rank],
                                                         per_rank[rank], mean)
     finally:
@@ -227,12 +233,7 @@ def test_torch_ddp_unchanged_averages_inside_distributed_autograd(rpc_world):
         hooked: list[torch.Tensor] = []
         model.module.bias.register_post_accumulate_grad_hook(hooked.append)
         for _ in range(2):
-            with dist_autograd.context() as context_id:
-                out = rpc.rpc_sync(rpc_world.next, torch.mul, args=(model(data[rank]), 2))
-                dist_autograd.backward(context_id, [out.pow(2).sum()])
-                grads = dist_autograd.get_gradients(context_id)
-            close([grads[p] for p in model.parameters()], mean)
-            assert all(p.grad is None for p in model.parameters())
+            _distributed_backward_averages(rpc_world, model, data[rank], mean)
         assert len(hooked) == 2  # after the averaging, once per backward
         _no_sync_keeps_own_then_local_backward_averages(rpc_world, model, data[rank],
                                                         per_rank[rank], mean)
