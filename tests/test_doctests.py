@@ -73,6 +73,7 @@ MODULES = (
     "mpidag.dist_autograd.context",
     "mpidag.dist_autograd.engine",
     "mpidag.dist_autograd.graph",
+    "mpidag.distributed.process_group",
     "mpidag.errors",
     "mpidag.nn.api.remote_module",
     "mpidag.optim.optimizer",

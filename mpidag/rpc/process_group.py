@@ -17,6 +17,10 @@ passed the same arguments and that none failed locally, the second spreads the a
 then make the group with ``torch.distributed.init_process_group(store=...)``, and the third
 returns on every rank only once every member has made it (or raises everywhere if one
 could not).
+
+``backend="mpi"`` makes the group of :mod:`mpidag.distributed` instead: collectives over the
+job's MPI (a communicator of the members, split from ``COMM_WORLD``), no store, no port, no
+Gloo; the second round is skipped.
 """
 
 from __future__ import annotations
@@ -31,9 +35,15 @@ import torch.distributed as dist
 
 from mpidag import _runtime
 from mpidag.agent.options import WorkerInfo
+from mpidag.distributed import process_group as mpi_pg
 from mpidag.errors import RPCError
 
 __all__ = ["init_process_group"]
+
+mpi_pg.register()  # backend "mpidag": torch.distributed.init_process_group(backend="mpi") too
+
+#: the backend names that make the MPI group of :mod:`mpidag.distributed`
+_MPI_BACKENDS = ("mpi", mpi_pg.BACKEND)
 
 #: the longest host name the rendezvous spreads (RFC 1035 names have at most 253 bytes)
 _MAX_HOST = 255
@@ -61,7 +71,10 @@ def init_process_group(ranks: Sequence[int | str | WorkerInfo] | None = None,
 
     Args:
         ranks: the members, as ranks, worker names or ``WorkerInfo`` (default: every rank).
-        backend: a ``torch.distributed`` backend, ``"gloo"`` (default) or ``"nccl"``, ...
+        backend: a ``torch.distributed`` backend, ``"gloo"`` (default) or ``"nccl"``, ...;
+            ``"mpi"`` (or ``"mpidag"``): collectives over the job's MPI
+            (:class:`mpidag.distributed.MPIProcessGroup`: no store, no port; CPU tensors,
+            CUDA ones where the MPI is CUDA-aware).
         timeout: seconds (or a ``timedelta``) for the rendezvous and for the group's
             operations; default torch's (30 minutes for gloo).
         host: the address the other members reach the first member at (default: ``127.0.0.1``
@@ -101,6 +114,11 @@ def init_process_group(ranks: Sequence[int | str | WorkerInfo] | None = None,
                              f"'gloo', got {backend!r}")
         if me in members and not dist.is_available():
             raise RuntimeError("this torch build has no torch.distributed")
+        if backend in _MPI_BACKENDS and not _on_mpi(runtime):
+            raise ValueError(
+                f"init_process_group(backend={backend!r}) needs the MPI transport (a job "
+                f"started with python -m mpidag.run / mpirun), not "
+                f"{type(runtime.agent.transport).__name__}; use backend='gloo' here")
         if me in members and dist.is_initialized():
             raise ValueError(
                 "torch.distributed already has a default process group on this rank (torch "
@@ -124,6 +142,8 @@ def init_process_group(ranks: Sequence[int | str | WorkerInfo] | None = None,
             f"init_process_group is collective over every rank with the same arguments, but "
             f"rank(s) {differ} passed other ranks/backend than rank {me} (ranks={members}, "
             f"backend={backend!r})")
+    if backend in _MPI_BACKENDS:
+        return _make_mpi_group(runtime, members, delta, seconds)
     # round 2: the first member opens the store; everyone learns where it listens
     leader = members[0]
     store = None
@@ -159,6 +179,55 @@ def init_process_group(ranks: Sequence[int | str | WorkerInfo] | None = None,
             group = dist.group.WORLD
         except Exception as exc:
             problem = exc
+    made = _gather_ints(runtime, [int(problem is not None)], seconds)
+    if problem is not None:
+        raise problem
+    failed = [r for r, row in enumerate(made) if row[0]]
+    if failed:
+        raise RPCError(f"init_process_group: rank(s) {failed} could not join the process "
+                       f"group (see their errors)")
+    return group
+
+
+def _on_mpi(runtime: Any) -> bool:
+    from mpidag.transport.mpi import MPITransport
+
+    return isinstance(runtime.agent.transport, MPITransport)
+
+
+def _make_mpi_group(runtime: Any, members: list[int], delta: datetime.timedelta,
+                    seconds: float) -> Any:
+    """Rounds 2 and 3 for ``backend="mpi"``: the members' communicator, split from
+    ``COMM_WORLD`` (every rank takes part) when the transport spans it, else made by the
+    members alone (``MPI_Comm_create_group``); then torch's default group over it."""
+    from mpi4py import MPI
+
+    me = runtime.agent.rank
+    transport_comm = runtime.agent.transport.comm
+    world = MPI.COMM_WORLD
+    problem: Exception | None = None
+    group = None
+    try:
+        world_ranks = MPI.Group.Translate_ranks(transport_comm.Get_group(), members,
+                                                world.Get_group())
+        if transport_comm.Get_size() == world.Get_size():
+            comm = world.Split(0 if me in members else MPI.UNDEFINED,
+                               members.index(me) if me in members else 0)
+        elif me in members:
+            incl = world.Get_group().Incl(world_ranks)
+            comm = world.Create_group(incl, tag=0x6D706964)
+            incl.Free()
+        if me in members:
+            mpi_pg._prepare(comm, list(world_ranks))
+            try:
+                dist.init_process_group(mpi_pg.BACKEND, store=dist.HashStore(),
+                                        rank=members.index(me), world_size=len(members),
+                                        timeout=delta)
+            finally:
+                mpi_pg._prepare(None, [])
+            group = dist.group.WORLD
+    except Exception as exc:
+        problem = exc
     made = _gather_ints(runtime, [int(problem is not None)], seconds)
     if problem is not None:
         raise problem
