@@ -1,0 +1,74 @@
+"""RPC while a thread of the program sits in a blocking MPI receive of its own (a listener, a
+stop signal): calls still complete with the right values, and the blocked thread still gets
+its message afterwards (docs/design.md, "A user thread blocked in MPI"; the speed of this is
+``benchmarks/bench_blocked_thread.py``'s, never asserted here).
+
+Run with ``python -m mpidag.run -n 2 -m pytest --with-mpi -m mpi tests/test_blocked_thread.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import mpidag.rpc as rpc
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+TAG = 91
+
+
+def _sleepy_barrier(comm: Any, timeout: float = 60) -> None:
+    request = comm.Ibarrier()
+    deadline = time.monotonic() + timeout
+    while not request.Test():
+        if time.monotonic() > deadline:
+            pytest.fail("the other ranks did not reach the barrier")
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("how", ["recv", "Recv"])
+def test_calls_complete_while_a_user_thread_blocks_in_mpi_on_every_rank(rpc_world, how):
+    import numpy as np
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD.Dup()  # the program's own communicator
+    prev = (rpc_world.rank - 1) % rpc_world.size
+    got: list[Any] = []
+
+    def listener() -> None:  # blocks in MPI until the previous rank releases it
+        if how == "recv":
+            got.append(comm.recv(source=prev, tag=TAG))
+        else:
+            buf = np.zeros(1, dtype=np.int64)
+            comm.Recv(buf, source=prev, tag=TAG)
+            got.append(int(buf[0]))
+
+    thread = threading.Thread(target=listener, daemon=True)
+    try:
+        thread.start()
+        time.sleep(0.05)  # (inside MPI by now: not needed for the result, only for the point)
+        _sleepy_barrier(comm)
+        results = [rpc.rpc_sync(rpc_world.next, torch.add, args=(torch.full((3,), i), 1),
+                                timeout=60) for i in range(200)]
+        futures = [rpc.rpc_async(rpc_world.next, torch.mul, args=(torch.ones(2), i),
+                                 timeout=60) for i in range(50)]
+        assert [r.tolist() for r in results] == [[i + 1.0] * 3 for i in range(200)]
+        assert [f.wait().tolist() for f in futures] == [[float(i)] * 2 for i in range(50)]
+        assert thread.is_alive() and got == []  # still waiting for its message
+        _sleepy_barrier(comm)
+    finally:
+        message = ("stop", rpc_world.next)  # release the next rank's listener
+        if how == "recv":
+            comm.send(message, dest=rpc_world.next, tag=TAG)
+        else:
+            comm.Send(np.array([rpc_world.next], dtype=np.int64), dest=rpc_world.next, tag=TAG)
+        thread.join(30)
+    assert not thread.is_alive()
+    assert got == ([("stop", rpc_world.rank)] if how == "recv" else [rpc_world.rank])
+    _sleepy_barrier(comm)
+    comm.Free()
