@@ -1,19 +1,86 @@
 #!/usr/bin/env bash
-# Set everything up and run the whole test suite: lint, single-process tests (which also
-# start their own multi-rank jobs), then the multi-rank tests at 2 and at 3 ranks.
+# Set everything up and run the whole test suite:
+#   set-up   .venv (Open MPI wheel, torch 2.13.0), .venv-mpich (MPICH wheel),
+#            .venv-torch2.14 (torch 2.14.1), Debian's Open MPI 4.1 and .venv-sysmpi (mpi4py
+#            built from source against it), Slurm's daemons for tests/test_slurm.py
+#   stages   lint; single-process tests (which also start their own multi-rank jobs); the
+#            multi-rank tests at 2 and 3 ranks on Open MPI 5, on MPICH 5 and on torch 2.14.1;
+#            the system-MPI build's demo and multi-rank tests at 2 ranks.
+# A failing stage does not stop the others: every stage runs, the summary at the end lists
+# each with its time, and the exit status is 1 if any failed. Set-up failures stop at once.
+#
+#   bash scripts/test.sh                  # everything (what CI runs)
+#   MPIDAG_MATRIX=0 bash scripts/test.sh  # only .venv: lint, single-process, 2 and 3 ranks
 set -euo pipefail
 cd "$(dirname "$0")/.."
+MATRIX=${MPIDAG_MATRIX:-1}
+started=$SECONDS
 bash scripts/setup.sh
 bash scripts/install_slurm.sh  # Debian's Slurm for tests/test_slurm.py (root + apt only)
-PY=.venv/bin/python
+# tests/test_slurm.py's MPICH job loads this venv's libmpi, so it is made even without the matrix
+MPIDAG_VENV=.venv-mpich MPIDAG_MPI=mpich bash scripts/setup.sh
+SYSMPI=0
+if [ "$MATRIX" = 1 ]; then
+  MPIDAG_VENV=.venv-torch2.14 MPIDAG_TORCH=2.14.1 bash scripts/setup.sh
+  if bash scripts/install_system_mpi.sh; then
+    MPIDAG_VENV=.venv-sysmpi MPIDAG_MPI=system bash scripts/setup.sh
+    SYSMPI=1
+  elif [ "${CI:-}" = true ]; then
+    echo "test.sh: CI must test the system-MPI build, but Debian's Open MPI could not be installed" >&2
+    exit 1
+  else
+    echo "test.sh: no system MPI (needs root and apt-get): its stage is skipped"
+  fi
+fi
+echo "== set-up done in $((SECONDS - started)) s"
+
 export PYTHONUNBUFFERED=1 MPIDAG_ABORT_ON_ERROR=1
-echo "== ruff"
-.venv/bin/ruff check .
-echo "== single-process tests"
-timeout --kill-after=30 1800 $PY -m pytest -q -p no:cacheprovider -m "not mpi" tests
-for n in 2 3; do
-  echo "== multi-rank tests on $n ranks"
-  timeout --kill-after=30 1200 $PY -m mpidag.run -n "$n" -m pytest -q -p no:cacheprovider \
-    --with-mpi -m mpi tests
-done
-echo "== all test stages passed"
+summary=()
+failed=0
+stage() {  # stage NAME COMMAND...: run it, time it, remember how it went
+  local name=$1 t0=$SECONDS rc=0
+  shift
+  echo "== $name"
+  "$@" || rc=$?
+  if [ "$rc" = 0 ]; then
+    summary+=("passed  $(printf '%5d' $((SECONDS - t0))) s  $name")
+  else
+    summary+=("FAILED  $(printf '%5d' $((SECONDS - t0))) s  $name (exit $rc)")
+    failed=1
+  fi
+}
+multi_rank() {  # multi_rank VENV N [pytest args]: the multi-rank tests on N ranks
+  local venv=$1 n=$2
+  shift 2
+  timeout --kill-after=30 1200 "$venv/bin/python" -m mpidag.run -n "$n" -m pytest -q \
+    -p no:cacheprovider --with-mpi -m mpi "$@" tests
+}
+
+stage "ruff" .venv/bin/ruff check .
+stage "single-process tests" timeout --kill-after=30 1800 .venv/bin/python -m pytest -q \
+  -p no:cacheprovider -m "not mpi" tests
+stage "multi-rank tests, 2 ranks, Open MPI 5 (wheel), torch 2.13" multi_rank .venv 2
+stage "multi-rank tests, 3 ranks, Open MPI 5 (wheel), torch 2.13" multi_rank .venv 3
+if [ "$MATRIX" = 1 ]; then
+  stage "multi-rank tests, 2 ranks, MPICH 5 (wheel)" multi_rank .venv-mpich 2
+  stage "multi-rank tests, 3 ranks, MPICH 5 (wheel)" multi_rank .venv-mpich 3
+  stage "in-process tests, torch 2.14.1" timeout --kill-after=30 900 \
+    .venv-torch2.14/bin/python -m pytest -q -p no:cacheprovider -m "not mpi" \
+    tests/contract tests/test_inproc.py tests/test_doctests.py
+  stage "multi-rank tests, 2 ranks, torch 2.14.1" multi_rank .venv-torch2.14 2
+  stage "multi-rank tests, 3 ranks, torch 2.14.1" multi_rank .venv-torch2.14 3
+  if [ "$SYSMPI" = 1 ]; then
+    stage "demo, system MPI (Debian's Open MPI 4.1)" timeout --kill-after=30 300 \
+      .venv-sysmpi/bin/python -m mpidag.run -n 2 examples/demo.py
+    stage "multi-rank tests, 2 ranks, system MPI" multi_rank .venv-sysmpi 2
+  fi
+fi
+
+echo "== summary (total $((SECONDS - started)) s)"
+printf '%s\n' "${summary[@]}"
+if [ "$failed" = 0 ]; then
+  echo "== all test stages passed"
+else
+  echo "== some test stages FAILED (see above)"
+fi
+exit "$failed"

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Install Debian's Open MPI (4.1, with mpicc and mpirun in /usr/bin) for the test matrix's
+# "system MPI" stage: scripts/test.sh then builds mpi4py from source against it in
+# .venv-sysmpi (MPIDAG_MPI=system bash scripts/setup.sh), as a cluster user does after
+# `module load openmpi`.
+#
+# Idempotent and quiet unless something fails. Only acts as root with apt-get available;
+# otherwise it says why and exits 1, so that the caller can skip the stage.
+#
+#   sudo bash scripts/install_system_mpi.sh
+set -euo pipefail
+
+if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+  echo "install_system_mpi.sh: needs root and apt-get to install Debian's Open MPI" >&2
+  exit 1
+fi
+packages=(libopenmpi-dev openmpi-bin)
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  export DEBIAN_FRONTEND=noninteractive
+  log=$(mktemp)
+  if ! { apt-get update -q && apt-get install -y -q --no-install-recommends "${missing[@]}"; } \
+      >"$log" 2>&1; then
+    cat "$log"; echo "install_system_mpi.sh: apt-get install ${missing[*]} failed" >&2; exit 1
+  fi
+  rm -f "$log"
+fi
+command -v mpicc >/dev/null
+echo "install_system_mpi.sh: $(mpirun --version 2>/dev/null | head -1) ($(command -v mpicc))"
