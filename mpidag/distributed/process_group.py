@@ -606,6 +606,7 @@ def _init_process_group(backend: Any = None, init_method: str | None = None,
     ours = name == BACKEND or (name == "mpi" and not dist.is_mpi_available())
     if ours and init_method is None and kwargs.get("store") is None and not args:
         world = _mpi().COMM_WORLD
+        kwargs.pop("store", None)
         rank, size = kwargs.pop("rank", -1), kwargs.pop("world_size", -1)
         if (rank, size) not in ((-1, -1), (world.Get_rank(), world.Get_size())):
             raise ValueError(
