@@ -48,27 +48,3 @@ def profiled_names(fn) -> set[str]:
 def job(tmp_path):
     """``job(source, nprocs=2, timeout=120)`` runs a script on several ranks."""
     return lambda source, **kw: run_job(tmp_path, source, **kw)
-
-
-_WITH_MPI = False
-
-
-def pytest_configure(config):
-    global _WITH_MPI
-    _WITH_MPI = bool(config.getoption("--with-mpi", default=False))
-
-
-def pytest_runtest_logreport(report):
-    """In a multi-rank run, a failure on one rank would leave the others waiting in the
-    next collective call: print it at once, with its rank, and abort the whole job."""
-    if not report.failed or not _WITH_MPI:
-        return
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
-    if comm.Get_size() < 2:
-        return
-    sys.stderr.write(f"\n[rank {comm.Get_rank()}] {report.nodeid} FAILED ({report.when}):\n"
-                     f"{report.longreprtext}\n[rank {comm.Get_rank()}] aborting the MPI job\n")
-    sys.stderr.flush()
-    comm.Abort(1)

@@ -89,3 +89,75 @@ def test_compare(rpc_world):
         assert out.count(expected) == 2, out
     result = run_user_tests(tmp_path, first, "--mpidag-rpc-scope=never")
     assert result.returncode != 0 and "invalid choice" in result.stdout + result.stderr
+
+
+def test_every_failure_is_reported_and_the_run_goes_on(tmp_path):
+    """Two failing tests (one on rank 0 alone, one on both ranks) around a passing one: the
+    job is not aborted, every rank runs every test, every rank's summary lists both."""
+    result = run_user_tests(tmp_path, USER_PRELUDE + """
+def test_fails_on_rank0(rpc_world):
+    assert rpc.rpc_sync(rpc_world.next, add, args=(1, 2), timeout=10) == 3
+    assert rpc_world.rank != 0, "rank 0 fails this one"
+
+def test_passes(rpc_world):
+    assert rpc.rpc_sync(rpc_world.next, add, args=(2, 2), timeout=10) == 4
+    print(f"PASSING-TEST-RAN on rank {rpc_world.rank}")
+
+def test_fails_everywhere(rpc_world):
+    assert rpc_world.size == 3, "every rank fails this one"
+""", "-s", "--color=no")
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert "aborting" not in out and "MPI_ABORT" not in out, out
+    assert out.count("PASSING-TEST-RAN on rank") == 2, out
+    assert out.count("FAILED test_user.py::test_fails_on_rank0 on rank(s) 0\n") == 2, out
+    assert out.count("FAILED test_user.py::test_fails_everywhere on rank(s) 0, 1\n") == 2, out
+    assert "2 failed, 1 passed" in out and "1 failed, 2 passed" in out, out
+    assert "test_user.py::test_fails_on_rank0 passed here but FAILED on rank(s) [0]" in out
+    assert "rank 0 fails this one" in out and "every rank fails this one" in out
+
+
+def test_a_rank_left_waiting_by_a_failure_ends_the_job_not_hangs(tmp_path):
+    """Rank 0 fails while rank 1 waits for it in a collective call: after the grace, the job
+    is aborted with a message naming the test and the failures before it."""
+    result = run_user_tests(tmp_path, USER_PRELUDE + """
+from mpidag import testing
+
+def test_first_failure(rpc_world):
+    assert rpc_world.rank != 1, "rank 1 fails first"
+
+def test_leaves_rank1_waiting(rpc_world):
+    if rpc_world.rank == 0:
+        raise RuntimeError("rank 0 fails before the collective")
+    testing.quiesce(timeout=120)   # rank 0 never comes
+
+def test_never_reached(rpc_world):
+    print("NEVER-REACHED")
+""", "-s", "--mpidag-failure-grace=2")
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert ("test_user.py::test_leaves_rank1_waiting FAILED here, and the other ranks have "
+            "not finished it after 2 s (mpidag_failure_grace)") in out, out
+    assert "Failed before it: test_user.py::test_first_failure (rank(s) 1)" in out, out
+    assert "NEVER-REACHED" not in out
+
+
+def test_maxfail_stops_every_rank_at_the_same_test(tmp_path):
+    result = run_user_tests(tmp_path, USER_PRELUDE + """
+def test_fails_on_rank1(rpc_world):
+    assert rpc_world.rank != 1
+
+def test_after(rpc_world):
+    print("AFTER-RAN")
+""", "-s", "-x", "--color=no")
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert "AFTER-RAN" not in out, out
+    assert out.count("FAILED test_user.py::test_fails_on_rank1 on rank(s) 1\n") == 2, out
+    assert out.count("stopping after 1 failures on any rank") == 2, out
+
+
+def test_failure_grace_must_be_a_positive_number(tmp_path):
+    result = run_user_tests(tmp_path, USER_PRELUDE, "--mpidag-failure-grace=0")
+    assert result.returncode != 0
+    assert "give a positive number of seconds" in result.stdout + result.stderr
