@@ -17,8 +17,6 @@ import torch
 
 import mpidag.rpc as rpc
 
-pytestmark = pytest.mark.mpi(min_size=2)
-
 TAG = 91
 
 
@@ -31,6 +29,7 @@ def _sleepy_barrier(comm: Any, timeout: float = 60) -> None:
         time.sleep(0.001)
 
 
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("how", ["recv", "Recv"])
 def test_calls_complete_while_a_user_thread_blocks_in_mpi_on_every_rank(rpc_world, how):
     import numpy as np
@@ -72,3 +71,40 @@ def test_calls_complete_while_a_user_thread_blocks_in_mpi_on_every_rank(rpc_worl
     assert got == ([("stop", rpc_world.rank)] if how == "recv" else [rpc_world.rank])
     _sleepy_barrier(comm)
     comm.Free()
+
+
+def test_a_users_own_setting_wins_and_other_mpis_are_left_alone():
+    from mpidag.transport.mpi import YIELD_SETTINGS, make_blocking_waits_yield
+
+    assert YIELD_SETTINGS == {"Open MPI": "OMPI_MCA_mpi_yield_when_idle",
+                              "MPICH": "MPIR_CVAR_CH4_PROGRESS_THROTTLE"}
+    assert make_blocking_waits_yield("Open MPI v5.0.11", {"OMPI_MCA_mpi_yield_when_idle": "0"}
+                                     ) is None
+    assert make_blocking_waits_yield("MPICH Version: 5.0.2",
+                                     {"MPIR_CVAR_CH4_PROGRESS_THROTTLE": "0"}) is None
+    assert make_blocking_waits_yield("Intel(R) MPI Library 2021", {}) is None
+
+
+@pytest.mark.mpi(min_size=2)
+def test_blocking_waits_yield_on_this_mpi(rpc_world):
+    """What init_rpc set (unless the environment says otherwise), read back from the library."""
+    import ctypes
+    import os
+
+    from mpi4py import MPI
+
+    from mpidag.transport.mpi import YIELD_SETTINGS, make_blocking_waits_yield
+
+    version = MPI.Get_library_version()
+    library = next((n for n in YIELD_SETTINGS if version.startswith(n)), None)
+    if library is None or YIELD_SETTINGS[library] in os.environ:
+        pytest.skip(f"nothing is set on this MPI or in this environment ({version[:40]!r})")
+    made = make_blocking_waits_yield(version, {})
+    if library == "Open MPI":
+        assert made == "Open MPI: mpi_yield_when_idle=1"
+        with open("/proc/self/maps") as maps:
+            path = next(line.split()[-1] for line in maps if "libopen-pal" in line)
+        pal = ctypes.CDLL(path)
+        assert ctypes.c_bool.in_dll(pal, "opal_progress_yield_when_idle").value is True
+    else:
+        assert made == "MPICH: MPIR_CVAR_CH4_PROGRESS_THROTTLE=1"

@@ -22,8 +22,9 @@ import collections
 import contextlib
 import ctypes
 import logging
+import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -32,20 +33,98 @@ from mpidag._backoff import Backoff
 from mpidag.errors import RPCError, WorkerFailedError
 from mpidag.transport.base import CHUNK, FramedTransport
 
-__all__ = ["CHUNK", "HEADER_TAG", "MPITransport", "abort_world", "detect_cuda_aware",
-           "thread_level_error", "world_rank_and_size"]
+__all__ = ["CHUNK", "HEADER_TAG", "YIELD_SETTINGS", "MPITransport", "abort_world",
+           "detect_cuda_aware", "make_blocking_waits_yield", "thread_level_error",
+           "world_rank_and_size"]
 
 log = logging.getLogger(__name__)
 
 HEADER_TAG = 0
 
 
-def _libmpi_paths() -> list[str]:
+def _libmpi_paths(name: str = "libmpi") -> list[str]:
+    """The paths of the loaded shared libraries whose file name contains ``name``."""
     try:
         with open("/proc/self/maps") as maps:
-            return sorted({line.split()[-1] for line in maps if "libmpi" in line and "/" in line})
+            return sorted({line.split()[-1] for line in maps
+                           if name in line.rsplit("/", 1)[-1] and "/" in line})
     except OSError:
         return []
+
+
+#: the settings :func:`make_blocking_waits_yield` makes, by MPI library: a user's own setting
+#: of the same variable in the environment wins (and ``=0`` turns it off)
+YIELD_SETTINGS = {"Open MPI": "OMPI_MCA_mpi_yield_when_idle",
+                  "MPICH": "MPIR_CVAR_CH4_PROGRESS_THROTTLE"}
+
+
+def make_blocking_waits_yield(library_version: str,
+                              environ: Mapping[str, str] | None = None) -> str | None:
+    """Make a thread that waits in a blocking MPI call leave the core to the other threads
+    of its process; returns the setting made (``None``: none, the user set it already, or
+    this MPI has no such setting).
+
+    A program's own thread blocked in MPI (``comm.recv``: a listener, a stop signal) spins
+    in the library's progress loop: with Open MPI's default binding of one core per rank
+    it takes that core from mpidag's polling threads, without binding (MPICH) two such
+    threads on a 2-core machine take both cores; each message then waits for the
+    scheduler to take the core from the spinning thread (0.5-2 ms per no-op round trip
+    measured instead of 50-90 us; ``benchmarks/bench_blocked_thread.py``, docs/design.md,
+    "A user thread blocked in MPI"). The settings, made at run time (any launcher):
+
+    * Open MPI: ``opal_progress_set_yield_when_idle(true)`` (what ``mpirun --mca
+      mpi_yield_when_idle 1`` sets, and Open MPI's own default when oversubscribed): a
+      progress loop that found nothing calls ``sched_yield``;
+    * MPICH (ch4): ``MPIR_CVAR_CH4_PROGRESS_THROTTLE=1`` through ``MPI_T``: after 4096
+      polls in a row that found nothing, the progress loop sleeps 1 us.
+
+    An environment variable of the user's (:data:`YIELD_SETTINGS`) wins. Not run by the
+    doctests (they start no MPI)::
+
+        make_blocking_waits_yield(MPI.Get_library_version())   # 'Open MPI: ...' or None
+    """
+    env = os.environ if environ is None else environ
+    name = next((n for n in YIELD_SETTINGS if library_version.lstrip().startswith(n)), None)
+    if name is None:
+        return None
+    variable = YIELD_SETTINGS[name]
+    if variable in env:  # the user's choice, whatever it is
+        return None
+    try:
+        if name == "Open MPI":
+            for path in _libmpi_paths("libopen-pal"):
+                setter = ctypes.CDLL(path).opal_progress_set_yield_when_idle
+                setter.argtypes, setter.restype = [ctypes.c_bool], ctypes.c_bool
+                setter(True)
+                return "Open MPI: mpi_yield_when_idle=1"
+            return None
+        for path in _libmpi_paths("libmpi"):
+            if _mpi_t_write_int(ctypes.CDLL(path), variable, 1):
+                return f"MPICH: {variable}=1"
+    except (OSError, AttributeError) as exc:  # another build: leave it as it is
+        log.debug("could not make blocking MPI waits yield: %s", exc)
+    return None
+
+
+def _mpi_t_write_int(lib: Any, cvar: str, value: int) -> bool:
+    """Write an ``int`` control variable through the MPI tool interface (MPICH's ABI:
+    handles are pointers); whether it was written."""
+    c_int, byref = ctypes.c_int, ctypes.byref
+    provided, index, count = c_int(), c_int(), c_int()
+    handle = ctypes.c_void_p()
+    if lib.MPI_T_init_thread(c_int(3), byref(provided)) != 0:  # MPI_THREAD_MULTIPLE
+        return False
+    try:
+        if lib.MPI_T_cvar_get_index(cvar.encode(), byref(index)) != 0:
+            return False
+        if lib.MPI_T_cvar_handle_alloc(index, None, byref(handle), byref(count)) != 0:
+            return False
+        try:
+            return bool(count.value == 1 and lib.MPI_T_cvar_write(handle, byref(c_int(value))) == 0)
+        finally:
+            lib.MPI_T_cvar_handle_free(byref(handle))
+    finally:
+        lib.MPI_T_finalize()
 
 
 def detect_cuda_aware(forced: bool | None = None) -> bool:
@@ -192,6 +271,9 @@ class MPITransport(FramedTransport):
         )
         self._status = MPI.Status()
         self.cuda_aware = detect_cuda_aware(cuda_aware)
+        #: what was set so that a thread blocked in MPI leaves the core to the others
+        #: (:func:`make_blocking_waits_yield`), or ``None``
+        self.blocking_waits_yield = make_blocking_waits_yield(MPI.Get_library_version())
         #: frame-0 sends still in flight: (request, frame) (see _send_frame0)
         self._sends_in_flight: collections.deque[tuple[Any, bytes | bytearray]] = \
             collections.deque()
