@@ -9,8 +9,11 @@ Data flow of ``DistributedOptimizer(optim.SGD, [rref1, rref2], lr=0.05).step(con
              -> clear .grad -> release
 
 PyTorch's Python local optimizer serializes every step on a worker behind one global lock
-(its TorchScript one, used for the optimizers that have a functional version, takes no lock
-at all). Here two steps wait for each other only when they share a parameter; steps over
+(its path for the optimizers that have a functional version, TorchScript up to torch 2.13
+and plain Python from 2.14, takes no lock at all; so two steps sharing a parameter may
+interleave there). mpidag runs every optimizer class the same way, on torch's own
+``torch.optim`` classes, so it neither needs nor prints torch's warnings about that path.
+Here two steps wait for each other only when they share a parameter; steps over
 disjoint parameters of the same owner run at the same time. Locks are always taken in the
 order the parameters were first seen on that rank, so two steps that share several
 parameters cannot deadlock, and the instance lock of a local optimizer (its state:
