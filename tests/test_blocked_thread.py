@@ -36,7 +36,8 @@ def test_calls_complete_while_a_user_thread_blocks_in_mpi_on_every_rank(rpc_worl
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD.Dup()  # the program's own communicator
-    prev = (rpc_world.rank - 1) % rpc_world.size
+    # ranks of the program's communicator (rpc_world.next is the next worker's *name*)
+    prev, nxt = (rpc_world.rank - 1) % rpc_world.size, (rpc_world.rank + 1) % rpc_world.size
     got: list[Any] = []
 
     def listener() -> None:  # blocks in MPI until the previous rank releases it
@@ -61,11 +62,10 @@ def test_calls_complete_while_a_user_thread_blocks_in_mpi_on_every_rank(rpc_worl
         assert thread.is_alive() and got == []  # still waiting for its message
         _sleepy_barrier(comm)
     finally:
-        message = ("stop", rpc_world.next)  # release the next rank's listener
-        if how == "recv":
-            comm.send(message, dest=rpc_world.next, tag=TAG)
+        if how == "recv":  # release the next rank's listener
+            comm.send(("stop", nxt), dest=nxt, tag=TAG)
         else:
-            comm.Send(np.array([rpc_world.next], dtype=np.int64), dest=rpc_world.next, tag=TAG)
+            comm.Send(np.array([nxt], dtype=np.int64), dest=nxt, tag=TAG)
         thread.join(30)
     assert not thread.is_alive()
     assert got == ([("stop", rpc_world.rank)] if how == "recv" else [rpc_world.rank])
