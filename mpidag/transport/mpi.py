@@ -68,8 +68,9 @@ def make_blocking_waits_yield(library_version: str,
     in the library's progress loop: with Open MPI's default binding of one core per rank
     it takes that core from mpidag's polling threads, without binding (MPICH) two such
     threads on a 2-core machine take both cores; each message then waits for the
-    scheduler to take the core from the spinning thread (0.5-2 ms per no-op round trip
-    measured instead of 50-90 us; ``benchmarks/bench_blocked_thread.py``, docs/design.md,
+    scheduler to take the core from the spinning thread (with one on each of 2 ranks:
+    1.06 ms per no-op round trip instead of 37-49 us, on both libraries;
+    ``benchmarks/bench_blocked_thread.py``, docs/design.md,
     "A user thread blocked in MPI"). The settings, made at run time (any launcher):
 
     * Open MPI: ``opal_progress_set_yield_when_idle(true)`` (what ``mpirun --mca
