@@ -22,7 +22,10 @@ How an operation runs:
   yields the core between tests (``os.sched_yield``) for up to a second, then sleeps from
   50 µs doubling to 1 ms; with nothing pending it sleeps on a condition variable. No thread
   ever sits in a blocking MPI call, which would contend with the RPC progress engine's MPI
-  calls (``MPI_THREAD_MULTIPLE``); the price is a few µs of hand-off per operation.
+  calls (``MPI_THREAD_MULTIPLE``); the price is a few µs of hand-off per operation, and
+  Open MPI's non-blocking all-reduce is slower than its blocking one for large tensors
+  (``benchmarks/README.md``, "Collectives: MPI vs Gloo"). Callbacks chained on a ``Work``'s
+  future (``then``) run in that thread: they must not wait for another operation.
 * CUDA tensors go to MPI directly (``__cuda_array_interface__``, after synchronizing the
   current stream) only where the MPI library says it is CUDA-aware
   (``MPIX_Query_cuda_support``); otherwise through a host copy.
