@@ -527,6 +527,9 @@ class MPIProcessGroup(dist.ProcessGroup):
 
 # ---------------------------------------------------------------------------- making groups
 
+#: MPI_Comm_create_group's tag for the groups made here
+_CREATE_GROUP_TAG = 0x6D70
+
 _pending = threading.local()  # the communicator rpc.init_process_group made for the next group
 
 
@@ -550,7 +553,9 @@ def new_mpi_group(world_ranks: Sequence[int] | None = None, *, parent: Any = Non
                          f"ranks={ranks}; only the members call it")
     group = parent.Get_group().Incl(ranks)
     try:
-        comm = parent.Create_group(group, tag=0x6D706964)
+        # a tag every MPI accepts (the standard guarantees MPI_TAG_UB >= 32767; MPICH's
+        # wheel refuses 0x6D706964)
+        comm = parent.Create_group(group, tag=_CREATE_GROUP_TAG)
     finally:
         group.Free()
     return MPIProcessGroup(comm, ranks, timeout)
