@@ -179,13 +179,7 @@ def init_process_group(ranks: Sequence[int | str | WorkerInfo] | None = None,
             group = dist.group.WORLD
         except Exception as exc:
             problem = exc
-    made = _gather_ints(runtime, [int(problem is not None)], seconds)
-    if problem is not None:
-        raise problem
-    failed = [r for r, row in enumerate(made) if row[0]]
-    if failed:
-        raise RPCError(f"init_process_group: rank(s) {failed} could not join the process "
-                       f"group (see their errors)")
+    _all_made(runtime, problem, seconds)
     return group
 
 
@@ -215,7 +209,7 @@ def _make_mpi_group(runtime: Any, members: list[int], delta: datetime.timedelta,
                                members.index(me) if me in members else 0)
         elif me in members:
             incl = world.Get_group().Incl(world_ranks)
-            comm = world.Create_group(incl, tag=0x6D706964)
+            comm = world.Create_group(incl, tag=mpi_pg.CREATE_GROUP_TAG)
             incl.Free()
         if me in members:
             mpi_pg._prepare(comm, list(world_ranks))
@@ -228,6 +222,13 @@ def _make_mpi_group(runtime: Any, members: list[int], delta: datetime.timedelta,
             group = dist.group.WORLD
     except Exception as exc:
         problem = exc
+    _all_made(runtime, problem, seconds)
+    return group
+
+
+def _all_made(runtime: Any, problem: Exception | None, seconds: float) -> None:
+    """Round 3's end, collective: raise this rank's ``problem``, or ``RPCError`` naming the
+    ranks that could not join the group; return once every rank has made its part."""
     made = _gather_ints(runtime, [int(problem is not None)], seconds)
     if problem is not None:
         raise problem
@@ -235,7 +236,6 @@ def _make_mpi_group(runtime: Any, members: list[int], delta: datetime.timedelta,
     if failed:
         raise RPCError(f"init_process_group: rank(s) {failed} could not join the process "
                        f"group (see their errors)")
-    return group
 
 
 def _members(runtime: Any, ranks: Sequence[Any] | None, size: int) -> list[int]:
