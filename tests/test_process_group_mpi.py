@@ -110,6 +110,43 @@ def test_broadcast_reduce_and_barrier(pg, rpc_world):
     dist.barrier()
 
 
+
+def test_large_reductions_run_in_chunks_with_exact_values(pg, rpc_world, monkeypatch):
+    """An all_reduce / reduce over CHUNK_BYTES runs as chunks (64 bytes here, 2 in flight):
+    the values are those of one reduction, for a length that is not a multiple of the
+    chunk, every op, a widened dtype, a non-contiguous tensor, and async calls on the
+    group's communicator between chunked ones."""
+    from mpidag.distributed import process_group
+
+    monkeypatch.setattr(process_group, "CHUNK_BYTES", 64)
+    monkeypatch.setattr(process_group, "CHUNK_WINDOW", 2)
+    rank, size = rpc_world.rank, rpc_world.size
+    shape = (7, 13)  # 91 elements: 5 chunks of 16 float32 and one of 11
+    for dtype in (torch.float32, torch.float64, torch.int64, torch.bfloat16):
+        for op in (SUM, PRODUCT, MIN, MAX) + ((AVG,) if dtype.is_floating_point else ()):
+            t = _value(rank, dtype, shape)
+            dist.all_reduce(t, op=op)
+            close(t, _expected(op, [_value(r, dtype, shape) for r in range(size)]),
+                  rtol=0, atol=0)
+    t = _value(rank, torch.float32, (13, 7)).t()
+    dist.all_reduce(t, op=SUM)
+    close(t, _expected(SUM, [_value(r, torch.float32, (13, 7)).t() for r in range(size)]),
+          rtol=0, atol=0)
+    # several chunked operations in flight with small ones between them, waited out of order
+    a, b = _value(rank, torch.float64, (50,)), _value(rank, torch.int32, (33,))
+    small = torch.full((2,), float(rank))
+    works = [dist.all_reduce(a, async_op=True), dist.broadcast(small, src=size - 1,
+                                                                async_op=True),
+             dist.reduce(b, dst=0, op=MAX, async_op=True)]
+    for work in reversed(works):
+        work.wait()
+    close(a, _expected(SUM, [_value(r, torch.float64, (50,)) for r in range(size)]),
+          rtol=0, atol=0)
+    assert small.tolist() == [size - 1.0, size - 1.0]
+    if rank == 0:
+        close(b, _expected(MAX, [_value(r, torch.int32, (33,)) for r in range(size)]),
+              rtol=0, atol=0)
+
 def test_all_gather_and_reduce_scatter(pg, rpc_world):
     rank, size = rpc_world.rank, rpc_world.size
     every = [_value(r, torch.float32) for r in range(size)]
