@@ -79,10 +79,12 @@ _WIDENED = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 #: of 5): one MPI_Iallreduce 329 ms, blocking MPI_Allreduce 142 ms; all chunks
 #: in flight at once: 1 MiB 174, 4 MiB 170, 16 MiB 206 ms; at most 16 MiB in flight:
 #: 1 MiB x 16 124 ms, 4 MiB x 4 131 ms, 16 MiB x 2 152 ms (libnbc handles a bounded number
-#: of moderate schedules well, one huge one or hundreds at once badly)
-CHUNK_BYTES = 4 << 20
+#: of moderate schedules well, one huge one or hundreds at once badly). Through this group
+#: (benchmarks/bench_collectives.py, 3 rounds): 1 MiB x 16 gave 16 MiB 8.3 ms, 256 MiB
+#: 124 ms; 4 MiB x 4 gave 9.9 ms and 145 ms (Gloo: 11.0-11.6 ms, 164-176 ms)
+CHUNK_BYTES = 1 << 20
 #: how many chunks of one operation are in flight at once (see CHUNK_BYTES)
-CHUNK_WINDOW = 4
+CHUNK_WINDOW = 16
 
 
 def _mpi() -> Any:
@@ -315,6 +317,12 @@ class MPIProcessGroup(dist.ProcessGroup):
     # ------------------------------------------------------------------ identity
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return BACKEND
+
+    def _get_backend(self, device: Any) -> MPIProcessGroup:
+        """The group is its own backend on every device (torch 2.14's
+        ``batch_isend_irecv`` asks for the device's backend; the C++ default finds none
+        registered for a process group written in Python)."""
+        return self
 
     @property
     def comm(self) -> Any:
