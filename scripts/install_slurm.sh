@@ -18,30 +18,7 @@ if ! command -v apt-get >/dev/null 2>&1; then
   exit 0
 fi
 
-packages=(slurmctld slurmd slurm-client libpmix2)
-missing=()
-for p in "${packages[@]}"; do
-  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
-    missing+=("$p")
-  fi
-done
-
-if [ "${#missing[@]}" -gt 0 ]; then
-  export DEBIAN_FRONTEND=noninteractive
-  log=$(mktemp)
-  trap 'rm -f "$log"' EXIT
-  apt_install() {
-    apt-get install -y -q --no-install-recommends "${missing[@]}" </dev/null >"$log" 2>&1
-  }
-  # A fresh image may have no package lists yet: update only if the plain install fails.
-  if ! apt_install; then
-    if ! apt-get update -q </dev/null >>"$log" 2>&1 || ! apt_install; then
-      cat "$log" >&2
-      echo "install_slurm.sh: apt-get install ${missing[*]} failed" >&2
-      exit 1
-    fi
-  fi
-fi
+bash "$(dirname "$0")/apt_install.sh" install_slurm.sh slurmctld slurmd slurm-client libpmix2
 
 # Slurm's mpi_pmix plugin loads <pmix prefix>/lib/libpmix.so; make it point at libpmix.so.2.
 found=0

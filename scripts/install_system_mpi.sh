@@ -14,21 +14,6 @@ if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
   echo "install_system_mpi.sh: needs root and apt-get to install Debian's Open MPI" >&2
   exit 1
 fi
-packages=(libopenmpi-dev openmpi-bin)
-missing=()
-for p in "${packages[@]}"; do
-  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
-    missing+=("$p")
-  fi
-done
-if [ "${#missing[@]}" -gt 0 ]; then
-  export DEBIAN_FRONTEND=noninteractive
-  log=$(mktemp)
-  if ! { apt-get update -q && apt-get install -y -q --no-install-recommends "${missing[@]}"; } \
-      >"$log" 2>&1; then
-    cat "$log"; echo "install_system_mpi.sh: apt-get install ${missing[*]} failed" >&2; exit 1
-  fi
-  rm -f "$log"
-fi
+bash "$(dirname "$0")/apt_install.sh" install_system_mpi.sh libopenmpi-dev openmpi-bin
 command -v mpicc >/dev/null
 echo "install_system_mpi.sh: $(mpirun --version 2>/dev/null | head -1) ($(command -v mpicc))"
