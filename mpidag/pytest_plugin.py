@@ -44,6 +44,8 @@ from typing import Any
 
 import pytest
 
+from mpidag._backoff import Backoff
+
 __all__ = ["RpcWorld", "rpc_world"]
 
 _SCOPES = ("session", "package", "module")
@@ -205,12 +207,11 @@ class _Agreement:
         every = np.zeros((self.size, 2), dtype=np.int64)
         request = self.comm.Iallgather(mine, every)
         deadline = time.monotonic() + self.grace if self.failed_here else None
-        pause = 1e-4
+        backoff = Backoff(spin=0.0, min_sleep=1e-4, max_sleep=0.01)
         while not request.Test():
             if deadline is not None and time.monotonic() > deadline:
                 self._abort_hung(item, every)
-            time.sleep(pause)
-            pause = min(2 * pause, 0.01)
+            backoff.idle()
         if len(set(every[:, 1].tolist())) > 1:
             self._abort(f"the ranks ran different tests at the same time ({item.nodeid} "
                         f"here): every rank must collect the same tests in the same order")

@@ -130,6 +130,13 @@ def _mpi_op(op: Any, dtype: torch.dtype) -> Any:
             _RedOp.BOR: MPI.BOR, _RedOp.BXOR: MPI.BXOR}[kind]
 
 
+def _unstack(flat: torch.Tensor, out: list[torch.Tensor]) -> None:
+    """Copy row ``i`` of a gathered ``flat`` into ``out[i]`` (the caller's tensors)."""
+    with torch.no_grad():
+        for i, t in enumerate(out):
+            t.copy_(flat[i].view(t.shape))
+
+
 def _is_avg(op: Any) -> bool:
     return (op.op if hasattr(op, "op") else op) == _RedOp.AVG
 
@@ -398,6 +405,16 @@ class MPIProcessGroup(dist.ProcessGroup):
             raise ValueError(f"{what}: a tensor of {expected} elements was expected, got "
                              f"shape {tuple(other.shape)} ({other.numel()} elements)")
 
+    def _one_per_member(self, tensors: list[torch.Tensor], like: torch.Tensor, what: str,
+                        name: str) -> None:
+        """Check that ``tensors`` (the argument ``name``) has one tensor like ``like`` per
+        group member."""
+        if len(tensors) != self.size():
+            raise ValueError(f"{what}: {name} has {len(tensors)} tensors; it needs one per "
+                             f"group member ({self.size()})")
+        for t in tensors:
+            self._check_same(like, t, what)
+
     def _average(self, buffer: _Buffer, op: Any) -> Callable[[], None]:
         size = self.size()
 
@@ -462,21 +479,13 @@ class MPIProcessGroup(dist.ProcessGroup):
                   opts: Any = None) -> Any:
         tensor = self._single(inputs, "all_gather")
         out = self._single(outputs, "all_gather")
-        if len(out) != self.size():
-            raise ValueError(f"all_gather: tensor_list has {len(out)} tensors; it needs one "
-                             f"per group member ({self.size()})")
-        for t in out:
-            self._check_same(tensor, t, "all_gather")
+        self._one_per_member(out, tensor, "all_gather", "tensor_list")
         src = self._buffer(tensor, typed=False, what="input")
         flat = torch.empty((self.size(), *tensor.shape), dtype=tensor.dtype)
         dst = self._buffer(flat, typed=False, fill=False)
         request = self._comm.Iallgather(src.spec(), dst.spec())
-
-        def then() -> None:
-            with torch.no_grad():
-                for i, t in enumerate(out):
-                    t.copy_(flat[i].view(t.shape))
-        return self._start("all_gather", [request], then, list(out), (src, dst))
+        return self._start("all_gather", [request], functools.partial(_unstack, flat, out),
+                           list(out), (src, dst))
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any = None) -> Any:
@@ -504,11 +513,7 @@ class MPIProcessGroup(dist.ProcessGroup):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         output = self._single(outputs, "reduce_scatter")
         parts = self._single(inputs, "reduce_scatter")
-        if len(parts) != self.size():
-            raise ValueError(f"reduce_scatter: input_list has {len(parts)} tensors; it needs "
-                             f"one per group member ({self.size()})")
-        for t in parts:
-            self._check_same(output, t, "reduce_scatter")
+        self._one_per_member(parts, output, "reduce_scatter", "input_list")
         dtype = _WIDENED.get(output.dtype, output.dtype)
         flat = torch.cat([t.detach().reshape(-1).to("cpu", dtype) for t in parts]) \
             if parts else torch.empty(0, dtype=dtype)
@@ -527,20 +532,12 @@ class MPIProcessGroup(dist.ProcessGroup):
         out: list[torch.Tensor] = []
         if self.rank() == root:
             out = self._single(outputs, "gather")
-            if len(out) != self.size():
-                raise ValueError(f"gather: gather_list has {len(out)} tensors; it needs one "
-                                 f"per group member ({self.size()})")
-            for t in out:
-                self._check_same(tensor, t, "gather")
+            self._one_per_member(out, tensor, "gather", "gather_list")
             flat = torch.empty((self.size(), *tensor.shape), dtype=tensor.dtype)
             dst = self._buffer(flat, typed=False, fill=False)
             request = self._comm.Igather(src.spec(), dst.spec(), root)
-
-            def then() -> None:
-                with torch.no_grad():
-                    for i, t in enumerate(out):
-                        t.copy_(flat[i].view(t.shape))
-            return self._start("gather", [request], then, list(out), (src, dst))
+            return self._start("gather", [request], functools.partial(_unstack, flat, out),
+                               list(out), (src, dst))
         request = self._comm.Igather(src.spec(), None, root)
         return self._start("gather", [request], None, [], src)
 
@@ -551,11 +548,7 @@ class MPIProcessGroup(dist.ProcessGroup):
         dst = self._buffer(output, typed=False, fill=False, what="output")
         if self.rank() == root:
             parts = self._single(inputs, "scatter")
-            if len(parts) != self.size():
-                raise ValueError(f"scatter: scatter_list has {len(parts)} tensors; it needs "
-                                 f"one per group member ({self.size()})")
-            for t in parts:
-                self._check_same(output, t, "scatter")
+            self._one_per_member(parts, output, "scatter", "scatter_list")
             flat = torch.cat([t.detach().reshape(-1).cpu() for t in parts])
             src = self._buffer(flat, typed=False)
             request = self._comm.Iscatter(src.spec(), dst.spec(), root)
