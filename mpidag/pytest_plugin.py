@@ -172,9 +172,9 @@ class _Agreement:
     failures: dict[str, list[int]] = field(default_factory=dict)
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
-        from mpi4py import MPI
+        from mpidag.transport.mpi import start_mpi
 
-        world = MPI.COMM_WORLD
+        world = start_mpi().COMM_WORLD
         self.rank, self.size = world.Get_rank(), world.Get_size()
         if self.size > 1:
             self.comm = world.Dup()  # every rank starts the session: collective is safe

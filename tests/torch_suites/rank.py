@@ -1,8 +1,11 @@
-"""One MPI rank of a torch-suite job: runs the given tests of one class in order.
+"""One MPI rank of a torch-suite job: runs the given tests (of classes of one world size) in
+order.
 
-Started by the runner as ``python -m mpidag.run -n W -m tests.torch_suites.rank ...``. Each
-rank appends JSON lines to ``<results>/rank<r>.jsonl``: ``start`` before a test, ``end`` with
-the outcome after it. Ranks wait for each other between tests (an MPI barrier, as torch's
+Started by the runner as ``python -m mpidag.run -n W -m tests.torch_suites.rank ...``: one
+job runs every class of its world size, as a job start (four ranks importing torch and its
+test modules) costs about ten times the tests of a class here. Each rank appends JSON lines
+to ``<results>/rank<r>.jsonl``: ``start`` before a test, ``end`` with the outcome after it,
+the test named ``Class.test``. Ranks wait for each other between tests (an MPI barrier, as torch's
 ranks are synchronised by starting together). After a test that fails on a rank, that rank
 shuts RPC down gracefully itself (the others may be in their graceful shutdown, waiting for
 it) and every rank leaves, because a failed test may leave state behind (a process group, a
@@ -12,8 +15,9 @@ every test. If the rank cannot meet the others within ``CLEANUP_SECONDS``, it en
 
 Example::
 
-    python -m mpidag.run -n 4 -m tests.torch_suites.rank --cls RpcTest \\
-        --tests test_add,test_self_add --results /tmp/r --store /tmp/s
+    python -m mpidag.run -n 4 -m tests.torch_suites.rank \\
+        --tests RpcTest.test_add,DistAutogradTest.test_autograd_context \\
+        --results /tmp/r --store /tmp/s
 """
 
 from __future__ import annotations
@@ -110,14 +114,13 @@ def run_one(cls: type, name: str, rank: int, store: str) -> tuple[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cls", required=True, help="test class, e.g. RpcTest")
-    parser.add_argument("--tests", required=True, help="comma-separated test names")
+    parser.add_argument("--tests", required=True,
+                        help="comma-separated tests, each Class.test (e.g. RpcTest.test_add)")
     parser.add_argument("--results", required=True, help="directory for rank<r>.jsonl")
     parser.add_argument("--store", required=True, help="directory for the tests' store files")
     args = parser.parse_args(argv)
 
     shim.install()
-    cls = suites.test_class(suites.suite_of(args.cls), args.cls)
     from mpi4py import MPI
 
     from mpidag import _runtime
@@ -131,24 +134,25 @@ def main(argv: list[str] | None = None) -> int:
         out.flush()
         os.fsync(out.fileno())
 
-    for index, name in enumerate(args.tests.split(",")):
-        if index:  # the module's globals start anew for every test, as in torch's processes
-            cls = suites.test_class(suites.suite_of(args.cls), args.cls, fresh=True)
-        store = str(Path(args.store) / f"{args.cls}.{name}")
-        record(event="start", test=name)
+    for index, key in enumerate(args.tests.split(",")):
+        cls_name, _, name = key.partition(".")
+        # the module's globals start anew for every test, as in torch's processes
+        cls = suites.test_class(suites.suite_of(cls_name), cls_name, fresh=index > 0)
+        store = str(Path(args.store) / key)
+        record(event="start", test=key)
         shim.reset_torch_internals_used()
         began = time.monotonic()
         outcome, detail = run_one(cls, name, rank, store)
         left_running = _runtime.current_or_none() is not None
         if outcome != "failed" and left_running:
             outcome, detail = "failed", "the test left RPC running (no rpc.shutdown())"
-        record(event="end", test=name, outcome=outcome, detail=detail[-6000:],
+        record(event="end", test=key, outcome=outcome, detail=detail[-6000:],
                seconds=round(time.monotonic() - began, 3),
                torch_internals=shim.torch_internals_used())
         failed = outcome == "failed"
         deadline = None
         if failed:
-            sys.stderr.write(f"[rank {rank}] {args.cls}.{name} failed:\n{detail}\n")
+            sys.stderr.write(f"[rank {rank}] {key} failed:\n{detail}\n")
             sys.stderr.flush()
             deadline = time.monotonic() + CLEANUP_SECONDS
             if not _shut_rpc_down(deadline):
@@ -156,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         verdict = _any_rank_failed(comm, failed, deadline)
         _destroy_process_group()  # every rank is past the test: torch's would exit here
         if verdict is None:  # the others did not come: end the job
-            record(event="abort", test=name)
+            record(event="abort", test=key)
             comm.Abort(1)
         if verdict:  # a failed test may leave state behind: the next test gets a new job
             out.close()

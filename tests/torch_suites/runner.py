@@ -1,7 +1,7 @@
 """Run torch's own RPC suites against mpidag under MPI, and report per file.
 
-For each test class the runner starts one MPI job of the class's world size
-(``python -m mpidag.run -n W -m tests.torch_suites.rank``) with the tests still to run, in
+For each world size the runner starts one MPI job (``python -m mpidag.run -n W -m
+tests.torch_suites.rank``) with the tests of every class of that size still to run, in
 order; a rank ends the job when a test fails (see :mod:`tests.torch_suites.rank`), and a
 test that makes no progress for ``--timeout`` seconds is a hang: the job is killed. Either
 way the runner goes on with the next test in a new job, so one bad test costs one job start,
@@ -78,6 +78,37 @@ def _world_size(suite: suites.Suite, cls_name: str, first_test: str) -> int:
     return int(suites.make_test(cls, first_test, 0, "").world_size)
 
 
+@dataclass(frozen=True)
+class Planned:
+    """One test to run: its suite, class and name."""
+
+    suite: suites.Suite
+    cls: str
+    test: str
+
+    @property
+    def key(self) -> str:
+        """``Class.test``, as the ranks name it."""
+        return f"{self.cls}.{self.test}"
+
+
+def batches(chosen: list[tuple[suites.Suite, str, list[str]]]
+            ) -> tuple[list[Result], list[tuple[int, list[Planned]]]]:
+    """The classes' tests grouped by world size, in plan order, one job each (a job start,
+    four ranks importing torch and its test modules, costs ~12 s here, the 28 tests of
+    DistAutogradTest's CI part 5.5 s); and a crash result for each class whose module did
+    not import."""
+    crashed: list[Result] = []
+    by_size: dict[int, list[Planned]] = {}
+    for suite, cls_name, names in chosen:
+        if names[0].startswith("<import failed"):
+            crashed.append(Result(suite.file, cls_name, names[0], "crashed", detail=names[0]))
+            continue
+        size = _world_size(suite, cls_name, names[0])
+        by_size.setdefault(size, []).extend(Planned(suite, cls_name, n) for n in names)
+    return crashed, list(by_size.items())
+
+
 def _read_records(results: Path) -> list[dict]:
     records = []
     for path in sorted(results.glob("rank*.jsonl")):
@@ -94,10 +125,11 @@ def _kill(job: subprocess.Popen) -> None:
     job.wait()
 
 
-def _settle(suite: suites.Suite, cls_name: str, name: str, records: list[dict], size: int,
-            job_over: bool, hung: bool, log_path: Path) -> Result | None:
-    """The result of ``name`` from the ranks' records, or None while it is still running."""
-    ends = [r for r in records if r["test"] == name and r["event"] == "end"]
+def _settle(item: Planned, records: list[dict], size: int, job_over: bool, hung: bool,
+            log_path: Path) -> Result | None:
+    """The result of ``item`` from the ranks' records, or None while it is still running."""
+    suite, cls_name, name = item.suite, item.cls, item.test
+    ends = [r for r in records if r["test"] == item.key and r["event"] == "end"]
     seconds = max((r["seconds"] for r in ends), default=0.0)
     internals = sorted({i for r in ends for i in r.get("torch_internals", [])})
     failed = [r for r in ends if r["outcome"] == "failed"]
@@ -118,25 +150,20 @@ def _settle(suite: suites.Suite, cls_name: str, name: str, records: list[dict], 
                   torch_internals=internals)
 
 
-def run_class(suite: suites.Suite, cls_name: str, names: list[str], timeout: float,
-              workdir: Path, report: Callable[[Result], None]) -> list[Result]:
-    """Run ``names`` of ``cls_name`` in as few jobs as failures allow, reporting each result
-    as soon as every rank has finished the test."""
+def run_batch(size: int, items: list[Planned], timeout: float, workdir: Path,
+              report: Callable[[Result], None]) -> list[Result]:
+    """Run ``items`` (tests of one world size) in as few jobs as failures allow, reporting
+    each result as soon as every rank has finished the test."""
     results: list[Result] = []
-    if names[0].startswith("<import failed"):
-        result = Result(suite.file, cls_name, names[0], "crashed", detail=names[0])
-        report(result)
-        return [result]
-    size = _world_size(suite, cls_name, names[0])
-    remaining = list(names)
+    remaining = list(items)
     job_no = 0
     while remaining:
         job_no += 1
-        jobdir = workdir / f"{cls_name}-{job_no}"
+        jobdir = workdir / f"size{size}-{job_no}"
         (jobdir / "store").mkdir(parents=True)
         log_path = jobdir / "job.log"
         cmd = [sys.executable, "-m", "mpidag.run", "-n", str(size), "-m",
-               "tests.torch_suites.rank", "--cls", cls_name, "--tests", ",".join(remaining),
+               "tests.torch_suites.rank", "--tests", ",".join(i.key for i in remaining),
                "--results", str(jobdir), "--store", str(jobdir / "store")]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "MPIDAG_ABORT_ON_ERROR": "1",
                "PYTORCH_PRINT_REPRO_ON_FAILURE": "0",
@@ -159,9 +186,9 @@ def run_class(suite: suites.Suite, cls_name: str, names: list[str], timeout: flo
                     job_over = True
             records = _read_records(jobdir)
             started = {r["test"] for r in records}
-            while done_here < len(remaining) and remaining[done_here] in started:
-                result = _settle(suite, cls_name, remaining[done_here], records, size,
-                                 job_over, hung, log_path)
+            while done_here < len(remaining) and remaining[done_here].key in started:
+                result = _settle(remaining[done_here], records, size, job_over, hung,
+                                 log_path)
                 if result is None:
                     break
                 results.append(result)
@@ -176,8 +203,8 @@ def run_class(suite: suites.Suite, cls_name: str, names: list[str], timeout: flo
             _kill(job)
         if done_here == 0:  # the job died before its first test: so would the next one
             tail = log_path.read_text(errors="replace")[-3000:]
-            for name in remaining:
-                result = Result(suite.file, cls_name, name, "crashed", 0.0,
+            for item in remaining:
+                result = Result(item.suite.file, item.cls, item.test, "crashed", 0.0,
                                 f"the job ended before the test started; job log:\n{tail}")
                 results.append(result)
                 report(result)
@@ -288,10 +315,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.show_failures and result.outcome in ("failed", "hang", "crashed"):
             print("    " + result.detail.replace("\n", "\n    ")[-4000:], flush=True)
 
+    crashed, jobs = batches(chosen)
     results: list[Result] = []
+    for result in crashed:
+        report(result)
+        results.append(result)
     with tempfile.TemporaryDirectory(prefix="torch-suites-") as tmp:
-        for suite, cls_name, names in chosen:
-            results += run_class(suite, cls_name, names, args.timeout, Path(tmp), report)
+        for size, items in jobs:
+            results += run_batch(size, items, args.timeout, Path(tmp), report)
     flaky: list[str] = []
     for attempt in range(1, args.retries + 1):
         again = [(i, r) for i, r in enumerate(results)
@@ -301,8 +332,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"retry {attempt}: {len(again)} tests", flush=True)
         with tempfile.TemporaryDirectory(prefix="torch-suites-retry-") as tmp:
             for index, old in again:
-                new = run_class(suites.suite_of(old.cls), old.cls, [old.test],
-                                args.timeout, Path(tmp) / str(index), report)[0]
+                suite = suites.suite_of(old.cls)
+                new = run_batch(_world_size(suite, old.cls, old.test),
+                                [Planned(suite, old.cls, old.test)], args.timeout,
+                                Path(tmp) / str(index), report)[0]
                 if new.outcome == "passed":
                     flaky.append(f"{old.cls}.{old.test}")
                     new.detail = f"passed on retry {attempt}; first: {old.outcome}: " + \
