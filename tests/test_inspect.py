@@ -30,12 +30,13 @@ def chain(route, seconds):
 import threading
 TABLE = threading.Lock()                # an application lock, held across an RPC
 
+# the cycle lasts until forward's call times out (the job's shutdown waits for that)
 def back_to(caller, seconds):          # on worker1: calls worker0, which calls worker1 again
     with TABLE:
-        return rpc.rpc_sync(caller, forward, args=("worker1", seconds), timeout=20)
+        return rpc.rpc_sync(caller, forward, args=("worker1", seconds), timeout=12)
 
 def forward(to, seconds):
-    return rpc.rpc_sync(to, locked, args=(seconds,), timeout=20)
+    return rpc.rpc_sync(to, locked, args=(seconds,), timeout=10)
 
 def locked(seconds):                    # on worker1 again: waits for TABLE, held above
     with TABLE:

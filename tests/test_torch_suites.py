@@ -13,6 +13,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.conftest import ROOT
 from tests.torch_suites.runner import Result, table
 
@@ -23,60 +25,72 @@ def _python(code: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def test_shim_points_torch_names_at_mpidag_and_records_torch_internals():
-    out = _python("""
-        from tests.torch_suites import shim
-        shim.install()
-        import torch.distributed.rpc as rpc
-        import torch.distributed.autograd as dist_autograd
-        from torch.distributed.optim import DistributedOptimizer
-        from torch.distributed.nn import RemoteModule
-        from torch.distributed.rpc import RRef, rpc_async
-        import mpidag.rpc, mpidag.autograd, mpidag.optim, mpidag.nn
-        assert rpc.rpc_sync is mpidag.rpc.rpc_sync
-        assert rpc_async is mpidag.rpc.rpc_async and RRef is mpidag.rpc.RRef
-        assert rpc.functions.async_execution is mpidag.rpc.functions.async_execution
-        assert dist_autograd.backward is mpidag.autograd.backward
-        assert DistributedOptimizer is mpidag.optim.DistributedOptimizer
-        assert RemoteModule is mpidag.nn.RemoteModule
-        import torch.distributed.optim as optim
-        assert optim.DistributedOptimizer is mpidag.optim.DistributedOptimizer
-        assert shim.torch_internals_used() == []
-        rpc.TensorPipeAgent           # no such name in mpidag: torch's, recorded
-        print(shim.torch_internals_used())
-    """)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "['torch.distributed.rpc.TensorPipeAgent']"
+#: one process for the checks below (each needs a fresh interpreter with the shim installed,
+#: and importing torch's test modules costs ~6 s here): each check prints one JSON line
+CHECKS = """
+import json
+from tests.torch_suites import shim
+shim.install()
+import torch.distributed.rpc as rpc
+import torch.distributed.autograd as dist_autograd
+from torch.distributed.optim import DistributedOptimizer
+from torch.distributed.nn import RemoteModule
+from torch.distributed.rpc import RRef, rpc_async
+import mpidag.rpc, mpidag.autograd, mpidag.optim, mpidag.nn
+assert rpc.rpc_sync is mpidag.rpc.rpc_sync
+assert rpc_async is mpidag.rpc.rpc_async and RRef is mpidag.rpc.RRef
+assert rpc.functions.async_execution is mpidag.rpc.functions.async_execution
+assert dist_autograd.backward is mpidag.autograd.backward
+assert DistributedOptimizer is mpidag.optim.DistributedOptimizer
+assert RemoteModule is mpidag.nn.RemoteModule
+import torch.distributed.optim as optim
+assert optim.DistributedOptimizer is mpidag.optim.DistributedOptimizer
+assert shim.torch_internals_used() == []
+rpc.TensorPipeAgent           # no such name in mpidag: torch's, recorded
+print(json.dumps({"internals": shim.torch_internals_used()}))
+
+from tests.torch_suites import exclusions
+exclusions.check()
+print(json.dumps({"sizes": [len(exclusions.EXCLUDED), len(exclusions.CI_PART)]}))
+
+errors = []
+exclusions.EXCLUDED["RpcTest.test_add"] = ("flaky", "because")
+try:
+    exclusions.check()
+except ValueError as exc:
+    errors.append(str(exc))
+exclusions.EXCLUDED.clear()
+exclusions.EXCLUDED["RpcTest.test_no_such_test"] = ("gpu", "because")
+try:
+    exclusions.check()
+except ValueError as exc:
+    errors.append(str(exc))
+print(json.dumps({"errors": errors}))
+"""
 
 
-def test_exclusion_list_is_valid_and_names_only_reasons_of_the_closed_list():
-    out = _python("""
-        from tests.torch_suites import exclusions
-        exclusions.check()
-        print(len(exclusions.EXCLUDED), len(exclusions.CI_PART))
-    """)
+@pytest.fixture(scope="module")
+def checks() -> dict:
+    """The answers of :data:`CHECKS`, run once for the module."""
+    out = _python(CHECKS)
     assert out.returncode == 0, out.stderr
-    excluded, ci_part = map(int, out.stdout.split())
+    answers: dict = {}
+    for line in out.stdout.splitlines():
+        answers.update(json.loads(line))
+    return answers
+
+
+def test_shim_points_torch_names_at_mpidag_and_records_torch_internals(checks):
+    assert checks["internals"] == ["torch.distributed.rpc.TensorPipeAgent"]
+
+
+def test_exclusion_list_is_valid_and_names_only_reasons_of_the_closed_list(checks):
+    excluded, ci_part = checks["sizes"]
     assert ci_part > 0
 
 
-def test_exclusion_check_rejects_unknown_reasons_and_tests():
-    out = _python("""
-        from tests.torch_suites import exclusions
-        exclusions.EXCLUDED["RpcTest.test_add"] = ("flaky", "because")
-        try:
-            exclusions.check()
-        except ValueError as exc:
-            print(exc)
-        exclusions.EXCLUDED.clear()
-        exclusions.EXCLUDED["RpcTest.test_no_such_test"] = ("gpu", "because")
-        try:
-            exclusions.check()
-        except ValueError as exc:
-            print(exc)
-    """)
-    assert out.returncode == 0, out.stderr
-    first, second = out.stdout.strip().splitlines()
+def test_exclusion_check_rejects_unknown_reasons_and_tests(checks):
+    first, second = checks["errors"]
     assert "unknown reason 'flaky'" in first
     assert "RpcTest.test_no_such_test is not a test of the installed torch" in second
 
