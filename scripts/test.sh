@@ -58,7 +58,7 @@ multi_rank() {  # multi_rank VENV N [pytest args]: the multi-rank tests on N ran
 
 stage "ruff" .venv/bin/ruff check .
 stage "single-process tests" timeout --kill-after=30 1800 .venv/bin/python -m pytest -q \
-  -p no:cacheprovider -m "not mpi" tests
+  -p no:cacheprovider --durations=30 -m "not mpi" tests
 stage "multi-rank tests, 2 ranks, Open MPI 5 (wheel), torch 2.13" multi_rank .venv 2
 stage "multi-rank tests, 3 ranks, Open MPI 5 (wheel), torch 2.13" multi_rank .venv 3
 if [ "$MATRIX" = 1 ]; then

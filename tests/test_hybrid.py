@@ -154,18 +154,6 @@ def test_ddp_averages_gradients_inside_distributed_autograd(rpc_world):
         dist.destroy_process_group()
 
 
-def test_ddp_rpc_example_equals_local_training_at_4_ranks():
-    proc = run_example("ddp_rpc.py", nprocs=4, args=("--epochs", "2", "--batches", "4"),
-                       timeout=120)
-    line = ok_line(proc, "ddp_rpc")
-    assert "trainers=2 epochs=2 batches=4 " in line
-    (diff,) = numbers(line, r" max_diff_to_local=(\S+)")
-    assert diff < 1e-5
-    assert "[master] RemoteModule(on=ps, device=cpu, module=EmbeddingBag)" in proc.stdout
-    for trainer in ("trainer0", "trainer1"):
-        assert f"[{trainer}] epoch 2/2 loss " in proc.stdout
-
-
 class _SparseBag(nn.Module):
     """An EmbeddingBag with sparse gradients under a dense layer (DDP's sparse case)."""
 
@@ -252,12 +240,17 @@ def test_torch_ddp_unchanged_averages_inside_distributed_autograd(rpc_world):
         dist.destroy_process_group()
 
 
-def test_ddp_rpc_example_with_torch_ddp_and_mpidag_ddp():
-    for ddp in ("torch", "mpidag"):
+def test_ddp_rpc_example_equals_local_training_at_4_ranks_with_torch_ddp_and_mpidag_ddp():
+    for ddp, epochs, batches in (("torch", 2, 4), ("mpidag", 1, 3)):
         proc = run_example("ddp_rpc.py", nprocs=4,
-                           args=("--epochs", "1", "--batches", "3", "--ddp", ddp), timeout=120)
+                           args=("--epochs", str(epochs), "--batches", str(batches),
+                                 "--ddp", ddp), timeout=120)
         line = ok_line(proc, "ddp_rpc")
+        assert f"trainers=2 epochs={epochs} batches={batches} " in line
         assert f"ddp={ddp} " in line
         (diff,) = numbers(line, r" max_diff_to_local=(\S+)")
         assert diff < 1e-5
         assert "largest difference between the trainers' DDP replicas: 0.00e+00" in proc.stdout
+        assert "[master] RemoteModule(on=ps, device=cpu, module=EmbeddingBag)" in proc.stdout
+        for trainer in ("trainer0", "trainer1"):
+            assert f"[{trainer}] epoch {epochs}/{epochs} loss " in proc.stdout

@@ -32,11 +32,13 @@ class MainThreadCPU:
     leader naps. Where the kernel does not tell (no such file), the main thread always
     counts as busy, as before.
 
-    Example::
+    Example (``busy()`` is True while the main thread computes, which a loaded machine may
+    not let it do; a main thread that sleeps is never busy)::
 
-        >>> cpu = MainThreadCPU()
-        >>> cpu.busy()           # True while the main thread runs, False while it waits
-        True
+        >>> cpu = MainThreadCPU(interval=0.0)
+        >>> time.sleep(0.05)     # the main thread (this one) waits
+        >>> cpu.busy()
+        False
     """
 
     __slots__ = ("_fd", "_interval_ns", "_checked_at", "_cpu_ns", "_busy")
