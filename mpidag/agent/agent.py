@@ -332,7 +332,7 @@ class RpcAgent:
         if kind in (RESULT, ERROR):
             return self.calls.complete(env)
         if kind == CALL:
-            return lambda: self.server.serve_call(env)
+            return self.server.accept_call(env)
         if kind == NOTIFY:
             return lambda: self.server.serve_notify(env)
         if kind == CONTROL:

@@ -84,14 +84,36 @@ class Server:
         return self.codec.decode(env, self._load_arguments)
 
     # ------------------------------------------------------------------- calls
-    def serve_call(self, env: Envelope) -> None:
+    def accept_call(self, env: Envelope) -> Callable[[], None]:
+        """The work item of an incoming CALL, made by the leader in arrival order.
+
+        A call in an autograd context is recorded in it here, before any later message is
+        dispatched: a later message of the same sender about it (SMART mode's question
+        whether its recv function can still fire) then always finds the context and the
+        recv function, even when it is served first by another pool thread (recorded in
+        the pool thread, such a question once found the recv function missing and the
+        backward pass stopped). An error of the recording is the call's answer.
+        """
+        if not env.context_id:
+            return lambda: self.serve_call(env)
+        src_name = self.peers.name(env.src)
+        try:
+            received: tuple[Any, BaseException | None] = (self.plugins.observer.received(
+                env, lambda: f"the arguments of a call from {src_name}"), None)
+        except BaseException as exc:  # noqa: BLE001 - answered by the work item
+            received = (None, exc)
+        return lambda: self.serve_call(env, received)
+
+    def serve_call(self, env: Envelope,
+                   received: tuple[Any, BaseException | None] | None = None) -> None:
         """Run an incoming CALL and answer it; a profiler range while a profiler runs.
+        ``received``: the autograd context state :meth:`accept_call` recorded (or its error).
 
         Any exception of the function, ``SystemExit`` and other ``BaseException`` types
         included, is the answer (with its type); the serving thread goes on serving.
         """
         if env.context_id or observing():
-            self._serve_observed_call(env)
+            self._serve_observed_call(env, received=received)
             return
         func = None
         try:  # the common case: no autograd context, no profiler, a synchronous function
@@ -117,10 +139,13 @@ class Server:
         add(lambda done: self._reply_future(env, done, call))
 
     def _serve_observed_call(self, env: Envelope,
-                             unpacked: tuple[Callable, tuple, dict] | None = None) -> None:
+                             unpacked: tuple[Callable, tuple, dict] | None = None,
+                             received: tuple[Any, BaseException | None] | None = None
+                             ) -> None:
         """:meth:`serve_call` in an autograd context, under a profiler (a server-wide one
         profiles ``func``; GIL profiling measures the wait for the GIL first), or of an
-        ``@async_execution`` function (``unpacked``: the call, if already unpickled)."""
+        ``@async_execution`` function (``unpacked``: the call, if already unpickled;
+        ``received``: its autograd context, recorded at dispatch)."""
         state = None
         span = None
         func = None
@@ -129,7 +154,11 @@ class Server:
         src_name = self.peers.name(env.src)
         rank = self.peers.rank
         try:
-            if env.context_id:
+            if received is not None:
+                state, error = received
+                if error is not None:
+                    raise error
+            elif env.context_id:
                 state = observer.received(
                     env, lambda: f"the arguments of a call from {src_name}")
             func, args, kwargs = unpacked or self._unpack(env)
