@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import gc
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -230,6 +231,55 @@ def test_live_send_and_recv_functions_are_counted_by_the_rank_that_made_them(wor
     contexts.release(ctx)
     settle(world)  # rank 1 lets go of the context when rank 0's release reaches it
     assert [live_functions(r) for r in world] == [(0, 0)] * len(world)
+
+
+#: held shut by test_a_call_in_an_autograd_context_is_recorded_when_dispatched
+_GATE = threading.Event()
+
+
+def _wait_at_gate() -> bool:
+    return _GATE.wait(TIMEOUT)
+
+
+def _until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.001)
+
+
+def test_a_call_in_an_autograd_context_is_recorded_when_dispatched():
+    """Rank 1's only pool thread is held, so a call of rank 0 in an autograd context waits in
+    rank 1's queue: its context and recv function are on rank 1 already, recorded when the
+    leader dispatched it, in arrival order. (Recorded by the pool thread, SMART mode's later
+    question about that recv function could be served first and find nothing.)"""
+    runtimes = start_world(2, num_worker_threads=1)
+    engine1 = runtimes[1].agent.engine
+    contexts = runtimes[0].autograd.container
+    _GATE.clear()
+    try:
+        held = runtimes[0].agent.call(1, _wait_at_gate, (), {}, TIMEOUT)
+        _until(lambda: engine1.snapshot().running_requests == 1, "rank 1 runs the gate")
+        x = torch.rand(4, requires_grad=True)
+        ctx = contexts.new_context()
+        previous = contexts.enter(ctx)
+        try:
+            queued = runtimes[0].agent.call(1, rf.checksum, (x,), {}, TIMEOUT)
+        finally:
+            contexts.leave(previous)
+        _until(lambda: engine1.snapshot().queued_requests == 1, "the call is queued on rank 1")
+        assert not queued.done()
+        assert live_functions(runtimes[1]) == (0, 1)  # its recv function, before it runs
+        assert ctx.context_id in runtimes[1].autograd.container.contexts
+        _GATE.set()
+        assert held.wait() is True
+        assert runtimes[0].agent.wait(queued, TIMEOUT)[0] == pytest.approx(float(x.sum()))
+        contexts.release(ctx)
+        settle(runtimes)
+        assert [live_functions(r) for r in runtimes] == [(0, 0), (0, 0)]
+    finally:
+        _GATE.set()
+        on_every_rank(2, lambda r: runtimes[r].shutdown(timeout=TIMEOUT))
 
 
 def test_live_count_is_exact_while_threads_count_and_read_at_once():
