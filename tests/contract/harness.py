@@ -161,6 +161,14 @@ class InProcGroup:
             stacks = "\n".join(
                 f"rank {r}:\n" + "".join(traceback.format_stack(frames[threads[r].ident]))
                 for r in hung if threads[r].ident in frames)
+            # what the runtimes' own threads do, and their engines' state: a hang's cause
+            engines = "\n".join(f"engine of rank {r}: {rt.agent.engine.snapshot()}"
+                                 for r, rt in enumerate(self.runtimes))
+            others = "\n".join(
+                f"thread {t.name}:\n" + "".join(traceback.format_stack(frames[t.ident])[-5:])
+                for t in threading.enumerate()
+                if t.ident in frames and t not in threads and t is not threading.current_thread())
+            stacks = f"{stacks}\n{engines}\n{others}"
             raise AssertionError(f"in-process ranks {hung} of {self.size} did not finish "
                                  f"within {RANK_TIMEOUT:.0f} s; failures: "
                                  f"{ {r: repr(e) for r, e in errors.items()} }\n{stacks}")
