@@ -154,13 +154,10 @@ class Server:
         src_name = self.peers.name(env.src)
         rank = self.peers.rank
         try:
-            if received is not None:
+            if received is not None:  # (every call in a context: see accept_call)
                 state, error = received
                 if error is not None:
                     raise error
-            elif env.context_id:
-                state = observer.received(
-                    env, lambda: f"the arguments of a call from {src_name}")
             func, args, kwargs = unpacked or self._unpack(env)
             if profiling():
                 span = record_function(f"mpidag.rpc.serve#{describe(func, args)}"
