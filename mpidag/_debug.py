@@ -81,7 +81,8 @@ def state_report(runtime: Runtime) -> str:
     lines.append(f"progress: leader busy={engine['leader_busy']} waiting user threads="
                  f"{engine['waiting_user_threads']} idle pool threads="
                  f"{engine['idle_pool_threads']} queued requests={engine['queued_requests']} "
-                 f"running requests={engine['running_requests']}")
+                 f"running requests={engine['running_requests']} "
+                 f"sentinel parked={engine['sentinel_parked']}")
     lines.append(f"messages: sent={state['messages']['sent']} "
                  f"handled={state['messages']['handled']}")
     for part in ("rrefs", "autograd"):

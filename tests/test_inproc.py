@@ -433,3 +433,66 @@ def test_a_failing_call_is_logged_on_the_callee_as_torch_prints_it(world, caplog
     caplog.clear()
     assert call(world[0], 1, rf.add, 1, 2) == 3  # a call that succeeds logs nothing
     assert not [r for r in caplog.records if r.name == "mpidag.agent.agent"]
+
+
+def test_a_waiter_that_leaves_without_leading_hands_the_leadership_on():
+    """A user thread waits (a pool thread leads), the leader hands it the leadership, but its
+    reply is already there and it leaves without leading. Someone must poll after that:
+    with the pool thread parked and the sentinel asleep (it parks while a leader holds the
+    lead), nobody did, and the rank never received another message until one of its own
+    threads waited again (seen as a call to rank 0 unanswered for 60 s while rank 0's test
+    thread waited on an Event in ``_all_gather``)."""
+    import threading
+
+    from mpidag.transport.progress import ProgressEngine
+
+    in_poll = threading.Event()
+    poll_may_return = threading.Event()
+    poll_may_return.set()
+    hold_next_poll = threading.Event()
+    inbox: list[Envelope] = []
+    received = threading.Event()
+
+    def poll():
+        if hold_next_poll.is_set():  # once: keep the leader here while the user registers
+            hold_next_poll.clear()
+            in_poll.set()
+            poll_may_return.wait(10)
+        return inbox.pop() if inbox else None
+
+    def dispatch(env):
+        received.set()
+
+    engine = ProgressEngine(poll, dispatch, lambda: None, num_threads=1)
+
+    def until(condition, what):
+        deadline = time.monotonic() + 10
+        while not condition(engine.snapshot()):
+            assert time.monotonic() < deadline, f"{what}: {engine.snapshot()}"
+            time.sleep(0.001)
+
+    engine.start()
+    try:
+        until(lambda s: s.leader_busy and s.sentinel_parked, "a pool leader, sentinel parked")
+        poll_may_return.clear()
+        hold_next_poll.set()
+        assert in_poll.wait(10)
+        checks = []
+
+        def reply_arrived():
+            checks.append(None)
+            if len(checks) == 1:
+                return False  # the first look, before the thread registers as a waiter
+            # the leader sees this waiter, hands it the leadership and parks itself; the
+            # reply is here by then, so the waiter leaves without leading
+            poll_may_return.set()
+            until(lambda s: not s.leader_busy and s.idle_pool_threads == 1,
+                  "the pool leader handed over and parked")
+            return True
+
+        assert engine.wait_until(reply_arrived, deadline=None)
+        inbox.append(Envelope(kind=4, request_id=1))
+        assert received.wait(10), f"nobody polls after the waiter left: {engine.snapshot()}"
+    finally:
+        poll_may_return.set()
+        engine.stop()

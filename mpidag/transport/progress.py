@@ -77,6 +77,8 @@ class EngineSnapshot:
     queued_requests: int
     running_requests: int
     pool_threads: int
+    #: the sentinel sleeps until the next lazy vacancy (a leader or a waiter holds the lead)
+    sentinel_parked: bool = False
 
 
 def _run(work: Work) -> None:
@@ -206,7 +208,8 @@ class ProgressEngine:
         """
         with self._lock:
             return EngineSnapshot(self._leader_busy, self._waiters, self._idle,
-                                  len(self._work), self._running_work, self.pool_size)
+                                  len(self._work), self._running_work, self.pool_size,
+                                  self._sentinel.parked)
 
     @property
     def busy(self) -> bool:
@@ -344,6 +347,23 @@ class ProgressEngine:
         else:
             self._pool_cv.notify()
 
+    def _pass_on_vacancy_locked(self) -> None:
+        """A waiting user thread leaves without leading (its condition came true first).
+
+        A leader that saw it waiting handed it the leadership and parked, and the sentinel
+        may be parked too (it parks while the lead is held, and a waiter counts as holding
+        it): if the lead is vacant now, give it to another waiter, else to an idle pool
+        thread, else tell the sentinel. Without this nobody polled until one of the rank's
+        own threads waited again, and calls to it went unanswered."""
+        if self._leader_busy or self._stopping:
+            return
+        if self._waiters:
+            self._user_cv.notify()
+        elif self._idle:
+            self._pool_cv.notify()
+        else:
+            self._sentinel.note_vacancy_locked()
+
     # ----------------------------------------------------- for the Sentinel
     def _leadership_held_locked(self) -> bool:
         """A thread leads, or a user thread is about to."""
@@ -474,6 +494,7 @@ class ProgressEngine:
                 naps.main_parked -= main
                 if registered:
                     self._waiters -= 1
+                    self._pass_on_vacancy_locked()
 
     def _lead_as_user(self, done: Callable[[], bool], deadline: float | None) -> bool:
         poll_step, dispatch = self._poll_step, self._dispatch

@@ -38,6 +38,11 @@ class Sentinel:
         self._parked = False  # sleeps until the next lazy vacancy
         self._vacancy_epoch = 0  # counts lazy vacancies
 
+    @property
+    def parked(self) -> bool:
+        """Whether it sleeps until the next lazy vacancy (read with the engine's lock)."""
+        return self._parked
+
     def note_vacancy_locked(self) -> None:
         """A leader vacated lazily (nobody was woken to lead): count it, wake a parked
         sentinel (call with the engine's lock held)."""
