@@ -97,6 +97,7 @@ MODULES = (
     "mpidag.transport.base",
     "mpidag.transport.buffers",
     "mpidag.transport.frames",
+    "mpidag.transport.growth",
     "mpidag.transport.inproc",
     "mpidag.transport.mpi",
     "mpidag.transport.naps",

@@ -496,3 +496,58 @@ def test_a_waiter_that_leaves_without_leading_hands_the_leadership_on():
     finally:
         poll_may_return.set()
         engine.stop()
+
+
+def test_a_leading_user_thread_naps_beside_a_computing_work_item_while_another_waits():
+    """Two user threads wait for replies (one leads, one waits for the lead) while a work
+    item computes on the pool thread: the leader naps, as a lone waiting thread does. It
+    skipped every nap while another user thread waited (a pool leader's rule, which hands
+    over to waiters; a user leader never does), so it spun at a full core beside the work
+    item: a first ``torch.optim.SGD`` in a pool thread (an import of ``torch._dynamo``,
+    0.8 s alone) took over 60 s while two trainer threads waited for it in-process."""
+    import threading
+
+    from mpidag.transport.progress import ProgressEngine
+
+    engine = ProgressEngine(lambda: None, lambda env: None, lambda: None, num_threads=1,
+                            spin=1e-3, min_sleep=1e-5, max_sleep=1e-4)
+    work_started, release = threading.Event(), threading.Event()
+    skipped: list[bool] = []  # per nap a user thread asked for: skipped (True) or taken
+    user_threads: set[int] = set()
+    nap = engine._naps.nap
+
+    def recording_nap(seconds, skip):
+        # a user thread's naps while the other user thread waits for the lead
+        if threading.get_ident() in user_threads and engine.snapshot().waiting_user_threads:
+            skipped.append(skip())
+            if not skipped[-1] or len(skipped) >= 20_000:  # a nap taken, or only skips
+                release.set()
+        nap(seconds, skip)
+
+    engine._naps.nap = recording_nap
+
+    def computing_work_item():
+        work_started.set()
+        release.wait(60)  # counts as computing: it is not waiting inside the engine
+
+    results = []
+    engine.start()
+    try:
+        engine.submit(computing_work_item)
+        assert work_started.wait(10)
+
+        def wait_for_reply():
+            user_threads.add(threading.get_ident())
+            results.append(engine.wait_until(release.is_set, deadline=time.monotonic() + 60))
+
+        waiters = [threading.Thread(target=wait_for_reply) for _ in range(2)]
+        for thread in waiters:
+            thread.start()
+        for thread in waiters:
+            thread.join(60)
+    finally:
+        release.set()
+        engine.stop()
+    assert results == [True, True]
+    assert False in skipped, f"the leader skipped all {len(skipped)} naps beside the work item"
+    assert skipped.count(True) < 100, "the leader skipped its naps while another thread waited"

@@ -45,6 +45,7 @@ from collections.abc import Callable
 
 from mpidag._backoff import PURE_SPIN, Backoff
 from mpidag.transport.frames import Envelope
+from mpidag.transport.growth import PoolGrowth
 from mpidag.transport.naps import MainThreadCPU, Naps
 from mpidag.transport.sentinel import Sentinel
 
@@ -63,8 +64,6 @@ _in_work = _WorkFlag()
 #: after a long silence a leader's sleeps may grow to this many times ``max_sleep`` (see
 #: :data:`mpidag._backoff.LONG_IDLE_SHARE`)
 LONG_SLEEP_FACTOR = 10
-#: the most pool threads a rank starts when all of them wait for nested calls
-MAX_POOL_THREADS = 256
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -158,9 +157,8 @@ class ProgressEngine:
         #: the runtime binds its threads to itself there (several runtimes in one process)
         self.thread_started: Callable[[], None] | None = None
         #: the pool grows past ``num_threads`` only while every pool thread waits for a
-        #: nested call and a request is queued (see _grow_if_starved_locked), up to this
-        self.max_threads = max(MAX_POOL_THREADS, num_threads)
-        self._grown = self._at_max = False  # (each logged once)
+        #: nested call and a request is queued (see _grow_if_starved_locked)
+        self._growth = PoolGrowth(num_threads, name)
         sentinel = threading.Thread(target=self._sentinel.run, args=(self,),
                                     name=f"{name}-sentinel", daemon=True)
         #: the pool threads, then the sentinel; grows by pool threads (under the lock)
@@ -306,11 +304,14 @@ class ProgressEngine:
             log.exception("the leader's after-poll hook failed")
         return env
 
-    def _new_backoff(self) -> Backoff:
-        """The backoff of a leader's idle polls (see :mod:`mpidag._backoff`)."""
-        return Backoff(self._spin, self._min_sleep, self._max_sleep, self._nap,
+    def _new_backoff(self, user: bool = False) -> Backoff:
+        """The backoff of a leader's idle polls (see :mod:`mpidag._backoff`); ``user``: a
+        waiting user thread's, which naps even while other user threads wait (it leads for
+        them all and never hands over to them: skipping its naps for them made it spin at
+        a full core beside a computing work item)."""
+        nap = self._nap_as_user if user else self._nap
+        return Backoff(self._spin, self._min_sleep, self._max_sleep, nap,
                        self._max_sleep * LONG_SLEEP_FACTOR)
-
 
     def _computing(self) -> bool:
         """Whether some thread of this process may be computing (see :class:`Naps`)."""
@@ -322,6 +323,9 @@ class ProgressEngine:
 
     def _nap_skip(self) -> bool:
         return bool(self._waiters or self._stopping)
+
+    def _nap_as_user(self, seconds: float) -> None:
+        self._naps.nap(seconds, lambda: self._stopping)
 
     def parked(self) -> contextlib.AbstractContextManager[None]:
         """Mark this thread as waiting (not computing) while inside the block.
@@ -351,18 +355,11 @@ class ProgressEngine:
         """A waiting user thread leaves without leading (its condition came true first).
 
         A leader that saw it waiting handed it the leadership and parked, and the sentinel
-        may be parked too (it parks while the lead is held, and a waiter counts as holding
-        it): if the lead is vacant now, give it to another waiter, else to an idle pool
-        thread, else tell the sentinel. Without this nobody polled until one of the rank's
-        own threads waited again, and calls to it went unanswered."""
-        if self._leader_busy or self._stopping:
-            return
-        if self._waiters:
-            self._user_cv.notify()
-        elif self._idle:
-            self._pool_cv.notify()
-        else:
-            self._sentinel.note_vacancy_locked()
+        may be parked too (a waiter counts as holding the lead): a vacant lead goes to
+        another waiter, else an idle pool thread, else the sentinel is told. Without this
+        nobody polled until one of the rank's own threads waited again."""
+        if not (self._leader_busy or self._stopping):
+            self._vacate_locked(lazy=not self._idle)
 
     # ----------------------------------------------------- for the Sentinel
     def _leadership_held_locked(self) -> bool:
@@ -392,26 +389,11 @@ class ProgressEngine:
                 self._grow_if_starved_locked()
 
     def _grow_if_starved_locked(self) -> None:
-        """Start one more pool thread when a request is queued and every pool thread runs a
-        request that waits for a nested call: without it those calls could wait for each
-        other forever (e.g. chains of ``rpc_sync`` through every rank, from every rank at
-        once, need more threads than ``num_worker_threads``). Called under the lock."""
-        if (not self._work or self._idle or self._stopping
-                or self._blocked_work < self._running_work
-                or self._running_work < self.pool_size):
+        """Start one more pool thread if :class:`PoolGrowth` says so (under the lock)."""
+        if not self._growth.wanted(queued=len(self._work), idle=self._idle,
+                                   stopping=self._stopping, running=self._running_work,
+                                   blocked=self._blocked_work, pool_size=self.pool_size):
             return
-        if self.pool_size >= self.max_threads:
-            if not self._at_max:
-                self._at_max = True
-                log.error("%s: all %d pool threads wait for nested calls and requests are "
-                          "queued; no more threads will be started (a deadlock unless a call "
-                          "times out)", self._name, self.pool_size)
-            return
-        if not self._grown:
-            self._grown = True
-            log.warning("%s: all %d pool threads wait for nested calls while a request is "
-                        "queued; starting more threads (raise num_worker_threads to avoid "
-                        "this)", self._name, self.pool_size)
         thread = threading.Thread(target=self._pool_main,
                                   name=f"{self._name}-pool-{self.pool_size}", daemon=True)
         self._threads.insert(-1, thread)  # before the sentinel
@@ -518,7 +500,7 @@ class ProgressEngine:
                             continue
                         if now < spin_until:
                             continue
-                    backoff = self._new_backoff()
+                    backoff = self._new_backoff(user=True)
                 backoff.idle(computing)
                 continue
             spin_until = 0.0
