@@ -44,15 +44,17 @@ class PoolGrowth:
         if (not queued or idle or stopping or blocked < running or running < pool_size):
             return False
         if pool_size >= self.max_threads:
-            if not self._at_max:
-                self._at_max = True
-                log.error("%s: all %d pool threads wait for nested calls and requests are "
-                          "queued; no more threads will be started (a deadlock unless a call "
-                          "times out)", self._name, pool_size)
+            self._say_once("_at_max", logging.ERROR, "%s: all %d pool threads wait for nested "
+                           "calls and requests are queued; no more threads will be started "
+                           "(a deadlock unless a call times out)", pool_size)
             return False
-        if not self._grown:
-            self._grown = True
-            log.warning("%s: all %d pool threads wait for nested calls while a request is "
-                        "queued; starting more threads (raise num_worker_threads to avoid "
-                        "this)", self._name, pool_size)
+        self._say_once("_grown", logging.WARNING, "%s: all %d pool threads wait for nested "
+                       "calls while a request is queued; starting more threads (raise "
+                       "num_worker_threads to avoid this)", pool_size)
         return True
+
+    def _say_once(self, flag: str, level: int, message: str, pool_size: int) -> None:
+        """Log ``message`` the first time only (``flag`` names the attribute that remembers)."""
+        if not getattr(self, flag):
+            setattr(self, flag, True)
+            log.log(level, message, self._name, pool_size)

@@ -325,7 +325,10 @@ class ProgressEngine:
         return bool(self._waiters or self._stopping)
 
     def _nap_as_user(self, seconds: float) -> None:
-        self._naps.nap(seconds, lambda: self._stopping)
+        self._naps.nap(seconds, self._stopping_now)
+
+    def _stopping_now(self) -> bool:
+        return self._stopping
 
     def parked(self) -> contextlib.AbstractContextManager[None]:
         """Mark this thread as waiting (not computing) while inside the block.
