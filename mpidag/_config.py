@@ -21,6 +21,7 @@ variable                   field                  default    meaning
 ``MPIDAG_OPTIM_LOCKS``     ``optim_locks``        parameter  ``parameter`` or ``global``
 ``MPIDAG_FT``              ``ft``                 0          1: fault-tolerant (ULFM) session
 ``MPIDAG_INSPECT_DIR``     ``inspect_dir``        tmp dir    state files for mpidag.inspect
+``MPIDAG_COMPILED``        ``compiled``           1          0: the Python frame-0 path
 =========================  =====================  =========  ==================================
 
 The launcher's variables (:class:`LaunchConfig`): ``MPIDAG_MPIRUN`` (the ``mpirun`` to
@@ -110,6 +111,7 @@ _JOB_VARIABLES: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "optim_locks": ("MPIDAG_OPTIM_LOCKS", _choice(OPTIM_LOCK_MODES, "a lock mode")),
     "ft": ("MPIDAG_FT", _flag),
     "inspect_dir": ("MPIDAG_INSPECT_DIR", _text),
+    "compiled": ("MPIDAG_COMPILED", _flag),
 }
 
 _LAUNCH_VARIABLES: dict[str, tuple[str, Callable[[str, str], Any]]] = {
@@ -155,6 +157,8 @@ class Config:
     #: per-user directory under the system's temporary directory; a shared file system
     #: for jobs over several nodes)
     inspect_dir: str | None = None
+    #: MPIDAG_COMPILED: use the compiled frame-0 path when it is built (0: the Python one)
+    compiled: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:

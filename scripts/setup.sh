@@ -55,6 +55,13 @@ if command -v flock >/dev/null 2>&1; then
 fi
 pip_install -c "$CONSTRAINTS" -e ".[$extras]"
 if command -v flock >/dev/null 2>&1; then exec 9>&-; fi
+# the compiled frame-0 path, against this venv's MPI, into its site-packages (one per venv)
+if ! "$VENV/bin/python" -m mpidag.transport.wire_build; then
+  if [ "${CI:-}" = true ]; then
+    echo "setup.sh: CI must build mpidag's compiled frame-0 path (above)" >&2; exit 1
+  fi
+  echo "setup.sh: mpidag will run its Python frame-0 path (slower); see above" >&2
+fi
 rm -f "$log"
 if [ "$CONSTRAINTS" != constraints.txt ]; then rm -f "$CONSTRAINTS"; fi
 "$VENV/bin/python" -c "import torch, mpi4py, mpidag; from mpi4py import MPI; \

@@ -4,7 +4,8 @@
 #            .venv-torch2.14 (torch 2.14.1), Debian's Open MPI 4.1 and .venv-sysmpi (mpi4py
 #            built from source against it), Slurm's daemons for tests/test_slurm.py
 #   stages   lint; single-process tests (which also start their own multi-rank jobs); the
-#            multi-rank tests at 2 and 3 ranks on Open MPI 5, on MPICH 5 and on torch 2.14.1;
+#            multi-rank tests at 2 and 3 ranks on Open MPI 5, on MPICH 5 and on torch 2.14.1,
+#            and at 2 ranks on the Python frame-0 path (MPIDAG_COMPILED=0);
 #            the system-MPI build's demo and multi-rank tests at 2 ranks.
 # A failing stage does not stop the others: every stage runs, the summary at the end lists
 # each with its time, and the exit status is 1 if any failed. Set-up failures stop at once.
@@ -98,6 +99,9 @@ stage "ruff" .venv/bin/ruff check .
 stage "single-process tests" timeout --kill-after=30 1800 .venv/bin/python -m pytest -q \
   -p no:cacheprovider --durations=30 -n 2 --dist loadfile -m "not mpi" tests
 stage "multi-rank tests, 2 ranks, Open MPI 5 (wheel), torch 2.13" multi_rank .venv 2
+# the Python frame-0 path, which runs where the compiled one cannot be built (MPIDAG_COMPILED=0)
+stage "multi-rank tests, 2 ranks, Open MPI 5, Python frame-0 path" env MPIDAG_COMPILED=0 \
+  MPIDAG_TEST_ITERATIONS=1500 bash -c "$(declare -f multi_rank); multi_rank .venv 2"
 # test_many_iterations_leave_nothing_alive: its 10000 backward passes (30 s at 2 ranks, 85 s
 # at 3 on 2 cores) run once, above; 1500 in every other stage
 export MPIDAG_TEST_ITERATIONS=1500

@@ -102,6 +102,8 @@ MODULES = (
     "mpidag.transport.mpi",
     "mpidag.transport.naps",
     "mpidag.transport.progress",
+    "mpidag.transport.wire",
+    "mpidag.transport.wire_build",
 )
 
 #: modules (or packages: every module in them) with ``>>>`` examples that are not run here,

@@ -102,18 +102,20 @@ def test_config_reads_every_variable_and_names_bad_values():
                               "MPIDAG_BACKOFF_MAX": "2e-3", "MPIDAG_RECV_CACHE_MB": "3",
                               "MPIDAG_CUDA_AWARE": "1", "MPIDAG_OPTIM_LOCKS": "global",
                               "MPIDAG_ABORT_ON_ERROR": "0", "MPIDAG_POLL_SPIN_S": "0",
-                              "MPIDAG_SENTINEL_S": "5e-3", "MPIDAG_FT": "1"})
+                              "MPIDAG_SENTINEL_S": "5e-3", "MPIDAG_FT": "1",
+                              "MPIDAG_COMPILED": "0"})
     assert (config.log_level, config.gc_freeze, config.backoff_max) == ("info", False, 2e-3)
     assert (config.recv_cache_bytes, config.cuda_aware, config.optim_locks) == (3 << 20, True,
                                                                                "global")
     assert (config.abort_on_error, config.poll_spin, config.sentinel_interval) == (False, 0.0,
                                                                                   5e-3)
     assert config.ft and not Config().ft
+    assert not config.compiled and Config().compiled
     assert set(Config.variables().values()) == {
         "MPIDAG_LOG", "MPIDAG_GC_FREEZE", "MPIDAG_ABORT_ON_ERROR", "MPIDAG_BACKOFF_MAX",
         "MPIDAG_POLL_SPIN_S", "MPIDAG_SENTINEL_S", "MPIDAG_CUDA_AWARE",
         "MPIDAG_RECV_CACHE_MB", "MPIDAG_OPTIM_LOCKS", "MPIDAG_FT",
-        "MPIDAG_INSPECT_DIR"}
+        "MPIDAG_INSPECT_DIR", "MPIDAG_COMPILED"}
     for variable, value, words in [("MPIDAG_BACKOFF_MAX", "fast", "number of seconds"),
                                    ("MPIDAG_SENTINEL_S", "-1", "number of seconds"),
                                    ("MPIDAG_GC_FREEZE", "maybe", "switch"),

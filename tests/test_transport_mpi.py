@@ -1,6 +1,7 @@
 """The MPI transport on its own (no agent): sends never wait for a busy receiver; how MPI
 starts."""
 
+import os
 import re
 import time
 
@@ -10,13 +11,62 @@ import torch
 from mpidag.transport.frames import Envelope
 
 
+def wire_is_built() -> bool:
+    """Whether this environment has the compiled frame-0 path (CI: it must)."""
+    try:
+        import _mpidag_wire  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.mpi(min_size=1)
+def test_the_compiled_wire_sends_receives_and_keeps_large_frames_in_flight():
+    from mpi4py import MPI
+
+    from mpidag.transport.wire import open_wire, status
+
+    if os.environ.get("CI") == "true":  # set-up builds it in CI; a silent fallback is a bug
+        assert wire_is_built(), status()
+    if not wire_is_built():
+        pytest.skip("_mpidag_wire is not built here: " + status())
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        wire = open_wire(comm, tag=3, MPI=MPI)
+        assert wire is not None and status().startswith("compiled")
+        assert wire.probe() is None
+        wire.send(0, b"small")
+        big = bytes(range(256)) * 4096  # 1 MiB: above every eager limit, stays in flight
+        wire.send(0, big)
+        assert wire.in_flight >= 1  # (MPICH leaves even the small one in flight at first)
+        assert wire.probe() == (0, bytearray(b"small"))
+        src, frame = wire.probe()
+        assert src == 0 and frame == big
+        for _ in range(100_000):  # received, so the sends complete with some progress
+            if wire.complete_sends() == 0:
+                break
+        assert wire.in_flight == 0
+        with pytest.raises(MPI.Exception):  # MPI's own error, as mpi4py raises it
+            wire.send(5, b"to a rank that does not exist")
+        with pytest.raises(ValueError, match="no rank -1"):
+            wire.send(-1, b"x")
+        with pytest.raises(TypeError):
+            wire.send(0, "not bytes")
+        assert open_wire(comm, tag=3, MPI=MPI, compiled=False) is None
+        assert status() == "Python frame-0 path: MPIDAG_COMPILED=0"
+    finally:
+        comm.Free()
+
+
 @pytest.mark.mpi(min_size=2)
-def test_a_sender_does_not_wait_while_the_receiver_is_busy():
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_a_sender_does_not_wait_while_the_receiver_is_busy(compiled):
     from mpi4py import MPI
 
     from mpidag.transport.mpi import MPITransport
 
-    transport = MPITransport()
+    transport = MPITransport(compiled=compiled)
+    assert (transport.wire is not None) == (compiled and wire_is_built())
     rank = transport.rank
     # 24 KiB inline: above Open MPI's eager limit, so a blocking send waits for a receive
     tensor = torch.arange(6144, dtype=torch.float32)

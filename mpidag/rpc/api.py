@@ -188,7 +188,8 @@ def init_rpc(
                 problem = exc
         transport = MPITransport(self_communicator() if alone else None,
                                  cuda_aware=config.cuda_aware,
-                                 recv_cache_bytes=config.recv_cache_bytes, ft=config.ft)
+                                 recv_cache_bytes=config.recv_cache_bytes, ft=config.ft,
+                                 compiled=config.compiled)
         if problem is None:
             configure_logging(transport.rank, config.log_level)
         if problem is None and transport.size == 1 and not alone:

@@ -1,0 +1,287 @@
+/* _mpidag_wire: the MPI transport's frame-0 path in C (see mpidag/transport/wire.py).
+ *
+ * One Wire object per MPI transport owns, for its communicator:
+ *   probe()           the next frame 0 (MPI_Improbe on any source, MPI_Mrecv into a new
+ *                     bytearray), after completing the frame-0 sends that finished;
+ *   send(dst, frame)  MPI_Isend of a frame 0, left in flight (its buffer held) if the
+ *                     first MPI_Test does not complete it;
+ *   complete_sends()  tests the oldest sends in order and releases the finished ones.
+ * The GIL is released around every MPI call, as mpi4py does, so a thread polling here never
+ * holds up the serving threads, and a thread blocked inside MPI never holds the GIL.
+ * The table of sends in flight is touched only with the GIL held; probe() and
+ * complete_sends() are called by one thread at a time (the progress leader).
+ * An MPI error raises mpi4py's MPI.Exception(error code), which the transport handles as it
+ * handles mpi4py's own errors (a failed peer under ULFM).
+ *
+ * Built per virtual environment against the MPI that mpi4py uses, by
+ * `python -m mpidag.transport.wire_build` (scripts/setup.sh runs it).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <mpi.h>
+#include <stdint.h>
+
+typedef struct {
+    MPI_Request request;
+    Py_buffer view; /* the frame's bytes, held until the send completes */
+} InFlight;
+
+typedef struct {
+    PyObject_HEAD
+    MPI_Comm comm;
+    int tag;
+    PyObject *error_class; /* MPI.Exception */
+    InFlight *sends;       /* a ring of sends in flight */
+    Py_ssize_t head, count, capacity;
+} Wire;
+
+static PyObject *raise_mpi(Wire *self, int ierr)
+{
+    PyObject *exc = PyObject_CallFunction(self->error_class, "i", ierr);
+    if (exc != NULL) {
+        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+        Py_DECREF(exc);
+    }
+    return NULL;
+}
+
+static int Wire_init(Wire *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"comm_handle", "tag", "error_class", NULL};
+    PyObject *handle, *error_class;
+    int tag;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OiO", kwlist, &handle, &tag, &error_class))
+        return -1;
+    /* mpi4py's MPI._handleof(comm): a pointer (Open MPI) or an int (MPICH), as an unsigned
+     * 64-bit integer (MPICH's handles come sign-extended: 0xffffffff84000000) */
+    unsigned long long value = PyLong_AsUnsignedLongLongMask(handle);
+    if (value == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    self->comm = (MPI_Comm)(intptr_t)value;
+    self->tag = tag;
+    Py_INCREF(error_class);
+    Py_XSETREF(self->error_class, error_class);
+    return 0;
+}
+
+static void Wire_dealloc(Wire *self)
+{
+    /* sends still in flight keep their buffers: freeing memory MPI may still read is worse
+     * than a leak (the transport waits for them at a graceful close) */
+    PyMem_Free(self->sends);
+    Py_XDECREF(self->error_class);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Test the oldest sends in order and release the finished ones; -1 with an error set. */
+static int complete(Wire *self)
+{
+    while (self->count > 0) {
+        InFlight *oldest = &self->sends[self->head];
+        MPI_Request request = oldest->request;
+        int done = 0, ierr;
+        Py_BEGIN_ALLOW_THREADS
+        ierr = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+        Py_END_ALLOW_THREADS
+        oldest = &self->sends[self->head]; /* the ring may have grown meanwhile */
+        oldest->request = request;
+        if (ierr != MPI_SUCCESS) {
+            /* a send to a rank that failed: dropped, and the error reported */
+            PyBuffer_Release(&oldest->view);
+            self->head = (self->head + 1) % self->capacity;
+            self->count--;
+            raise_mpi(self, ierr);
+            return -1;
+        }
+        if (!done)
+            return 0;
+        PyBuffer_Release(&oldest->view);
+        self->head = (self->head + 1) % self->capacity;
+        self->count--;
+    }
+    return 0;
+}
+
+static int push(Wire *self, MPI_Request request, Py_buffer *view)
+{
+    if (self->count == self->capacity) {
+        Py_ssize_t capacity = self->capacity ? self->capacity * 2 : 16;
+        InFlight *ring = PyMem_Malloc(sizeof(InFlight) * capacity);
+        if (ring == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < self->count; i++)
+            ring[i] = self->sends[(self->head + i) % self->capacity];
+        PyMem_Free(self->sends);
+        self->sends = ring;
+        self->head = 0;
+        self->capacity = capacity;
+    }
+    InFlight *slot = &self->sends[(self->head + self->count) % self->capacity];
+    slot->request = request;
+    slot->view = *view;
+    self->count++;
+    return 0;
+}
+
+static PyObject *Wire_send(Wire *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "send(dst, frame) takes 2 arguments");
+        return NULL;
+    }
+    long dst = PyLong_AsLong(args[0]);
+    if (dst == -1 && PyErr_Occurred())
+        return NULL;
+    if (dst < 0 || dst > INT_MAX) {
+        PyErr_Format(PyExc_ValueError, "send(dst, frame): no rank %ld", dst);
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (view.len > INT_MAX) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_OverflowError, "a frame 0 is at most 2 GiB");
+        return NULL;
+    }
+    MPI_Request request;
+    int done = 0, ierr;
+    Py_BEGIN_ALLOW_THREADS
+    ierr = MPI_Isend(view.buf, (int)view.len, MPI_BYTE, (int)dst, self->tag, self->comm, &request);
+    if (ierr == MPI_SUCCESS)
+        ierr = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+    Py_END_ALLOW_THREADS
+    if (ierr != MPI_SUCCESS) {
+        PyBuffer_Release(&view);
+        return raise_mpi(self, ierr);
+    }
+    if (done) {
+        PyBuffer_Release(&view);
+    } else if (push(self, request, &view) < 0) {
+        PyBuffer_Release(&view); /* (out of memory; the request stays with MPI) */
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Wire_probe(Wire *self, PyObject *Py_UNUSED(ignored))
+{
+    if (self->count > 0 && complete(self) < 0)
+        return NULL;
+    int flag = 0, ierr, count = 0;
+    MPI_Message message;
+    MPI_Status status;
+    Py_BEGIN_ALLOW_THREADS
+    ierr = MPI_Improbe(MPI_ANY_SOURCE, self->tag, self->comm, &flag, &message, &status);
+    if (ierr == MPI_SUCCESS && flag)
+        ierr = MPI_Get_count(&status, MPI_BYTE, &count);
+    Py_END_ALLOW_THREADS
+    if (ierr != MPI_SUCCESS)
+        return raise_mpi(self, ierr);
+    if (!flag)
+        Py_RETURN_NONE;
+    int source = status.MPI_SOURCE;
+    PyObject *frame = PyByteArray_FromStringAndSize(NULL, count);
+    if (frame == NULL)
+        return NULL; /* (the message stays matched and unreceived: out of memory) */
+    char *buf = PyByteArray_AS_STRING(frame);
+    Py_BEGIN_ALLOW_THREADS
+    ierr = MPI_Mrecv(buf, count, MPI_BYTE, &message, MPI_STATUS_IGNORE);
+    Py_END_ALLOW_THREADS
+    if (ierr != MPI_SUCCESS) {
+        Py_DECREF(frame);
+        return raise_mpi(self, ierr);
+    }
+    PyObject *src = PyLong_FromLong(source);
+    if (src == NULL) {
+        Py_DECREF(frame);
+        return NULL;
+    }
+    PyObject *result = PyTuple_New(2);
+    if (result == NULL) {
+        Py_DECREF(src);
+        Py_DECREF(frame);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(result, 0, src);
+    PyTuple_SET_ITEM(result, 1, frame);
+    return result;
+}
+
+static PyObject *Wire_complete_sends(Wire *self, PyObject *Py_UNUSED(ignored))
+{
+    if (complete(self) < 0)
+        return NULL;
+    return PyLong_FromSsize_t(self->count);
+}
+
+static PyObject *Wire_in_flight(Wire *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSsize_t(self->count);
+}
+
+static PyObject *library_version(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
+{
+    char version[MPI_MAX_LIBRARY_VERSION_STRING];
+    int length = 0;
+    if (MPI_Get_library_version(version, &length) != MPI_SUCCESS) {
+        PyErr_SetString(PyExc_RuntimeError, "MPI_Get_library_version failed");
+        return NULL;
+    }
+    return PyUnicode_DecodeLatin1(version, length, "replace");
+}
+
+static PyMethodDef Wire_methods[] = {
+    {"send", (PyCFunction)(void (*)(void))Wire_send, METH_FASTCALL,
+     "send(dst, frame): start sending frame 0 to dst; it stays in flight if not done"},
+    {"probe", (PyCFunction)Wire_probe, METH_NOARGS,
+     "probe() -> (source, bytearray) | None: the next frame 0, received whole"},
+    {"complete_sends", (PyCFunction)Wire_complete_sends, METH_NOARGS,
+     "complete_sends() -> int: release the finished sends; how many are still in flight"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Wire_getset[] = {
+    {"in_flight", (getter)Wire_in_flight, NULL, "frame-0 sends not yet complete", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject WireType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "_mpidag_wire.Wire",
+    .tp_basicsize = sizeof(Wire),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Wire(comm_handle, tag, error_class): frame 0 to and from one communicator",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Wire_init,
+    .tp_dealloc = (destructor)Wire_dealloc,
+    .tp_methods = Wire_methods,
+    .tp_getset = Wire_getset,
+};
+
+static PyMethodDef module_methods[] = {
+    {"library_version", library_version, METH_NOARGS,
+     "the MPI library this module was linked against (MPI_Get_library_version)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef wire_module = {
+    PyModuleDef_HEAD_INIT, "_mpidag_wire",
+    "mpidag's frame-0 path over MPI, in C (see mpidag/transport/wire.py)", -1, module_methods,
+};
+
+PyMODINIT_FUNC PyInit__mpidag_wire(void)
+{
+    if (PyType_Ready(&WireType) < 0)
+        return NULL;
+    PyObject *module = PyModule_Create(&wire_module);
+    if (module == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(module, "Wire", (PyObject *)&WireType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

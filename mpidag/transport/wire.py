@@ -1,0 +1,73 @@
+"""The compiled frame-0 path of the MPI transport, and the rule for when it is used.
+
+``_mpidag_wire`` (``wire.c``, built per virtual environment by
+``python -m mpidag.transport.wire_build``, which ``scripts/setup.sh`` runs) does in C what
+:class:`~mpidag.transport.mpi.MPITransport` otherwise does through mpi4py for every
+message: ``MPI_Isend`` of frame 0 and its first ``MPI_Test`` (the frame kept alive while in
+flight), and ``MPI_Improbe`` + ``MPI_Get_count`` + ``MPI_Mrecv`` of the next frame 0 into a
+new ``bytearray``, each with the GIL released around the MPI call. It replaces the Python
+methods one for one (same arguments, same results, MPI errors raised as mpi4py's
+``MPI.Exception``), so everything above the transport is unchanged.
+
+:func:`open_wire` gives a ``Wire`` for a communicator, or ``None`` (the Python path) when
+``MPIDAG_COMPILED=0`` asks for it, when the module is not built, or when it was built
+against another MPI library than the one mpi4py loaded (a venv whose MPI changed since set
+up); :func:`status` says which and why, for logs and ``mpidag.inspect``.
+
+Example (needs MPI, so not run by the doctests)::
+
+    from mpi4py import MPI
+    wire = open_wire(MPI.COMM_SELF, tag=7, MPI=MPI)
+    wire.send(0, b"hello")              # to itself
+    wire.probe()                        # (0, bytearray(b'hello'))
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["open_wire", "status"]
+
+_status = "not asked for yet"
+
+
+def status() -> str:
+    """Which frame-0 path the last :func:`open_wire` chose, and why.
+
+    Example::
+
+        >>> isinstance(status(), str)
+        True
+    """
+    return _status
+
+
+def _load(MPI: Any) -> tuple[Any, str]:
+    try:
+        module = importlib.import_module("_mpidag_wire")
+    except ImportError as exc:
+        return None, (f"Python frame-0 path: the compiled one is not built ({exc}); build it "
+                      f"with 'python -m mpidag.transport.wire_build'")
+    ours = module.library_version().splitlines()[0].strip()
+    theirs = MPI.Get_library_version().splitlines()[0].strip()
+    if ours != theirs:
+        return None, (f"Python frame-0 path: {module.__file__} was built against {ours!r} but "
+                      f"mpi4py uses {theirs!r}; rebuild it with "
+                      f"'python -m mpidag.transport.wire_build'")
+    return module, f"compiled frame-0 path ({module.__file__})"
+
+
+def open_wire(comm: Any, tag: int, MPI: Any, compiled: bool = True) -> Any:
+    """A ``Wire`` sending and receiving frame 0 on ``tag`` of ``comm``, or ``None``.
+
+    ``compiled=False`` (``MPIDAG_COMPILED=0``) always gives ``None``.
+    """
+    global _status
+    if not compiled:
+        _status = "Python frame-0 path: MPIDAG_COMPILED=0"
+        return None
+    module, _status = _load(MPI)
+    if module is None:
+        return None
+    return module.Wire(MPI._handleof(comm), tag, MPI.Exception)
