@@ -1,6 +1,7 @@
 """Framing without MPI: encode/decode of headers, payloads and tensor tables."""
 
 import pickle
+import struct
 
 import numpy as np
 import pytest
@@ -12,6 +13,68 @@ from mpidag.transport.frames import Envelope
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
           torch.complex128, torch.bool, torch.int8, torch.uint8, torch.int16, torch.int32,
           torch.int64, torch.float8_e4m3fn]
+
+
+@pytest.fixture(autouse=True, params=["compiled", "python"])
+def codec(request):
+    """Every test runs on the C codec (``_mpidag_frames``, where built) and on Python's."""
+    if request.param == "compiled" and frames.compiled_codec() is None:
+        pytest.skip("_mpidag_frames is not built here (python -m mpidag.transport.wire_build)")
+    frames.use_compiled(request.param == "compiled")
+    yield request.param
+    frames.use_compiled(True)
+
+
+def messages():
+    """Envelopes that take every branch of the codecs."""
+    return [
+        Envelope(kind=3, request_id=7, flags=2, context_id=-5, message_id=2**62, payload=b"a"),
+        Envelope(kind=1, payload=b"x" * 100, tensors=[torch.ones(256)]),
+        Envelope(kind=1, payload=bytearray(b"y" * 10),
+                 tensors=[torch.arange(6.).reshape(2, 3), torch.zeros(0, 3),
+                          torch.ones(3, requires_grad=True), torch.ones(100_000),
+                          torch.ones(3, dtype=torch.int8), torch.ones(())]),
+        Envelope(kind=1, payload=memoryview(b"zz"), tensors=[torch.ones(2, 2).t()]),
+        Envelope(kind=1, payload=b"", tensors=[
+            torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,), check_invariants=True)]),
+        Envelope(kind=1, payload=b"p" * (frames.PAYLOAD_FRAME_LIMIT + 1)),
+        Envelope(kind=1, payload=b"q", tensors=[torch.ones(5)[1:], torch.ones(9)[::2]]),
+        Envelope(kind=1, payload=b"q", tensors=[torch.ones(3, dtype=torch.complex64).conj()]),
+        Envelope(kind=1, payload=b"r", tensors=[torch.ones(4)] * 40),  # past INLINE_LIMIT
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(messages())))
+def test_the_c_codec_writes_and_reads_the_very_bytes_of_the_python_one(codec, index):
+    if codec == "python":
+        pytest.skip("compares the two codecs (run under the compiled parameter)")
+    c = frames.compiled_codec()
+    env = messages()[index]
+    devices = ["cpu"] * len(env.tensors)
+    frame_py, separate_py = frames.encode_python(env, devices, 5)
+    frame_c, separate_c = c.encode(env, devices, 5)
+    assert bytes(frame_c) == bytes(frame_py)
+    assert [bytes(x) if isinstance(x, memoryview) else id(x) for x in separate_c] == \
+        [bytes(x) if isinstance(x, memoryview) else id(x) for x in separate_py]
+    env_py, header_py = frames.decode_header_python(bytearray(frame_py))
+    env_c, header_c = c.decode_header(bytearray(frame_py))
+    fields = ("kind", "request_id", "flags", "context_id", "message_id", "tensors", "src")
+    assert [getattr(env_c, f) for f in fields] == [getattr(env_py, f) for f in fields]
+    assert type(env_c.payload) is type(env_py.payload)
+    assert bytes(env_c.payload) == bytes(env_py.payload)
+    assert header_c == header_py
+
+
+def test_the_c_codec_refuses_what_python_refuses_with_the_same_errors(codec):
+    with pytest.raises(Exception, match="ubyte format") as info:
+        frames.encode(Envelope(kind=300), [], 0)
+    assert info.type.__name__ == "error"  # struct.error, from the Python encoder
+    with pytest.raises(ValueError, match="zip"):
+        frames.encode(Envelope(kind=1, tensors=[torch.ones(2)]), ["cpu", "cpu"], 1)
+    with pytest.raises(TypeError, match="cannot be sent over RPC"):
+        frames.encode(Envelope(kind=1, tensors=[torch.ones(2, 2).to_sparse_csr()]), ["cpu"], 1)
+    with pytest.raises((ValueError, struct.error)):
+        frames.decode_header(bytearray(b"short"))
 
 
 def sample(dtype, shape=(3, 5)):

@@ -709,8 +709,8 @@ def _tensor_bytes(tensor: torch.Tensor) -> bytes:
     return src.numpy().tobytes()
 
 
-def encode(env: Envelope, devices: list[str], data_tag: int
-           ) -> tuple[bytearray | bytes, list[torch.Tensor | memoryview]]:
+def encode_python(env: Envelope, devices: list[str], data_tag: int
+                  ) -> tuple[bytearray | bytes, list[torch.Tensor | memoryview]]:
     """Build frame 0 and the list of what follows as frames of their own, in order: the
     payload (a ``memoryview``) when it is larger than :data:`PAYLOAD_FRAME_LIMIT`, then the
     tensors that do not fit inline. ``devices[i]`` is where tensor ``i`` must land on the
@@ -780,7 +780,7 @@ class Header:
     sparse: list[SparseSpec] | None = None
 
 
-def decode_header(frame: bytearray | bytes) -> tuple[Envelope, Header | None]:
+def decode_header_python(frame: bytearray | bytes) -> tuple[Envelope, Header | None]:
     """Parse frame 0: returns the envelope (without tensors; without payload when that
     travels as its own frame) and the :class:`Header` that says what follows, or ``None``
     for a message that is all in frame 0 and has no tensor (most calls and replies)."""
@@ -831,3 +831,55 @@ def finish_tensor(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     if spec.requires_grad and (t.is_floating_point() or t.is_complex()):
         t.requires_grad_(True)
     return t
+
+
+# ---------------------------------------------------------------- the compiled codec
+#: what :func:`encode` and :func:`decode_header` are: the C codec ``_mpidag_frames``
+#: (``frames.c``, built per environment by ``python -m mpidag.transport.wire_build``) when it
+#: is built, else the Python functions above. The C functions give the same results and
+#: hand every message they do not cover (a payload frame, sparse or CUDA tensors, a new
+#: dtype or device) to the Python ones, which also raise the errors.
+encode = encode_python
+decode_header = decode_header_python
+_codec: Any = None
+
+
+def _load_codec() -> Any:
+    try:
+        import _mpidag_frames as codec  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    codec.configure(envelope=Envelope, header=Header, spec=TensorSpec, dtypes=DTYPES,
+                    dtype_codes=DTYPE_CODE, device_name=_device_name,
+                    device_codes=_device_codes, strided=_STRIDED, encode=encode_python,
+                    decode=decode_header_python, inline_limit=INLINE_LIMIT,
+                    payload_frame_limit=PAYLOAD_FRAME_LIMIT)
+    return codec
+
+
+def use_compiled(compiled: bool) -> bool:
+    """Make :func:`encode` and :func:`decode_header` the C codec (when built) or the Python
+    functions (``MPIDAG_COMPILED=0``: the MPI transport calls this); whether C is in use.
+
+    Example::
+
+        >>> import mpidag.transport.frames as f
+        >>> f.use_compiled(False), f.encode is f.encode_python
+        (False, True)
+        >>> f.use_compiled(True) == (f.compiled_codec() is not None)
+        True
+    """
+    global encode, decode_header
+    codec = _codec if compiled else None
+    encode = codec.encode if codec is not None else encode_python
+    decode_header = codec.decode_header if codec is not None else decode_header_python
+    return codec is not None
+
+
+def compiled_codec() -> Any:
+    """The C codec module, or ``None`` when it is not built."""
+    return _codec
+
+
+_codec = _load_codec()
+use_compiled(True)

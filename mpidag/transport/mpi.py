@@ -31,6 +31,7 @@ import torch
 
 from mpidag._backoff import Backoff
 from mpidag.errors import RPCError, WorkerFailedError
+from mpidag.transport import frames
 from mpidag.transport.base import CHUNK, FramedTransport
 from mpidag.transport.wire import open_wire
 
@@ -339,8 +340,10 @@ class MPITransport(FramedTransport):
         self._Isend = self.comm.Isend
         self._any_source = MPI.ANY_SOURCE  # -1 in Open MPI, -2 in MPICH
         self._improbe = self.comm.improbe
-        #: the compiled frame-0 path (:mod:`mpidag.transport.wire`), or ``None``
+        #: the compiled frame-0 path (:mod:`mpidag.transport.wire`), or ``None``; the frame-0
+        #: codec follows the same switch (``MPIDAG_COMPILED``)
         self.wire = open_wire(self.comm, HEADER_TAG, MPI, compiled)
+        frames.use_compiled(compiled)
         if self.wire is not None:
             if ft:  # a failed peer's error is noted, as on the Python path
                 self._send_frame0_unlocked = self._wire_send_ft

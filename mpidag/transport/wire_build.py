@@ -1,6 +1,7 @@
-"""Build ``_mpidag_wire`` (``wire.c``) for this virtual environment's MPI.
+"""Build mpidag's compiled modules for this virtual environment: ``_mpidag_wire``
+(``wire.c``, the MPI frame-0 path) and ``_mpidag_frames`` (``frames.c``, frame 0's codec).
 
-The module calls MPI directly, so it must be compiled against the very MPI library that
+``_mpidag_wire`` calls MPI directly, so it must be compiled against the very MPI library that
 mpi4py uses here (Open MPI's and MPICH's handles and status layouts differ): the wheel's or
 the system's ``mpicc``, and it goes into this interpreter's ``site-packages``, one build per
 virtual environment (an editable checkout shared by several environments keeps none).
@@ -12,8 +13,10 @@ virtual environment (an editable checkout shared by several environments keeps n
 The compiler is ``$MPICC``, else the environment's own ``bin/mpicc`` (the Open MPI and
 MPICH wheels ship one), else ``mpicc`` on ``PATH`` (a system MPI). After building, a fresh
 interpreter loads the module and compares its ``MPI_Get_library_version`` with mpi4py's; a
-build that does not match is removed. Exit status 1 with the reason when no build is
-possible; mpidag then runs its Python frame-0 path (``mpidag.transport.wire``).
+build that does not match is removed. ``_mpidag_frames`` needs no MPI: ``$CC``, else ``cc``
+or ``gcc`` on ``PATH``, else the MPI wrapper. Exit status 1 with the reason when a module
+cannot be built; mpidag then runs the Python code it replaces (``mpidag.transport.wire``,
+``mpidag.transport.frames``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from pathlib import Path
 
 MODULE = "_mpidag_wire"
 SOURCE = Path(__file__).with_name("wire.c")
+CODEC = "_mpidag_frames"
+CODEC_SOURCE = Path(__file__).with_name("frames.c")
 
 _CHECK = """
 import sys
@@ -37,14 +42,35 @@ ours = _mpidag_wire.library_version().splitlines()[0].strip()
 theirs = MPI.Get_library_version().splitlines()[0].strip()
 if ours != theirs:
     sys.exit(f"built against {ours!r} but mpi4py uses {theirs!r}")
-print(_mpidag_wire.__file__)
+import _mpidag_frames
+import mpidag.transport.frames as frames
+assert frames.compiled_codec() is not None, "frames.py did not take _mpidag_frames"
+print(_mpidag_wire.__file__, _mpidag_frames.__file__)
 """
 
 
-def target() -> Path:
-    """Where the built module goes: this interpreter's ``site-packages``."""
+def target(module: str = MODULE) -> Path:
+    """Where a built module goes: this interpreter's ``site-packages``."""
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
-    return Path(sysconfig.get_paths()["platlib"]) / (MODULE + suffix)
+    return Path(sysconfig.get_paths()["platlib"]) / (module + suffix)
+
+
+def find_cc(environ: os._Environ | dict | None = None) -> str | None:
+    """A C compiler for the MPI-free codec: ``$CC``, ``cc``, ``gcc``, else the MPI wrapper.
+
+    Example::
+
+        >>> find_cc({"CC": "/usr/bin/clang"})
+        '/usr/bin/clang'
+    """
+    env = os.environ if environ is None else environ
+    if env.get("CC"):
+        return env["CC"]
+    for name in ("cc", "gcc"):
+        found = shutil.which(name, path=env.get("PATH"))
+        if found:
+            return found
+    return find_mpicc(env)
 
 
 def find_mpicc(environ: os._Environ | dict | None = None) -> str | None:
@@ -72,29 +98,39 @@ def check() -> tuple[bool, str]:
     return result.returncode == 0, text[-1] if text else f"exit status {result.returncode}"
 
 
-def build() -> tuple[bool, str]:
-    """Compile, install into ``site-packages`` and check; ``(ok, what happened)``."""
-    mpicc = find_mpicc()
-    if mpicc is None:
-        return False, ("no MPI C compiler wrapper found (set MPICC, or put an MPI's mpicc on "
-                       "PATH, e.g. 'module load openmpi' or Debian's libopenmpi-dev)")
-    out = target()
+def compile_module(compiler: str, source: Path, out: Path) -> str | None:
+    """Compile one module into ``out``; ``None``, or what went wrong."""
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")
-    command = [mpicc, "-O2", "-shared", "-fPIC", "-Wall", "-Werror",
-               f"-I{sysconfig.get_paths()['include']}", str(SOURCE), "-o", str(partial)]
+    command = [compiler, "-O2", "-shared", "-fPIC", "-Wall", "-Werror",
+               f"-I{sysconfig.get_paths()['include']}", str(source), "-o", str(partial)]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     except OSError as exc:
-        return False, f"{mpicc} could not run: {exc}"
+        return f"{compiler} could not run: {exc}"
     if result.returncode != 0:
-        return False, f"{' '.join(command)} failed:\n{result.stdout}{result.stderr}"
+        return f"{' '.join(command)} failed:\n{result.stdout}{result.stderr}"
     partial.replace(out)
+    return None
+
+
+def build() -> tuple[bool, str]:
+    """Compile both modules, install them into ``site-packages`` and check them;
+    ``(ok, what happened)``."""
+    mpicc, cc = find_mpicc(), find_cc()
+    if mpicc is None or cc is None:
+        return False, ("no MPI C compiler wrapper found (set MPICC, or put an MPI's mpicc on "
+                       "PATH, e.g. 'module load openmpi' or Debian's libopenmpi-dev)")
+    for compiler, source, module in ((mpicc, SOURCE, MODULE), (cc, CODEC_SOURCE, CODEC)):
+        failure = compile_module(compiler, source, target(module))
+        if failure is not None:
+            return False, failure
     ok, said = check()
     if not ok:
-        out.unlink(missing_ok=True)
-        return False, f"the built module does not load or match mpi4py's MPI: {said}"
-    return True, f"built {out} with {mpicc}"
+        for module in (MODULE, CODEC):
+            target(module).unlink(missing_ok=True)
+        return False, f"the built modules do not load or match mpi4py's MPI: {said}"
+    return True, f"built {target(MODULE)} with {mpicc} and {target(CODEC)} with {cc}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,590 @@
+/* _mpidag_frames: frame 0's encoder and decoder in C (see mpidag/transport/frames.py).
+ *
+ * encode(env, devices, data_tag) and decode_header(frame) give exactly what the Python
+ * functions of frames.py give, for the messages that make up the hot path: a payload inside
+ * frame 0 and dense CPU tensors (inline, empty or in frames of their own). Anything else (a
+ * payload frame, sparse COO tensors, a CUDA or non-contiguous tensor to inline, a dtype or
+ * device not seen before) is handed to the Python function, which also raises the errors.
+ * The envelope, header and spec objects are the Python classes of frames.py, filled through
+ * their slots (no __init__ call). No MPI and no torch headers: tensors are read through
+ * their Python attributes. configure() (frames.py calls it at import) hands over the
+ * classes, the dtype table, the device tables and the Python fallbacks.
+ *
+ * Built per virtual environment by `python -m mpidag.transport.wire_build`.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define HEADER_SIZE 49 /* struct "<BBBHIqqqQII" */
+#define SPEC_FIXED 22  /* struct "<BBBBhqq", then ndim int64 */
+#define ALIGN 16
+#define WIRE_PAYLOAD_FRAME 1
+#define WIRE_SPARSE 2
+#define REQUIRES_GRAD 1
+#define MAX_INLINE_TENSORS 64
+
+static struct {
+    int ready;
+    PyObject *envelope, *header, *spec;            /* the dataclasses */
+    PyObject *env_slots[8];                       /* Envelope's slot descriptors */
+    PyObject *header_slots[6], *spec_slots[6];
+    PyObject *dtypes;                              /* list: wire code -> torch.dtype */
+    PyObject *dtype_codes;                         /* dict: torch.dtype -> wire code */
+    PyObject *device_name;                         /* (type, index) -> "cuda:1" */
+    PyObject *device_codes;                        /* dict: "cpu" -> (0, -1) */
+    PyObject *strided;                             /* torch.strided */
+    PyObject *encode_py, *decode_py;               /* the Python functions */
+    PyObject *cpu;                                 /* "cpu" */
+    Py_ssize_t inline_limit, payload_frame_limit;
+    /* attribute names */
+    PyObject *s_tensors, *s_payload, *s_kind, *s_flags, *s_request_id, *s_context_id,
+        *s_message_id, *s_layout, *s_nbytes, *s_dtype, *s_is_cpu, *s_shape,
+        *s_requires_grad, *s_is_contiguous, *s_is_conj, *s_is_neg, *s_data_ptr;
+} S;
+
+static const char *ENV_FIELDS[8] = {"kind", "request_id", "flags", "context_id",
+                                    "message_id", "payload", "tensors", "src"};
+static const char *HEADER_FIELDS[6] = {"data_tag", "specs", "inline_start",
+                                       "payload_length", "payload_separate", "sparse"};
+static const char *SPEC_FIELDS[6] = {"dtype", "shape", "device", "requires_grad",
+                                     "inline_offset", "nbytes"};
+
+static Py_ssize_t align16(Py_ssize_t n) { return (n + ALIGN - 1) & ~(Py_ssize_t)(ALIGN - 1); }
+
+/* ------------------------------------------------------------------ little endian */
+static void put_u16(char *p, uint16_t v) { memcpy(p, &v, 2); }
+static void put_u32(char *p, uint32_t v) { memcpy(p, &v, 4); }
+static void put_i64(char *p, int64_t v) { memcpy(p, &v, 8); }
+static uint16_t get_u16(const char *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static uint32_t get_u32(const char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static int64_t get_i64(const char *p) { int64_t v; memcpy(&v, p, 8); return v; }
+
+/* ------------------------------------------------------------------ slots */
+static int set_slots(PyObject *obj, PyObject **descrs, PyObject **values, int n)
+{
+    /* steals the references of values[]; on failure they are released */
+    int rc = 0;
+    for (int i = 0; i < n; i++) {
+        if (rc == 0 && Py_TYPE(descrs[i])->tp_descr_set(descrs[i], obj, values[i]) < 0)
+            rc = -1;
+        Py_DECREF(values[i]);
+    }
+    return rc;
+}
+
+static PyObject *new_instance(PyObject *cls)
+{
+    PyTypeObject *type = (PyTypeObject *)cls;
+    return type->tp_alloc(type, 0);
+}
+
+/* ------------------------------------------------------------------ configure */
+static PyObject *slot_descr(PyObject *cls, const char *name)
+{
+    PyObject *descr = PyObject_GetAttrString(cls, name);
+    if (descr != NULL && Py_TYPE(descr)->tp_descr_set == NULL) {
+        PyErr_Format(PyExc_TypeError, "%R.%s is not a slot", cls, name);
+        Py_CLEAR(descr);
+    }
+    return descr;
+}
+
+static PyObject *configure(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"envelope", "header", "spec", "dtypes", "dtype_codes",
+                             "device_name", "device_codes", "strided", "encode", "decode",
+                             "inline_limit", "payload_frame_limit", NULL};
+    PyObject *o[10];
+    Py_ssize_t inline_limit, payload_frame_limit;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!O!O!OO!OOOnn", kwlist,
+                                     &PyType_Type, &o[0], &PyType_Type, &o[1],
+                                     &PyType_Type, &o[2], &PyList_Type, &o[3],
+                                     &PyDict_Type, &o[4], &o[5], &PyDict_Type, &o[6],
+                                     &o[7], &o[8], &o[9], &inline_limit,
+                                     &payload_frame_limit))
+        return NULL;
+    for (int i = 0; i < 8; i++)
+        if ((S.env_slots[i] = slot_descr(o[0], ENV_FIELDS[i])) == NULL)
+            return NULL;
+    for (int i = 0; i < 6; i++) {
+        if ((S.header_slots[i] = slot_descr(o[1], HEADER_FIELDS[i])) == NULL)
+            return NULL;
+        if ((S.spec_slots[i] = slot_descr(o[2], SPEC_FIELDS[i])) == NULL)
+            return NULL;
+    }
+    PyObject **dst[10] = {&S.envelope, &S.header, &S.spec, &S.dtypes, &S.dtype_codes,
+                          &S.device_name, &S.device_codes, &S.strided, &S.encode_py,
+                          &S.decode_py};
+    for (int i = 0; i < 10; i++)
+        Py_XSETREF(*dst[i], Py_NewRef(o[i]));
+    S.inline_limit = inline_limit;
+    S.payload_frame_limit = payload_frame_limit;
+#define NAME(field, text) if ((S.field = PyUnicode_InternFromString(text)) == NULL) return NULL
+    NAME(s_tensors, "tensors"); NAME(s_payload, "payload"); NAME(s_kind, "kind");
+    NAME(s_flags, "flags"); NAME(s_request_id, "request_id");
+    NAME(s_context_id, "context_id"); NAME(s_message_id, "message_id");
+    NAME(s_layout, "layout"); NAME(s_nbytes, "nbytes"); NAME(s_dtype, "dtype");
+    NAME(s_is_cpu, "is_cpu"); NAME(s_shape, "shape"); NAME(s_requires_grad, "requires_grad");
+    NAME(s_is_contiguous, "is_contiguous"); NAME(s_is_conj, "is_conj");
+    NAME(s_is_neg, "is_neg"); NAME(s_data_ptr, "data_ptr"); NAME(cpu, "cpu");
+#undef NAME
+    S.ready = 1;
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ encode */
+static int64_t attr_i64(PyObject *obj, PyObject *name, int *ok)
+{
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL) {
+        *ok = 0;
+        return 0;
+    }
+    long long v = PyLong_AsLongLong(value);
+    Py_DECREF(value);
+    if (v == -1 && PyErr_Occurred())
+        *ok = 0;
+    return v;
+}
+
+/* 1: true, 0: false, -1: error */
+static int attr_true(PyObject *obj, PyObject *name, int call)
+{
+    PyObject *value = call ? PyObject_CallMethodNoArgs(obj, name) : PyObject_GetAttr(obj, name);
+    if (value == NULL)
+        return -1;
+    int truth = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return truth;
+}
+
+typedef struct {
+    PyObject *tensor; /* borrowed (the env's list holds it) */
+    int code, ndim, flags, dev_type, dev_index;
+    int64_t offset, nbytes;
+    PyObject *shape;    /* new reference */
+    const void *data;   /* inline: where its bytes are */
+} Part;
+
+#define FALLBACK 1 /* hand the message to the Python encoder */
+
+/* Fill ``part`` for tensor ``t`` landing on ``device``; 0, FALLBACK or -1 (error). */
+static int describe(PyObject *t, PyObject *device, Part *part)
+{
+    PyObject *layout = PyObject_GetAttr(t, S.s_layout);
+    if (layout == NULL)
+        return -1;
+    Py_DECREF(layout); /* (torch.strided lives on in torch) */
+    if (layout != S.strided)
+        return FALLBACK;
+    int cpu = attr_true(t, S.s_is_cpu, 0);
+    if (cpu <= 0)
+        return cpu < 0 ? -1 : FALLBACK;
+    PyObject *dtype = PyObject_GetAttr(t, S.s_dtype);
+    if (dtype == NULL)
+        return -1;
+    PyObject *code = PyDict_GetItemWithError(S.dtype_codes, dtype);
+    Py_DECREF(dtype);
+    if (code == NULL)
+        return PyErr_Occurred() ? -1 : FALLBACK;
+    PyObject *dev = PyDict_GetItemWithError(S.device_codes, device);
+    if (dev == NULL)
+        return PyErr_Occurred() ? -1 : FALLBACK;
+    if (!PyTuple_Check(dev) || PyTuple_GET_SIZE(dev) != 2)
+        return FALLBACK;
+    part->tensor = t;
+    part->code = (int)PyLong_AsLong(code);
+    part->dev_type = (int)PyLong_AsLong(PyTuple_GET_ITEM(dev, 0));
+    part->dev_index = (int)PyLong_AsLong(PyTuple_GET_ITEM(dev, 1));
+    if (PyErr_Occurred())
+        return -1;
+    int grad = attr_true(t, S.s_requires_grad, 0);
+    if (grad < 0)
+        return -1;
+    part->flags = grad ? REQUIRES_GRAD : 0;
+    int ok = 1;
+    part->nbytes = attr_i64(t, S.s_nbytes, &ok);
+    if (!ok)
+        return -1;
+    PyObject *shape = PyObject_GetAttr(t, S.s_shape);
+    if (shape == NULL)
+        return -1;
+    if (!PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) > 255) {
+        Py_DECREF(shape);
+        return FALLBACK;
+    }
+    part->shape = shape;
+    part->ndim = (int)PyTuple_GET_SIZE(shape);
+    part->data = NULL;
+    return 0;
+}
+
+/* Whether a CPU tensor's memory can be copied as it is (contiguous, not conj or neg). */
+static int plain_memory(PyObject *t)
+{
+    int r = attr_true(t, S.s_is_contiguous, 1);
+    if (r <= 0)
+        return r;
+    if ((r = attr_true(t, S.s_is_conj, 1)) != 0)
+        return r < 0 ? -1 : 0;
+    if ((r = attr_true(t, S.s_is_neg, 1)) != 0)
+        return r < 0 ? -1 : 0;
+    return 1;
+}
+
+static void put_header(char *p, int kind, int flags, int wire, int n_tensors,
+                       uint32_t data_tag, int64_t request_id, int64_t context_id,
+                       int64_t message_id, uint64_t payload_len, uint32_t specs_len,
+                       uint32_t inline_len)
+{
+    p[0] = (char)kind;
+    p[1] = (char)flags;
+    p[2] = (char)wire;
+    put_u16(p + 3, (uint16_t)n_tensors);
+    put_u32(p + 5, data_tag);
+    put_i64(p + 9, request_id);
+    put_i64(p + 17, context_id);
+    put_i64(p + 25, message_id);
+    put_i64(p + 33, (int64_t)payload_len);
+    put_u32(p + 41, specs_len);
+    put_u32(p + 45, inline_len);
+}
+
+static PyObject *fallback_encode(PyObject *env, PyObject *devices, PyObject *tag)
+{
+    return PyObject_CallFunctionObjArgs(S.encode_py, env, devices, tag, NULL);
+}
+
+static PyObject *encode(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
+                        PyObject *kwnames)
+{
+    /* encode(env, devices, data_tag), any of them by keyword, as the Python function */
+    static const char *names[3] = {"env", "devices", "data_tag"};
+    PyObject *given[3] = {NULL, NULL, NULL};
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t i = 0; i < nargs && i < 3; i++)
+        given[i] = args[i];
+    for (Py_ssize_t k = 0; k < nkw; k++) {
+        int found = 0;
+        for (int i = 0; i < 3; i++) {
+            if (PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, k), names[i]) == 0
+                    && given[i] == NULL) {
+                given[i] = args[nargs + k];
+                found = 1;
+            }
+        }
+        if (!found)
+            nargs = 99;
+    }
+    if (nargs > 3 || given[0] == NULL || given[1] == NULL || given[2] == NULL) {
+        PyErr_SetString(PyExc_TypeError, "encode(env, devices, data_tag) takes 3 arguments");
+        return NULL;
+    }
+    PyObject *env = given[0], *devices = given[1], *tag = given[2];
+    long data_tag = PyLong_AsLong(tag);
+    if (data_tag == -1 && PyErr_Occurred())
+        return NULL;
+    int ok = 1;
+    int kind = (int)attr_i64(env, S.s_kind, &ok);
+    int flags = (int)attr_i64(env, S.s_flags, &ok);
+    int64_t request_id = attr_i64(env, S.s_request_id, &ok);
+    int64_t context_id = attr_i64(env, S.s_context_id, &ok);
+    int64_t message_id = attr_i64(env, S.s_message_id, &ok);
+    if (!ok)
+        return NULL;
+    if (kind < 0 || kind > 255 || flags < 0 || flags > 255 || data_tag < 0)
+        return fallback_encode(env, devices, tag); /* (struct's error, from Python) */
+    PyObject *payload = PyObject_GetAttr(env, S.s_payload);
+    if (payload == NULL)
+        return NULL;
+    PyObject *tensors = PyObject_GetAttr(env, S.s_tensors);
+    if (tensors == NULL) {
+        Py_DECREF(payload);
+        return NULL;
+    }
+    PyObject *result = NULL, *frame = NULL, *separate = NULL;
+    Py_buffer pay = {0};
+    Part parts[MAX_INLINE_TENSORS];
+    Py_ssize_t n = 0, n_parts = 0;
+    if (PyObject_GetBuffer(payload, &pay, PyBUF_SIMPLE) < 0)
+        goto done;
+    if (!PyList_Check(tensors) || !PyList_Check(devices) || pay.len > S.payload_frame_limit)
+        goto fall_back;
+    n = PyList_GET_SIZE(tensors);
+    if (n > MAX_INLINE_TENSORS || PyList_GET_SIZE(devices) != n)
+        goto fall_back;
+    /* specs, and where each tensor's bytes go */
+    Py_ssize_t specs_len = 0, inline_total = 0;
+    for (; n_parts < n; n_parts++) {
+        Part *part = &parts[n_parts];
+        int rc = describe(PyList_GET_ITEM(tensors, n_parts), PyList_GET_ITEM(devices, n_parts),
+                          part);
+        if (rc < 0)
+            goto done;
+        if (rc == FALLBACK)
+            goto fall_back;
+        specs_len += SPEC_FIXED + 8 * part->ndim;
+        if (part->nbytes == 0) {
+            part->offset = 0;
+        } else if (inline_total + part->nbytes <= S.inline_limit) {
+            int plain = plain_memory(part->tensor);
+            if (plain < 0) {
+                n_parts++;
+                goto done;
+            }
+            if (!plain) {
+                n_parts++;
+                goto fall_back;
+            }
+            PyObject *ptr = PyObject_CallMethodNoArgs(part->tensor, S.s_data_ptr);
+            if (ptr == NULL) {
+                n_parts++;
+                goto done;
+            }
+            part->data = PyLong_AsVoidPtr(ptr);
+            Py_DECREF(ptr);
+            if (PyErr_Occurred()) {
+                n_parts++;
+                goto done;
+            }
+            part->offset = inline_total;
+            inline_total += align16(part->nbytes);
+        } else {
+            part->offset = -1;
+        }
+    }
+    Py_ssize_t head_len = HEADER_SIZE + pay.len + specs_len;
+    Py_ssize_t total = (n ? align16(head_len) : head_len) + inline_total;
+    frame = PyBytes_FromStringAndSize(NULL, total);
+    separate = PyList_New(0);
+    if (frame == NULL || separate == NULL)
+        goto done;
+    char *p = PyBytes_AS_STRING(frame);
+    put_header(p, kind, flags, 0, (int)n, (uint32_t)data_tag, request_id, context_id,
+               message_id, (uint64_t)pay.len, (uint32_t)specs_len, (uint32_t)inline_total);
+    memcpy(p + HEADER_SIZE, pay.buf, pay.len);
+    char *q = p + HEADER_SIZE + pay.len;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Part *part = &parts[i];
+        q[0] = (char)part->code;
+        q[1] = (char)part->ndim;
+        q[2] = (char)part->flags;
+        q[3] = (char)part->dev_type;
+        int16_t index = (int16_t)part->dev_index;
+        memcpy(q + 4, &index, 2);
+        put_i64(q + 6, part->offset);
+        put_i64(q + 14, part->nbytes);
+        for (int d = 0; d < part->ndim; d++) {
+            long long size = PyLong_AsLongLong(PyTuple_GET_ITEM(part->shape, d));
+            if (size == -1 && PyErr_Occurred())
+                goto done;
+            put_i64(q + SPEC_FIXED + 8 * d, size);
+        }
+        q += SPEC_FIXED + 8 * part->ndim;
+        if (part->offset < 0 && part->nbytes > 0 &&
+            PyList_Append(separate, part->tensor) < 0)
+            goto done;
+    }
+    if (n) {
+        memset(q, 0, align16(head_len) - head_len);
+        char *inline_base = p + align16(head_len);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Part *part = &parts[i];
+            if (part->data == NULL)
+                continue;
+            memcpy(inline_base + part->offset, part->data, part->nbytes);
+            memset(inline_base + part->offset + part->nbytes, 0,
+                   align16(part->nbytes) - part->nbytes);
+        }
+    }
+    result = PyTuple_Pack(2, frame, separate);
+    goto done;
+fall_back:
+    result = fallback_encode(env, devices, tag);
+done:
+    for (Py_ssize_t i = 0; i < n_parts && i < n; i++)
+        Py_CLEAR(parts[i].shape);
+    Py_XDECREF(frame);
+    Py_XDECREF(separate);
+    if (pay.obj != NULL)
+        PyBuffer_Release(&pay);
+    Py_DECREF(payload);
+    Py_DECREF(tensors);
+    return result;
+}
+
+/* ------------------------------------------------------------------ decode */
+static PyObject *device_name(int dev_type, int dev_index)
+{
+    if (dev_type == 0 && dev_index == -1)
+        return Py_NewRef(S.cpu);
+    return PyObject_CallFunction(S.device_name, "ii", dev_type, dev_index);
+}
+
+static PyObject *bad_frame(const char *what)
+{
+    PyErr_Format(PyExc_ValueError, "a malformed frame 0: %s", what);
+    return NULL;
+}
+
+static PyObject *decode_header(PyObject *Py_UNUSED(module), PyObject *frame)
+{
+    Py_buffer buf;
+    if (PyObject_GetBuffer(frame, &buf, PyBUF_SIMPLE) < 0)
+        return NULL;
+    const char *p = buf.buf;
+    Py_ssize_t len = buf.len;
+    PyObject *result = NULL, *view = NULL, *payload = NULL, *env = NULL, *specs = NULL;
+    if (len < HEADER_SIZE) {
+        bad_frame("shorter than its header");
+        goto done;
+    }
+    int wire = (unsigned char)p[2];
+    int n_tensors = get_u16(p + 3);
+    if (wire & (WIRE_PAYLOAD_FRAME | WIRE_SPARSE)) {
+        result = PyObject_CallOneArg(S.decode_py, frame);
+        goto done;
+    }
+    uint32_t data_tag = get_u32(p + 5);
+    int64_t payload_len = get_i64(p + 33);
+    uint32_t specs_len = get_u32(p + 41);
+    if (payload_len < 0 || HEADER_SIZE + payload_len + (Py_ssize_t)specs_len > len) {
+        bad_frame("its parts are longer than the frame");
+        goto done;
+    }
+    view = PyMemoryView_FromObject(frame);
+    if (view == NULL)
+        goto done;
+    payload = PySequence_GetSlice(view, HEADER_SIZE, HEADER_SIZE + payload_len);
+    if (payload == NULL)
+        goto done;
+    env = new_instance(S.envelope);
+    if (env == NULL)
+        goto done;
+    PyObject *tensor_list = PyList_New(0);
+    PyObject *values[8] = {
+        PyLong_FromLong((unsigned char)p[0]), PyLong_FromLongLong(get_i64(p + 9)),
+        PyLong_FromLong((unsigned char)p[1]), PyLong_FromLongLong(get_i64(p + 17)),
+        PyLong_FromLongLong(get_i64(p + 25)), Py_NewRef(payload), tensor_list,
+        PyLong_FromLong(-1)};
+    for (int i = 0; i < 8; i++) {
+        if (values[i] == NULL) {
+            for (int j = 0; j < 8; j++)
+                Py_XDECREF(values[j]);
+            goto done;
+        }
+    }
+    if (set_slots(env, S.env_slots, values, 8) < 0)
+        goto done;
+    if (n_tensors == 0) {
+        result = PyTuple_Pack(2, env, Py_None);
+        goto done;
+    }
+    specs = PyList_New(n_tensors);
+    if (specs == NULL)
+        goto done;
+    Py_ssize_t pos = HEADER_SIZE + payload_len, end = pos + specs_len;
+    Py_ssize_t dtype_count = PyList_GET_SIZE(S.dtypes);
+    for (int i = 0; i < n_tensors; i++) {
+        if (pos + SPEC_FIXED > end) {
+            bad_frame("fewer tensor specs than tensors");
+            goto done;
+        }
+        const char *q = p + pos;
+        int code = (unsigned char)q[0], ndim = (unsigned char)q[1], sflags = (unsigned char)q[2];
+        int dev_type = (unsigned char)q[3];
+        int16_t dev_index;
+        memcpy(&dev_index, q + 4, 2);
+        if (code >= dtype_count || pos + SPEC_FIXED + 8 * ndim > end) {
+            bad_frame("a tensor spec out of range");
+            goto done;
+        }
+        PyObject *shape = PyTuple_New(ndim);
+        if (shape == NULL)
+            goto done;
+        for (int d = 0; d < ndim; d++) {
+            PyObject *size = PyLong_FromLongLong(get_i64(q + SPEC_FIXED + 8 * d));
+            if (size == NULL) {
+                Py_DECREF(shape);
+                goto done;
+            }
+            PyTuple_SET_ITEM(shape, d, size);
+        }
+        PyObject *spec = new_instance(S.spec);
+        if (spec == NULL) {
+            Py_DECREF(shape);
+            goto done;
+        }
+        PyList_SET_ITEM(specs, i, spec);
+        PyObject *sv[6] = {Py_NewRef(PyList_GET_ITEM(S.dtypes, code)), shape,
+                           device_name(dev_type, dev_index),
+                           PyBool_FromLong(sflags & REQUIRES_GRAD),
+                           PyLong_FromLongLong(get_i64(q + 6)),
+                           PyLong_FromLongLong(get_i64(q + 14))};
+        for (int j = 0; j < 6; j++) {
+            if (sv[j] == NULL) {
+                for (int k = 0; k < 6; k++)
+                    Py_XDECREF(sv[k]);
+                goto done;
+            }
+        }
+        if (set_slots(spec, S.spec_slots, sv, 6) < 0)
+            goto done;
+        pos += SPEC_FIXED + 8 * ndim;
+    }
+    PyObject *header = new_instance(S.header);
+    if (header == NULL)
+        goto done;
+    PyObject *hv[6] = {PyLong_FromUnsignedLong(data_tag), Py_NewRef(specs),
+                       PyLong_FromSsize_t(align16(end)), PyLong_FromLongLong(payload_len),
+                       Py_NewRef(Py_False), Py_NewRef(Py_None)};
+    for (int j = 0; j < 6; j++) {
+        if (hv[j] == NULL) {
+            for (int k = 0; k < 6; k++)
+                Py_XDECREF(hv[k]);
+            Py_DECREF(header);
+            goto done;
+        }
+    }
+    if (set_slots(header, S.header_slots, hv, 6) < 0) {
+        Py_DECREF(header);
+        goto done;
+    }
+    result = PyTuple_Pack(2, env, header);
+    Py_DECREF(header);
+done:
+    Py_XDECREF(specs);
+    Py_XDECREF(env);
+    Py_XDECREF(payload);
+    if (view != NULL) {
+        /* the payload slice holds its own export of the frame */
+        Py_DECREF(view);
+    }
+    PyBuffer_Release(&buf);
+    return result;
+}
+
+static PyObject *ready(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
+{
+    return PyBool_FromLong(S.ready);
+}
+
+static PyMethodDef methods[] = {
+    {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
+     "configure(...): the classes, tables and Python fallbacks of frames.py"},
+    {"encode", (PyCFunction)(void (*)(void))encode, METH_FASTCALL | METH_KEYWORDS,
+     "encode(env, devices, data_tag) -> (frame0, separate): frames.encode in C"},
+    {"decode_header", (PyCFunction)decode_header, METH_O,
+     "decode_header(frame) -> (env, header | None): frames.decode_header in C"},
+    {"ready", ready, METH_NOARGS, "whether configure() was called"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef frames_module = {
+    PyModuleDef_HEAD_INIT, "_mpidag_frames",
+    "frame 0's encoder and decoder in C (see mpidag/transport/frames.py)", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__mpidag_frames(void) { return PyModule_Create(&frames_module); }
