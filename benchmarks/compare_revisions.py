@@ -10,7 +10,9 @@ torch RPC and raw mpi4py measured in the same run, with their ranges::
     python benchmarks/compare_revisions.py 00c95c9 HEAD --rounds 4 --out /tmp/ab
 
 The JSON of every run stays in ``--out`` (``rpc_old_1.json``, ...); ``--table-only`` prints
-the table of an earlier run again. Run it on an idle machine; it takes the same lock as the
+the table of an earlier run again. A revision with compiled modules gets its own build
+(``mpidag.transport.wire_build --into``), first on its ``PYTHONPATH``. Run it on an idle
+machine; it takes the same lock as the
 other benchmark scripts of this project (``flock /tmp/bench.lock``) when ``flock`` exists.
 """
 
@@ -45,9 +47,21 @@ def checkout(revision: str, where: Path) -> str:
                           check=True, capture_output=True, text=True).stdout.strip()
 
 
+def build_compiled(tree: Path) -> str:
+    """Build ``tree``'s own compiled modules into ``tree/.compiled`` (a revision without
+    them: nothing); what happened, for the log."""
+    if not (tree / "mpidag" / "transport" / "wire_build.py").exists():
+        return "no compiled modules in this revision"
+    result = subprocess.run([sys.executable, "-m", "mpidag.transport.wire_build", "--into",
+                             str(tree / ".compiled")], cwd=tree, capture_output=True,
+                            text=True, env={**os.environ, "PYTHONPATH": str(tree)})
+    return (result.stdout + result.stderr).strip()
+
+
 def run_benchmark(tree: Path, script: str, ranks: int, out: Path, log: Path) -> int:
-    """One ``--quick`` run of ``tree``'s own copy of a benchmark, importing ``tree``'s mpidag."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    """One ``--quick`` run of ``tree``'s own copy of a benchmark, importing ``tree``'s mpidag
+    (and its own compiled modules, where it has them)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree / ".compiled"), str(tree)])}
     command = [sys.executable, "-m", "mpidag.run", "-n", str(ranks),
                f"benchmarks/{script}", "--quick", "--out", str(out)]
     if shutil.which("flock"):
@@ -125,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         commits = {side: checkout(rev, trees / side)
                    for side, rev in (("old", args.old), ("new", args.new))}
         labels = (f"old ({commits['old']})", f"new ({commits['new']})")
+        for side in ("old", "new"):
+            print(f"{side}: {build_compiled(trees / side)}", flush=True)
         (out / "revisions.json").write_text(json.dumps({"old": labels[0], "new": labels[1]}))
         total = args.rounds * 2 * len(BENCHMARKS)
         done = 0

@@ -551,3 +551,42 @@ def test_a_leading_user_thread_naps_beside_a_computing_work_item_while_another_w
     assert results == [True, True]
     assert False in skipped, f"the leader skipped all {len(skipped)} naps beside the work item"
     assert skipped.count(True) < 100, "the leader skipped its naps while another thread waited"
+
+
+def test_a_leader_waiting_outside_python_is_interrupted_when_a_user_thread_wants_to_lead():
+    """A pool leader that spins through ``poll_wait`` (the compiled MPI path: a probe loop
+    in C without the GIL) hands the lead to a user thread that starts waiting for a reply:
+    registering as a waiter interrupts the wait, and so does ``stop()``. Here ``poll_wait``
+    ends only when interrupted (60 s guard), so without the interrupt the user thread would
+    not lead within its 30 s deadline."""
+    from mpidag.transport.progress import ProgressEngine
+
+    interrupted, in_wait, polled_by_me = threading.Event(), threading.Event(), threading.Event()
+    me = threading.current_thread()
+    interrupts = []
+
+    def poll():
+        if threading.current_thread() is me:
+            polled_by_me.set()
+
+    def poll_wait(seconds):
+        assert seconds > 0
+        in_wait.set()
+        interrupted.wait(60)
+        interrupted.clear()
+
+    def interrupt():
+        interrupts.append(threading.current_thread().name)
+        interrupted.set()
+
+    engine = ProgressEngine(poll, lambda env: None, lambda: None, num_threads=1,
+                            poll_wait=poll_wait, interrupt=interrupt)
+    try:
+        with engine.parked():  # this thread waits: the leader spins (it naps beside work)
+            engine.start()
+            assert in_wait.wait(30)  # the pool leader spins in poll_wait
+        assert engine.wait_until(polled_by_me.is_set, time.monotonic() + 30)
+        assert interrupts  # from this thread, as it registered to lead
+    finally:
+        engine.stop(timeout=30)
+    assert not any(t.is_alive() for t in engine._threads)

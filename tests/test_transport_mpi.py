@@ -3,6 +3,7 @@ starts."""
 
 import os
 import re
+import threading
 import time
 
 import pytest
@@ -52,6 +53,21 @@ def test_the_compiled_wire_sends_receives_and_keeps_large_frames_in_flight():
             wire.send(-1, b"x")
         with pytest.raises(TypeError):
             wire.send(0, "not bytes")
+        # probe_wait: returns the frame that comes, or None once interrupted (the waiting
+        # thread can only end before its 600 s because of interrupt())
+        wire.send(0, b"waited for")
+        assert wire.probe_wait(600.0) == (0, bytearray(b"waited for"))
+        assert wire.probe_wait(0.0) is None and wire.probe_wait(1e-4, True) is None
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(wire.probe_wait(600.0)),
+                                  daemon=True)
+        waiter.start()
+        for _ in range(3000):  # interrupt until the thread, inside its wait, sees it
+            wire.interrupt()
+            waiter.join(0.01)
+            if not waiter.is_alive():
+                break
+        assert got == [None] and not waiter.is_alive()
         assert open_wire(comm, tag=3, MPI=MPI, compiled=False) is None
         assert status() == "Python frame-0 path: MPIDAG_COMPILED=0"
     finally:

@@ -112,6 +112,7 @@ class RpcAgent:
             transport.poll, self.dispatch, self._tick, options.num_worker_threads,
             spin=config.poll_spin, max_sleep=max_sleep,
             sentinel_interval=config.sentinel_interval, name=f"mpidag-r{self.rank}",
+            poll_wait=transport.poll_wait, interrupt=transport.interrupt_wait,
         )
         self.calls = OutgoingCalls(self.peers, self.sender, codec, self.plugins, self.engine,
                                    options.rpc_timeout, config.ft, self._peer_failed)

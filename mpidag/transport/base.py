@@ -61,6 +61,12 @@ class Transport:
     rank: int
     size: int
     send_hook: SendHook | None = None
+    #: ``poll_wait(seconds)``: :meth:`poll` that waits up to ``seconds`` for a message
+    #: outside Python (without the GIL), where the transport can; ``None`` where it cannot
+    poll_wait: Callable[[float], Envelope | None] | None = None
+
+    def interrupt_wait(self) -> None:
+        """End a :attr:`poll_wait` under way in another thread at once (no-op here)."""
 
     def send(self, dst: int, env: Envelope, devices: list[str]) -> None:
         """Send ``env`` to rank ``dst``; ``devices[i]`` is where tensor ``i`` lands there."""
@@ -141,12 +147,14 @@ class FramedTransport(Transport):
         if rank not in self.failed and rank != self.rank:
             self.failed.add(rank)
             self._loopback.append(Envelope(kind=PEER_FAILED, src=rank))
+            self._loopback_added()
 
     def send_now(self, dst: int, env: Envelope, devices: list[str]) -> None:
         if self.failed and dst in self.failed:  # (the agent names the worker)
             raise WorkerFailedError(f"rank {dst} failed", dst)
         if dst == self.rank:
             self._loopback.append(self._loopback_copy(env, devices))
+            self._loopback_added()
             return
         needs_tag = env.tensors or len(env.payload) > frames.PAYLOAD_FRAME_LIMIT
         data_tag = 1 + next(self._tag_counter) % self._n_data_tags if needs_tag else 0
@@ -180,12 +188,21 @@ class FramedTransport(Transport):
                         payload=bytes(env.payload), tensors=tensors, src=self.rank)
 
     # ---------------------------------------------------------- receiving
+    def _loopback_added(self) -> None:
+        """A message to this rank itself was queued (a transport whose poll waits outside
+        Python ends that wait here)."""
+
     def poll(self) -> Envelope | None:
         if self._loopback:
             return self._loopback.popleft()
         got = self._probe()
         if got is None:
             return None
+        return self._open(got)
+
+    def _open(self, got: tuple[int, bytearray]) -> Envelope | None:
+        """The message whose frame 0 ``got`` (source, frame) is: its frames after frame 0
+        received, its tensors made (``None``: its sender failed meanwhile)."""
         src, frame0 = got
         env, header = frames.decode_header(frame0)
         env.src = src

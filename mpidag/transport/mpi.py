@@ -33,6 +33,7 @@ from mpidag._backoff import Backoff
 from mpidag.errors import RPCError, WorkerFailedError
 from mpidag.transport import frames
 from mpidag.transport.base import CHUNK, FramedTransport
+from mpidag.transport.frames import Envelope
 from mpidag.transport.wire import open_wire
 
 __all__ = ["CHUNK", "HEADER_TAG", "YIELD_SETTINGS", "MPITransport", "abort_world",
@@ -354,6 +355,13 @@ class MPITransport(FramedTransport):
         if self.thread_multiple:  # the hot path without a lock (a no-op context costs 0.15 us)
             self._send_frame0 = self._send_frame0_unlocked
             self._probe = self._probe_unlocked
+        #: ``poll_wait(seconds)``: :meth:`poll` that waits for a frame 0 up to ``seconds`` in
+        #: C without the GIL (the compiled path under ``THREAD_MULTIPLE``), else ``None``
+        self.poll_wait: Callable[[float], Envelope | None] | None = None
+        if self.wire is not None and self.thread_multiple:
+            self._probe_wait = self._wire_probe_wait_ft if ft else self.wire.probe_wait
+            self.poll_wait = self._poll_wait
+            self.interrupt_wait = self.wire.interrupt
 
     # ------------------------------------------------------- moving bytes
     def _send_frame0(self, dst: int, frame0: bytes | bytearray) -> None:
@@ -428,6 +436,22 @@ class MPITransport(FramedTransport):
         except self._MPI.Exception as exc:  # a failed peer: reported by the next poll
             self._on_mpi_error(exc)
             return None
+
+    def _wire_probe_wait_ft(self, seconds: float) -> tuple[int, bytearray] | None:
+        try:
+            return self.wire.probe_wait(seconds)
+        except self._MPI.Exception as exc:  # a failed peer: reported by the next poll
+            self._on_mpi_error(exc)
+            return None
+
+    def _poll_wait(self, seconds: float) -> Envelope | None:
+        if self._loopback:
+            return self._loopback.popleft()
+        got = self._probe_wait(seconds)
+        return None if got is None else self._open(got)
+
+    def _loopback_added(self) -> None:
+        self.interrupt_wait()
 
     def _send_frame(self, dst: int, tag: int, buffer: Any) -> None:
         self._transfer(self.comm.Isend, buffer, dst, tag)

@@ -61,6 +61,14 @@ class _WorkFlag(threading.local):
 
 
 _in_work = _WorkFlag()
+#: the longest wait of one ``poll_wait`` call of a leader that would spin, seconds (its
+#: Python checks run between windows: a stop or a condition set by another thread without
+#: an interrupt is seen within this)
+WAIT_WINDOW = 20e-6
+
+
+def _nothing() -> None:
+    pass
 #: after a long silence a leader's sleeps may grow to this many times ``max_sleep`` (see
 #: :data:`mpidag._backoff.LONG_IDLE_SHARE`)
 LONG_SLEEP_FACTOR = 10
@@ -131,10 +139,19 @@ class ProgressEngine:
         max_sleep: float = 1e-3,
         sentinel_interval: float = 1e-3,
         name: str = "mpidag",
+        poll_wait: Callable[[float], Envelope | None] | None = None,
+        interrupt: Callable[[], None] | None = None,
     ) -> None:
         if num_threads < 1:
             raise ValueError(f"num_worker_threads must be at least 1, got {num_threads!r}")
         self._poll = poll
+        #: ``poll_wait(seconds)``: a poll that waits up to ``seconds`` outside Python, without
+        #: the GIL (the compiled MPI path); a leader that would spin polls through it in
+        #: windows of :data:`WAIT_WINDOW`, and ``interrupt()`` ends a window early (a user
+        #: thread wants to lead, a waiter's condition changed, the engine stops)
+        self._poll_wait = poll_wait
+        self._window = WAIT_WINDOW if poll_wait is not None else 0.0
+        self._interrupt = interrupt if interrupt is not None else _nothing
         self._dispatch = dispatch
         self._on_idle = on_idle
         self._spin = spin
@@ -183,6 +200,7 @@ class ProgressEngine:
         """Stop all threads; running work items finish first (up to ``timeout``)."""
         with self._lock:
             self._stopping = True
+            self._interrupt()
             self._pool_cv.notify_all()
             self._user_cv.notify_all()
             self._sentinel.wake_locked()
@@ -258,6 +276,7 @@ class ProgressEngine:
         """
         backoff = self._new_backoff()
         poll_step, dispatch = self._poll_step, self._dispatch
+        wait = 0.0  # a window of poll_wait while the backoff would spin
         while True:
             if self._waiters or self._stopping or (sentinel and self._idle):
                 with self._lock:
@@ -271,9 +290,13 @@ class ProgressEngine:
                         self._vacate_locked(lazy=True)
                 if work is not None:
                     return work
-            env = poll_step()
+            env = poll_step(wait)
             if env is None:
-                backoff.idle(self._computing())
+                computing = self._computing()
+                backoff.idle(computing)
+                # the spinning phase in poll_wait's windows (the yielding one stays here)
+                wait = self._window if not computing and \
+                    backoff.idle_seconds() < PURE_SPIN else 0.0
                 continue
             backoff.reset()
             work = _dispatch_safely(dispatch, env)
@@ -289,12 +312,13 @@ class ProgressEngine:
                 self._vacate_locked(lazy=True)
             return work
 
-    def _poll_step(self) -> Envelope | None:
+    def _poll_step(self, wait: float = 0.0) -> Envelope | None:
         """One step of a leader, whoever leads (a pool thread, the sentinel, a waiting user
-        thread): poll the transport once, then run the after-poll hook. An error of either
-        is logged, never fatal: a dead leader receives nothing."""
+        thread): poll the transport once (``wait``: through ``poll_wait``, up to that many
+        seconds), then run the after-poll hook. An error of either is logged, never fatal:
+        a dead leader receives nothing."""
         try:
-            env = self._poll()
+            env = self._poll_wait(wait) if wait else self._poll()
         except Exception:
             log.exception("transport poll failed")
             env = None
@@ -404,7 +428,9 @@ class ProgressEngine:
 
     # ------------------------------------------------------------- user waits
     def wake_waiters(self) -> None:
-        """Tell user threads parked in :meth:`wait_until` to look at their condition again."""
+        """Tell user threads parked in :meth:`wait_until` to look at their condition again
+        (and the leader, which may wait in ``poll_wait`` for one of them)."""
+        self._interrupt()
         if self._waiters:
             with self._lock:
                 self._user_cv.notify_all()
@@ -431,6 +457,7 @@ class ProgressEngine:
             else:
                 self._waiters += 1  # from now on pool leaders hand over to this thread
                 naps.wake_locked()
+                self._interrupt()
         if lead:
             try:
                 return self._lead_as_user(done, deadline)
@@ -487,8 +514,9 @@ class ProgressEngine:
         # the Backoff (0.5 us) only for a longer wait
         backoff: Backoff | None = None
         spin_until = 0.0
+        wait = 0.0  # windows of poll_wait while spinning
         while not done():
-            env = poll_step()
+            env = poll_step(wait)
             if env is None:
                 if deadline is not None and time.monotonic() >= deadline:
                     return False
@@ -500,13 +528,16 @@ class ProgressEngine:
                         now = time.perf_counter()
                         if not spin_until:
                             spin_until = now + PURE_SPIN
+                            wait = self._window
                             continue
                         if now < spin_until:
                             continue
+                    wait = 0.0
                     backoff = self._new_backoff(user=True)
                 backoff.idle(computing)
                 continue
             spin_until = 0.0
+            wait = 0.0
             if backoff is not None:
                 backoff.reset()
             work = _dispatch_safely(dispatch, env)

@@ -19,7 +19,13 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <mpi.h>
+#include <sched.h>
 #include <stdint.h>
+#include <time.h>
+
+#ifndef RELAX_PAUSES
+#define RELAX_PAUSES 0
+#endif
 
 typedef struct {
     MPI_Request request;
@@ -33,6 +39,7 @@ typedef struct {
     PyObject *error_class; /* MPI.Exception */
     InFlight *sends;       /* a ring of sends in flight */
     Py_ssize_t head, count, capacity;
+    volatile int interrupted; /* set by interrupt(): a waiting probe returns at once */
 } Wire;
 
 static PyObject *raise_mpi(Wire *self, int ierr)
@@ -166,7 +173,29 @@ static PyObject *Wire_send(Wire *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-static PyObject *Wire_probe(Wire *self, PyObject *Py_UNUSED(ignored))
+/* A short pause between two probes of a wait: fewer trips through the MPI library's
+ * matching lock, which a thread sending meanwhile needs too. */
+static void relax(void)
+{
+    for (int i = 0; i < RELAX_PAUSES; i++) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#elif defined(__aarch64__)
+        __asm__ __volatile__("yield");
+#endif
+    }
+}
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Probe until a frame 0 is there, ``seconds`` passed or interrupt() was called; with
+ * ``seconds`` 0 exactly one MPI_Improbe. The GIL is released for the whole wait. */
+static PyObject *receive(Wire *self, double seconds, int yield_cpu)
 {
     if (self->count > 0 && complete(self) < 0)
         return NULL;
@@ -174,10 +203,22 @@ static PyObject *Wire_probe(Wire *self, PyObject *Py_UNUSED(ignored))
     MPI_Message message;
     MPI_Status status;
     Py_BEGIN_ALLOW_THREADS
-    ierr = MPI_Improbe(MPI_ANY_SOURCE, self->tag, self->comm, &flag, &message, &status);
+    double until = seconds > 0 ? now_s() + seconds : 0.0;
+    for (;;) {
+        ierr = MPI_Improbe(MPI_ANY_SOURCE, self->tag, self->comm, &flag, &message, &status);
+        if (ierr != MPI_SUCCESS || flag || until == 0.0 || self->interrupted)
+            break;
+        if (now_s() >= until)
+            break;
+        if (yield_cpu)
+            sched_yield();
+        else
+            relax();
+    }
     if (ierr == MPI_SUCCESS && flag)
         ierr = MPI_Get_count(&status, MPI_BYTE, &count);
     Py_END_ALLOW_THREADS
+    self->interrupted = 0;
     if (ierr != MPI_SUCCESS)
         return raise_mpi(self, ierr);
     if (!flag)
@@ -210,6 +251,32 @@ static PyObject *Wire_probe(Wire *self, PyObject *Py_UNUSED(ignored))
     return result;
 }
 
+static PyObject *Wire_probe(Wire *self, PyObject *Py_UNUSED(ignored))
+{
+    return receive(self, 0.0, 0);
+}
+
+static PyObject *Wire_probe_wait(Wire *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "probe_wait(seconds, yield_cpu=False)");
+        return NULL;
+    }
+    double seconds = PyFloat_AsDouble(args[0]);
+    if (seconds == -1.0 && PyErr_Occurred())
+        return NULL;
+    int yield_cpu = nargs > 1 ? PyObject_IsTrue(args[1]) : 0;
+    if (yield_cpu < 0)
+        return NULL;
+    return receive(self, seconds > 0 ? seconds : 0.0, yield_cpu);
+}
+
+static PyObject *Wire_interrupt(Wire *self, PyObject *Py_UNUSED(ignored))
+{
+    self->interrupted = 1;
+    Py_RETURN_NONE;
+}
+
 static PyObject *Wire_complete_sends(Wire *self, PyObject *Py_UNUSED(ignored))
 {
     if (complete(self) < 0)
@@ -238,6 +305,11 @@ static PyMethodDef Wire_methods[] = {
      "send(dst, frame): start sending frame 0 to dst; it stays in flight if not done"},
     {"probe", (PyCFunction)Wire_probe, METH_NOARGS,
      "probe() -> (source, bytearray) | None: the next frame 0, received whole"},
+    {"probe_wait", (PyCFunction)(void (*)(void))Wire_probe_wait, METH_FASTCALL,
+     "probe_wait(seconds, yield_cpu=False) -> (source, bytearray) | None: probe() until a "
+     "frame 0 arrives, seconds pass or interrupt() is called, without the GIL"},
+    {"interrupt", (PyCFunction)Wire_interrupt, METH_NOARGS,
+     "interrupt(): the probe_wait() under way (or the next one) returns at once"},
     {"complete_sends", (PyCFunction)Wire_complete_sends, METH_NOARGS,
      "complete_sends() -> int: release the finished sends; how many are still in flight"},
     {NULL, NULL, 0, NULL},

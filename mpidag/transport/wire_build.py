@@ -9,6 +9,7 @@ virtual environment (an editable checkout shared by several environments keeps n
 
     python -m mpidag.transport.wire_build          # build, check, say where it went
     python -m mpidag.transport.wire_build --check  # only say whether it is there and loads
+    python -m mpidag.transport.wire_build --into DIR  # into DIR (first on PYTHONPATH)
 
 The compiler is ``$MPICC``, else the environment's own ``bin/mpicc`` (the Open MPI and
 MPICH wheels ship one), else ``mpicc`` on ``PATH`` (a system MPI). After building, a fresh
@@ -49,10 +50,10 @@ print(_mpidag_wire.__file__, _mpidag_frames.__file__)
 """
 
 
-def target(module: str = MODULE) -> Path:
-    """Where a built module goes: this interpreter's ``site-packages``."""
+def target(module: str = MODULE, into: Path | None = None) -> Path:
+    """Where a built module goes: ``into``, else this interpreter's ``site-packages``."""
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
-    return Path(sysconfig.get_paths()["platlib"]) / (module + suffix)
+    return Path(into or sysconfig.get_paths()["platlib"]) / (module + suffix)
 
 
 def find_cc(environ: os._Environ | dict | None = None) -> str | None:
@@ -90,10 +91,14 @@ def find_mpicc(environ: os._Environ | dict | None = None) -> str | None:
     return shutil.which("mpicc", path=env.get("PATH"))
 
 
-def check() -> tuple[bool, str]:
-    """Whether the built module loads in a fresh interpreter and matches mpi4py's MPI."""
+def check(into: Path | None = None) -> tuple[bool, str]:
+    """Whether the built modules load in a fresh interpreter (with ``into`` first on its
+    path) and match mpi4py's MPI."""
+    env = dict(os.environ)
+    if into is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(into), env.get("PYTHONPATH")]))
     result = subprocess.run([sys.executable, "-c", _CHECK], capture_output=True, text=True,
-                            timeout=120)
+                            timeout=120, env=env)
     text = (result.stdout + result.stderr).strip().splitlines()
     return result.returncode == 0, text[-1] if text else f"exit status {result.returncode}"
 
@@ -114,31 +119,35 @@ def compile_module(compiler: str, source: Path, out: Path) -> str | None:
     return None
 
 
-def build() -> tuple[bool, str]:
-    """Compile both modules, install them into ``site-packages`` and check them;
+def build(into: Path | None = None) -> tuple[bool, str]:
+    """Compile both modules into ``into`` (else ``site-packages``) and check them;
     ``(ok, what happened)``."""
     mpicc, cc = find_mpicc(), find_cc()
     if mpicc is None or cc is None:
         return False, ("no MPI C compiler wrapper found (set MPICC, or put an MPI's mpicc on "
                        "PATH, e.g. 'module load openmpi' or Debian's libopenmpi-dev)")
     for compiler, source, module in ((mpicc, SOURCE, MODULE), (cc, CODEC_SOURCE, CODEC)):
-        failure = compile_module(compiler, source, target(module))
+        failure = compile_module(compiler, source, target(module, into))
         if failure is not None:
             return False, failure
-    ok, said = check()
+    ok, said = check(into)
     if not ok:
         for module in (MODULE, CODEC):
-            target(module).unlink(missing_ok=True)
+            target(module, into).unlink(missing_ok=True)
         return False, f"the built modules do not load or match mpi4py's MPI: {said}"
-    return True, f"built {target(MODULE)} with {mpicc} and {target(CODEC)} with {cc}"
+    return True, (f"built {target(MODULE, into)} with {mpicc} and {target(CODEC, into)} "
+                  f"with {cc}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--check", action="store_true",
                         help="only check that the module is built and matches mpi4py's MPI")
+    parser.add_argument("--into", type=Path, default=None,
+                        help="build into this directory instead of site-packages (put it "
+                             "first on PYTHONPATH; benchmarks/compare_revisions.py does)")
     args = parser.parse_args(argv)
-    ok, said = check() if args.check else build()
+    ok, said = check(args.into) if args.check else build(args.into)
     print(f"mpidag wire: {said}" if ok else f"mpidag wire: not built: {said}",
           file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1
