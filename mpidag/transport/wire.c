@@ -23,10 +23,6 @@
 #include <stdint.h>
 #include <time.h>
 
-#ifndef RELAX_PAUSES
-#define RELAX_PAUSES 0
-#endif
-
 typedef struct {
     MPI_Request request;
     Py_buffer view; /* the frame's bytes, held until the send completes */
@@ -173,19 +169,6 @@ static PyObject *Wire_send(Wire *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-/* A short pause between two probes of a wait: fewer trips through the MPI library's
- * matching lock, which a thread sending meanwhile needs too. */
-static void relax(void)
-{
-    for (int i = 0; i < RELAX_PAUSES; i++) {
-#if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
-#elif defined(__aarch64__)
-        __asm__ __volatile__("yield");
-#endif
-    }
-}
-
 static double now_s(void)
 {
     struct timespec ts;
@@ -212,8 +195,6 @@ static PyObject *receive(Wire *self, double seconds, int yield_cpu)
             break;
         if (yield_cpu)
             sched_yield();
-        else
-            relax();
     }
     if (ierr == MPI_SUCCESS && flag)
         ierr = MPI_Get_count(&status, MPI_BYTE, &count);
