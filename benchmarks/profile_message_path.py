@@ -6,7 +6,8 @@ in every process)::
     python -m mpidag.run -n 2 benchmarks/profile_message_path.py [--calls 3000]
 
 Rank 0 calls rank 1; for every call the script stamps, without changing mpidag itself
-(it wraps the MPI transport's ``_send_frame0``/``_probe`` and the called function):
+(it wraps the MPI transport's ``_send_frame0``/``_probe``/``_probe_wait`` and the called
+function):
 
     T0 caller enters rpc_sync / to_here          T3 callee's reply leaves (MPI_Send done)
     T1 request leaves the caller (MPI_Send done)  T4 caller's leader has the reply frame
@@ -66,14 +67,20 @@ def instrument(transport) -> None:
         if kind == KIND_CALL:
             _last_call[0] = request_id
 
-    def stamped_probe():
-        got = probe()
+    def stamp_received(got):
         if got is not None:
             now = _clock()
             kind, request_id = _header(got[1])
             name = "T2" if kind == KIND_CALL else "T4"
             stamps.setdefault(request_id, {})[name] = now
         return got
+
+    def stamped_probe():
+        return stamp_received(probe())
+
+    probe_wait = getattr(transport, "_probe_wait", None)  # the compiled path's waiting poll
+    if probe_wait is not None:
+        transport._probe_wait = lambda seconds: stamp_received(probe_wait(seconds))
 
     send_frame, recv_frame = transport._send_frame, transport._recv_frame
 

@@ -198,3 +198,21 @@ def test_one_node_start_settings_read_the_launchers_variables():
     assert one_node_start_settings({"SLURM_STEP_NUM_NODES": "2", "PMIX_RANK": "0"}) == {}
     assert one_node_start_settings({"PMI_RANK": "0", "PMI_SIZE": "2"}) == {}  # unknown
     assert one_node_start_settings({"OMPI_MCA_btl": "tcp,self"}) == {}
+
+
+def test_a_wire_built_for_another_mpi_is_refused_with_the_reason(caplog):
+    from mpidag.transport.wire import open_wire, status
+
+    if not wire_is_built():
+        pytest.skip("_mpidag_wire is not built here")
+
+    class OtherMPI:  # what mpi4py would say if the venv's MPI changed after the build
+        @staticmethod
+        def Get_library_version():
+            return "Some Other MPI v9.9\n"
+
+    with caplog.at_level("INFO", logger="mpidag.transport.wire"):
+        assert open_wire(None, tag=0, MPI=OtherMPI) is None
+    assert "mpi4py uses 'Some Other MPI v9.9'" in status()
+    assert "python -m mpidag.transport.wire_build" in status()
+    assert [r.levelname for r in caplog.records] == ["WARNING"]

@@ -55,8 +55,11 @@ def check_timeout(timeout: Any, name: str = "timeout") -> float:
         mpidag.errors.InvalidArgumentError: timeout=-5 is not a valid timeout: pass seconds ...
     """
     kind = timeout.__class__
-    if (kind is float or kind is int) and 0 <= timeout < math.inf:  # the common case
-        return timeout
+    if kind is float or kind is int:  # the common cases: a timeout, or the default
+        if 0 <= timeout < math.inf:
+            return timeout
+        if timeout == UNSET_RPC_TIMEOUT:
+            return UNSET_RPC_TIMEOUT
     if timeout is None:
         return UNSET_RPC_TIMEOUT
     if kind is bool or not isinstance(timeout, numbers.Real):

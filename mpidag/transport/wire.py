@@ -25,9 +25,12 @@ Example (needs MPI, so not run by the doctests)::
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any
 
 __all__ = ["open_wire", "status"]
+
+log = logging.getLogger(__name__)
 
 _status = "not asked for yet"
 
@@ -68,6 +71,7 @@ def open_wire(comm: Any, tag: int, MPI: Any, compiled: bool = True) -> Any:
         _status = "Python frame-0 path: MPIDAG_COMPILED=0"
         return None
     module, _status = _load(MPI)
-    if module is None:
+    if module is None:  # a build for another MPI is a mistake to fix; none is a choice
+        (log.warning if "built against" in _status else log.info)("%s", _status)
         return None
     return module.Wire(MPI._handleof(comm), tag, MPI.Exception)
