@@ -1,0 +1,154 @@
+"""Where the time of one distributed forward + backward goes: the 1,000-op graph's
+critical path, stamped on both ranks with their common clock.
+
+Run on 2 ranks of one host (``time.perf_counter_ns`` is ``CLOCK_MONOTONIC``, the same clock
+in every process)::
+
+    python -m mpidag.run -n 2 benchmarks/profile_backward_path.py [--steps 600]
+
+The workload is ``bench_autograd.py``'s ``ops_1000``: 500 small ops on rank 0, an
+``rpc_sync`` to rank 1 that runs the other 500, the loss on rank 0, then
+``dist_autograd.backward``. The path is strictly sequential (each half waits for the
+other), so every step below is on the critical path. The script stamps, without changing
+mpidag: the steps of rank 0's iteration, the remote function's start and end on rank 1,
+and every call of ``torch.autograd.grad`` (each rank's engine runs its part of the
+backward pass as one such call: rank 0 twice, the loss's part and then its 500 ops).
+Medians over ``--steps`` iterations, µs, next to the same ops run on one rank
+(``loss.backward()``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from mpi4py import MPI
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_autograd as workload  # noqa: E402 - after the path set-up
+
+import mpidag.autograd as dist_autograd  # noqa: E402
+import mpidag.rpc as rpc  # noqa: E402
+
+clock = time.perf_counter_ns
+#: (name, ns) of this rank, in order
+stamps: list[tuple[str, int]] = []
+_grad = torch.autograd.grad
+
+
+def stamped_grad(*args, **kwargs):
+    """``torch.autograd.grad``, stamped (the engine's one native call per part)."""
+    stamps.append(("grad_start", clock()))
+    try:
+        return _grad(*args, **kwargs)
+    finally:
+        stamps.append(("grad_end", clock()))
+
+
+def second_half(h: torch.Tensor) -> torch.Tensor:
+    """On rank 1: the other 500 ops, stamped."""
+    stamps.append(("f1_start", clock()))
+    out = workload.ops_half(h, workload.W2)
+    stamps.append(("f1_end", clock()))
+    return out
+
+
+def step() -> None:
+    """Rank 0: one distributed iteration, stamped."""
+    with dist_autograd.context() as context_id:
+        stamps.append(("start", clock()))
+        h = workload.ops_half(torch.full((workload.OPS_SIZE,), 0.1), workload.W1)
+        stamps.append(("f0_end", clock()))
+        out = rpc.rpc_sync("worker1", second_half, args=(h,))
+        stamps.append(("rpc_ret", clock()))
+        loss = out.sum()
+        stamps.append(("bwd_start", clock()))
+        dist_autograd.backward(context_id, [loss])
+        stamps.append(("bwd_end", clock()))
+        dist_autograd.get_gradients(context_id)
+    stamps.append(("end", clock()))
+
+
+def pairs(records: list[tuple[str, int]], start: str, end: str) -> list[tuple[int, int]]:
+    """(start, end) times of each ``start``/``end`` pair of stamps, in order."""
+    starts = [t for name, t in records if name == start]
+    ends = [t for name, t in records if name == end]
+    return list(zip(starts, ends, strict=True))
+
+
+def critical_path(rank0: list[tuple[str, int]], rank1: list[tuple[str, int]],
+                  steps: int) -> dict[str, list[int]]:
+    """Each step's durations (ns) along the path, from both ranks' stamps."""
+    iterations, current = [], {}
+    for name, t in rank0:
+        if name == "start":
+            current = {"start": t, "grads": []}
+        elif name in ("grad_start", "grad_end"):
+            current["grads"].append(t)
+        else:
+            current[name] = t
+        if name == "end":
+            iterations.append(current)
+    functions = pairs(rank1, "f1_start", "f1_end")[-steps:]
+    grads1 = pairs(rank1, "grad_start", "grad_end")[-steps:]
+    out: dict[str, list[int]] = collections.defaultdict(list)
+    for it, (f_start, f_end), (g_start, g_end) in zip(iterations, functions, grads1,
+                                                       strict=True):
+        last_start, last_end = it["grads"][-2:]  # rank 0's own 500 ops
+        out["rank 0: forward, 500 ops"].append(it["f0_end"] - it["start"])
+        out["rpc_sync: call to rank 1's function start"].append(f_start - it["f0_end"])
+        out["rank 1: forward, 500 ops"].append(f_end - f_start)
+        out["rpc_sync: function end to the call returns"].append(it["rpc_ret"] - f_end)
+        out["rank 0: loss"].append(it["bwd_start"] - it["rpc_ret"])
+        first_start, first_end = it["grads"][:2]  # rank 0's part before the send: the loss
+        out["backward(): start to rank 0's first grad() (plan)"].append(
+            first_start - it["bwd_start"])
+        out["rank 0: grad() of the loss's part"].append(first_end - first_start)
+        out["its end to rank 1's grad() start (message, rank 1's plan)"].append(
+            g_start - first_end)
+        out["rank 1: grad(), 500 ops"].append(g_end - g_start)
+        out["rank 1's grad() end to rank 0's grad() start"].append(last_start - g_end)
+        out["rank 0: grad(), 500 ops"].append(last_end - last_start)
+        out["rank 0's grad() end to backward() returns"].append(it["bwd_end"] - last_end)
+        out["get_gradients() and the context's exit"].append(it["end"] - it["bwd_end"])
+        out["whole iteration"].append(it["end"] - it["start"])
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=600, help="iterations measured")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.autograd.grad = stamped_grad
+    rank = MPI.COMM_WORLD.Get_rank()
+    rpc.init_rpc(f"worker{rank}")
+    local: list[int] = []
+    if rank == 0:
+        for _ in range(50):  # warm-up
+            step()
+        del stamps[:]
+        for _ in range(args.steps):
+            step()
+        for _ in range(args.steps):
+            t0 = clock()
+            workload.local_step("ops_1000")
+            local.append(clock() - t0)
+    rpc.shutdown()  # (waits for every rank: rank 1's stamps are all there after it)
+    records = list(stamps)
+    gathered = MPI.COMM_WORLD.gather(records, root=0)
+    if rank == 0:  # (the one-rank reference calls backward(), not grad(): no stamps)
+        table = critical_path(gathered[0], gathered[1], args.steps)
+        table["one rank: the same ops, loss.backward()"] = local
+        for name, values in table.items():
+            print(f"{name:55s} {statistics.median(values) / 1e3:9.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
