@@ -358,3 +358,40 @@ def test_non_contiguous_tensors_arrive_with_their_strides_like_torch():
     grad = torch.rand(4, 4, requires_grad=True).t()  # autograd leaves stay as they were
     got_grad, _, _ = roundtrip(grad)
     assert got_grad.requires_grad and torch.equal(got_grad, grad)
+
+
+def test_the_c_decoder_survives_any_frame_and_agrees_with_python_where_both_decode(codec):
+    """Frame 0 comes from the network: cut, bit-flipped or random frames make the C
+    decoder raise (or decode what the Python one decodes), never crash the process."""
+    if codec == "python":
+        pytest.skip("checks the C decoder against the Python one")
+    c = frames.compiled_codec()
+    rng = np.random.default_rng(7)
+    valid = [bytes(frames.encode_python(env, ["cpu"] * len(env.tensors), 5)[0])
+             for env in messages()[:4]]
+    fields = ("kind", "request_id", "flags", "context_id", "message_id", "src")
+    agreed = failed = 0
+    for i in range(3000):
+        base = bytearray(valid[i % len(valid)])
+        kind = i % 3
+        if kind == 0:  # cut short
+            base = base[:rng.integers(0, len(base))]
+        elif kind == 1:  # a few bytes of the header and specs changed
+            for _ in range(rng.integers(1, 4)):
+                base[rng.integers(0, min(len(base), 120))] = rng.integers(0, 256)
+        else:  # random bytes
+            base = bytearray(rng.integers(0, 256, rng.integers(0, 200), dtype=np.uint8))
+        try:
+            env_py, header_py = frames.decode_header_python(bytearray(base))
+        except Exception:  # noqa: BLE001 - any error of Python's is fine here
+            env_py = None
+        try:
+            env_c, header_c = c.decode_header(bytearray(base))
+        except Exception:  # noqa: BLE001 - so is any of C's; a crash would end the test run
+            failed += 1
+            continue
+        if env_py is not None and len(bytes(env_py.payload)) == len(bytes(env_c.payload)):
+            assert [getattr(env_c, f) for f in fields] == [getattr(env_py, f) for f in fields]
+            assert header_c == header_py
+            agreed += 1
+    assert agreed > 100 and failed > 100  # both branches were taken

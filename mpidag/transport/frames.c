@@ -534,6 +534,10 @@ static PyObject *decode_header(PyObject *Py_UNUSED(module), PyObject *frame)
             goto done;
         pos += SPEC_FIXED + 8 * ndim;
     }
+    if (pos != end) {
+        bad_frame("its tensor specs do not fill their length");
+        goto done;
+    }
     PyObject *header = new_instance(S.header);
     if (header == NULL)
         goto done;
