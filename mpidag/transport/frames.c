@@ -74,6 +74,19 @@ static int set_slots(PyObject *obj, PyObject **descrs, PyObject **values, int n)
     return rc;
 }
 
+/* 0 when every one of ``values`` was made; else -1 with all of them released */
+static int all_made(PyObject **values, int n)
+{
+    for (int i = 0; i < n; i++) {
+        if (values[i] == NULL) {
+            for (int j = 0; j < n; j++)
+                Py_XDECREF(values[j]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static PyObject *new_instance(PyObject *cls)
 {
     PyTypeObject *type = (PyTypeObject *)cls;
@@ -469,14 +482,7 @@ static PyObject *decode_header(PyObject *Py_UNUSED(module), PyObject *frame)
         PyLong_FromLong((unsigned char)p[1]), PyLong_FromLongLong(get_i64(p + 17)),
         PyLong_FromLongLong(get_i64(p + 25)), Py_NewRef(payload), tensor_list,
         PyLong_FromLong(-1)};
-    for (int i = 0; i < 8; i++) {
-        if (values[i] == NULL) {
-            for (int j = 0; j < 8; j++)
-                Py_XDECREF(values[j]);
-            goto done;
-        }
-    }
-    if (set_slots(env, S.env_slots, values, 8) < 0)
+    if (all_made(values, 8) < 0 || set_slots(env, S.env_slots, values, 8) < 0)
         goto done;
     if (n_tensors == 0) {
         result = PyTuple_Pack(2, env, Py_None);
@@ -523,14 +529,7 @@ static PyObject *decode_header(PyObject *Py_UNUSED(module), PyObject *frame)
                            PyBool_FromLong(sflags & REQUIRES_GRAD),
                            PyLong_FromLongLong(get_i64(q + 6)),
                            PyLong_FromLongLong(get_i64(q + 14))};
-        for (int j = 0; j < 6; j++) {
-            if (sv[j] == NULL) {
-                for (int k = 0; k < 6; k++)
-                    Py_XDECREF(sv[k]);
-                goto done;
-            }
-        }
-        if (set_slots(spec, S.spec_slots, sv, 6) < 0)
+        if (all_made(sv, 6) < 0 || set_slots(spec, S.spec_slots, sv, 6) < 0)
             goto done;
         pos += SPEC_FIXED + 8 * ndim;
     }
@@ -544,15 +543,7 @@ static PyObject *decode_header(PyObject *Py_UNUSED(module), PyObject *frame)
     PyObject *hv[6] = {PyLong_FromUnsignedLong(data_tag), Py_NewRef(specs),
                        PyLong_FromSsize_t(align16(end)), PyLong_FromLongLong(payload_len),
                        Py_NewRef(Py_False), Py_NewRef(Py_None)};
-    for (int j = 0; j < 6; j++) {
-        if (hv[j] == NULL) {
-            for (int k = 0; k < 6; k++)
-                Py_XDECREF(hv[k]);
-            Py_DECREF(header);
-            goto done;
-        }
-    }
-    if (set_slots(header, S.header_slots, hv, 6) < 0) {
+    if (all_made(hv, 6) < 0 || set_slots(header, S.header_slots, hv, 6) < 0) {
         Py_DECREF(header);
         goto done;
     }

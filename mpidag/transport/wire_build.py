@@ -56,22 +56,17 @@ def target(module: str = MODULE, into: Path | None = None) -> Path:
     return Path(into or sysconfig.get_paths()["platlib"]) / (module + suffix)
 
 
-def find_cc(environ: os._Environ | dict | None = None) -> str | None:
-    """A C compiler for the MPI-free codec: ``$CC``, ``cc``, ``gcc``, else the MPI wrapper.
-
-    Example::
-
-        >>> find_cc({"CC": "/usr/bin/clang"})
-        '/usr/bin/clang'
-    """
-    env = os.environ if environ is None else environ
-    if env.get("CC"):
-        return env["CC"]
-    for name in ("cc", "gcc"):
-        found = shutil.which(name, path=env.get("PATH"))
+def _find(env: os._Environ | dict | None, variable: str, candidates: list[str]) -> str | None:
+    """``$variable``, else the first candidate that exists (a path, or a name on ``PATH``)."""
+    env = os.environ if env is None else env
+    if env.get(variable):
+        return env[variable]
+    for candidate in candidates:
+        found = candidate if os.path.isabs(candidate) and os.path.exists(candidate) \
+            else shutil.which(candidate, path=env.get("PATH"))
         if found:
             return found
-    return find_mpicc(env)
+    return None
 
 
 def find_mpicc(environ: os._Environ | dict | None = None) -> str | None:
@@ -82,13 +77,18 @@ def find_mpicc(environ: os._Environ | dict | None = None) -> str | None:
         >>> find_mpicc({"MPICC": "/opt/mpi/bin/mpicc"})
         '/opt/mpi/bin/mpicc'
     """
-    env = os.environ if environ is None else environ
-    if env.get("MPICC"):
-        return env["MPICC"]
-    own = Path(sys.prefix) / "bin" / "mpicc"
-    if own.exists():
-        return str(own)
-    return shutil.which("mpicc", path=env.get("PATH"))
+    return _find(environ, "MPICC", [str(Path(sys.prefix) / "bin" / "mpicc"), "mpicc"])
+
+
+def find_cc(environ: os._Environ | dict | None = None) -> str | None:
+    """A C compiler for the MPI-free codec: ``$CC``, ``cc``, ``gcc``, else the MPI wrapper.
+
+    Example::
+
+        >>> find_cc({"CC": "/usr/bin/clang"})
+        '/usr/bin/clang'
+    """
+    return _find(environ, "CC", ["cc", "gcc"]) or find_mpicc(environ)
 
 
 def check(into: Path | None = None) -> tuple[bool, str]:
