@@ -56,8 +56,9 @@ def test_the_c_codec_writes_and_reads_the_very_bytes_of_the_python_one(codec, in
     assert bytes(frame_c) == bytes(frame_py)
     assert [bytes(x) if isinstance(x, memoryview) else id(x) for x in separate_c] == \
         [bytes(x) if isinstance(x, memoryview) else id(x) for x in separate_py]
-    env_py, header_py = frames.decode_header_python(bytearray(frame_py))
-    env_c, header_c = c.decode_header(bytearray(frame_py))
+    env_py, header_py = frames.decode_header_python(bytearray(frame_py), 3)
+    env_c, header_c = c.decode_header(bytearray(frame_py), 3)
+    assert env_c.src == 3 and c.decode_header(bytearray(frame_py))[0].src == -1
     fields = ("kind", "request_id", "flags", "context_id", "message_id", "tensors", "src")
     assert [getattr(env_c, f) for f in fields] == [getattr(env_py, f) for f in fields]
     assert type(env_c.payload) is type(env_py.payload)

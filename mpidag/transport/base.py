@@ -204,8 +204,7 @@ class FramedTransport(Transport):
         """The message whose frame 0 ``got`` (source, frame) is: its frames after frame 0
         received, its tensors made (``None``: its sender failed meanwhile)."""
         src, frame0 = got
-        env, header = frames.decode_header(frame0)
-        env.src = src
+        env, header = frames.decode_header(frame0, src)
         if header is None:
             return env
         try:

@@ -442,8 +442,17 @@ static PyObject *bad_frame(const char *what)
     return NULL;
 }
 
-static PyObject *decode_header(PyObject *Py_UNUSED(module), PyObject *frame)
+static PyObject *decode_header(PyObject *Py_UNUSED(module), PyObject *const *args,
+                               Py_ssize_t nargs)
 {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "decode_header(frame, src=-1)");
+        return NULL;
+    }
+    PyObject *frame = args[0];
+    long src = -1;
+    if (nargs > 1 && (src = PyLong_AsLong(args[1])) == -1 && PyErr_Occurred())
+        return NULL;
     Py_buffer buf;
     if (PyObject_GetBuffer(frame, &buf, PyBUF_SIMPLE) < 0)
         return NULL;
@@ -457,7 +466,8 @@ static PyObject *decode_header(PyObject *Py_UNUSED(module), PyObject *frame)
     int wire = (unsigned char)p[2];
     int n_tensors = get_u16(p + 3);
     if (wire & (WIRE_PAYLOAD_FRAME | WIRE_SPARSE)) {
-        result = PyObject_CallOneArg(S.decode_py, frame);
+        result = nargs > 1 ? PyObject_CallFunctionObjArgs(S.decode_py, frame, args[1], NULL)
+                           : PyObject_CallOneArg(S.decode_py, frame);
         goto done;
     }
     uint32_t data_tag = get_u32(p + 5);
@@ -481,7 +491,7 @@ static PyObject *decode_header(PyObject *Py_UNUSED(module), PyObject *frame)
         PyLong_FromLong((unsigned char)p[0]), PyLong_FromLongLong(get_i64(p + 9)),
         PyLong_FromLong((unsigned char)p[1]), PyLong_FromLongLong(get_i64(p + 17)),
         PyLong_FromLongLong(get_i64(p + 25)), Py_NewRef(payload), tensor_list,
-        PyLong_FromLong(-1)};
+        PyLong_FromLong(src)};
     if (all_made(values, 8) < 0 || set_slots(env, S.env_slots, values, 8) < 0)
         goto done;
     if (n_tensors == 0) {
@@ -571,8 +581,8 @@ static PyMethodDef methods[] = {
      "configure(...): the classes, tables and Python fallbacks of frames.py"},
     {"encode", (PyCFunction)(void (*)(void))encode, METH_FASTCALL | METH_KEYWORDS,
      "encode(env, devices, data_tag) -> (frame0, separate): frames.encode in C"},
-    {"decode_header", (PyCFunction)decode_header, METH_O,
-     "decode_header(frame) -> (env, header | None): frames.decode_header in C"},
+    {"decode_header", (PyCFunction)(void (*)(void))decode_header, METH_FASTCALL,
+     "decode_header(frame, src=-1) -> (env, header | None): frames.decode_header in C"},
     {"ready", ready, METH_NOARGS, "whether configure() was called"},
     {NULL, NULL, 0, NULL},
 };

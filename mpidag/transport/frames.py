@@ -780,10 +780,12 @@ class Header:
     sparse: list[SparseSpec] | None = None
 
 
-def decode_header_python(frame: bytearray | bytes) -> tuple[Envelope, Header | None]:
+def decode_header_python(frame: bytearray | bytes, src: int = -1
+                         ) -> tuple[Envelope, Header | None]:
     """Parse frame 0: returns the envelope (without tensors; without payload when that
     travels as its own frame) and the :class:`Header` that says what follows, or ``None``
-    for a message that is all in frame 0 and has no tensor (most calls and replies)."""
+    for a message that is all in frame 0 and has no tensor (most calls and replies).
+    ``src``: the sending rank, the envelope's ``src``."""
     (kind, flags, wire, n_tensors, data_tag, request_id, context_id, message_id, payload_len,
      specs_len, _inline_len) = HEADER.unpack_from(frame, 0)
     view = memoryview(frame)
@@ -791,7 +793,7 @@ def decode_header_python(frame: bytearray | bytes) -> tuple[Envelope, Header | N
     separate = bool(wire & WIRE_PAYLOAD_FRAME)
     if not n_tensors and not separate:
         return Envelope(kind, request_id, flags, context_id, message_id,
-                        view[pos:pos + payload_len]), None
+                        view[pos:pos + payload_len], [], src), None
     in_frame0 = 0 if separate else payload_len
     payload = b"" if separate else view[pos:pos + payload_len]
     specs: list[TensorSpec] = []
@@ -815,7 +817,7 @@ def decode_header_python(frame: bytearray | bytes) -> tuple[Envelope, Header | N
                 specs.append(spec)
         inline_start = _align(end)
     env = Envelope(kind=kind, request_id=request_id, flags=flags, context_id=context_id,
-                   message_id=message_id, payload=payload)
+                   message_id=message_id, payload=payload, src=src)
     return env, Header(data_tag, specs, inline_start, payload_len, separate, sparse)
 
 
