@@ -13,7 +13,9 @@ repeats to within a few percent on a noisy VM, unlike the two-rank benchmarks::
 
 Rows: a no-op ``rpc_sync``, a 1 KiB tensor echo, and an ``rpc_sync`` of two tensors that
 require grad inside a distributed autograd context (recording the send and recv functions
-on both ends, the context created on the callee and released on both ends). Each row is the
+on both ends, the context created on the callee and released on both ends), then what that
+row is made of: the same call without grad and without a context, and without grad in a
+context (the difference to the row is the recording of the four functions). Each row is the
 best of 5 repetitions of 5,000-20,000 calls.
 """
 
@@ -125,11 +127,17 @@ def main(argv: list[str] | None = None) -> int:
     ranks = TwoRanks()
     x = torch.ones(256)
     a, b = torch.rand(3, 3, requires_grad=True), torch.rand(3, 3, requires_grad=True)
+    an, bn = a.detach(), b.detach()
     rows = [
         ("no-op rpc_sync", lambda: ranks.call(noop, ()), 20_000),
         ("1 KiB tensor echo", lambda: ranks.call(identity, (x,)), 20_000),
         ("2 tensors requiring grad, in an autograd context",
          lambda: ranks.call_in_context(add, (a, b)), 5_000),
+        # what that row is made of: the call alone, and the context without recording
+        ("  the same call, tensors without grad, no context",
+         lambda: ranks.call(add, (an, bn)), 5_000),
+        ("  the same call, tensors without grad, in a context",
+         lambda: ranks.call_in_context(add, (an, bn)), 5_000),
     ]
     print(f"{'row':<52}{'us of Python per round trip (both ends)':>42}")
     for name, fn, number in rows:
