@@ -69,6 +69,8 @@ WAIT_WINDOW = 20e-6
 
 def _nothing() -> None:
     pass
+
+
 #: after a long silence a leader's sleeps may grow to this many times ``max_sleep`` (see
 #: :data:`mpidag._backoff.LONG_IDLE_SHARE`)
 LONG_SLEEP_FACTOR = 10
