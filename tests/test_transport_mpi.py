@@ -216,3 +216,23 @@ def test_a_wire_built_for_another_mpi_is_refused_with_the_reason(caplog):
     assert "mpi4py uses 'Some Other MPI v9.9'" in status()
     assert "python -m mpidag.transport.wire_build" in status()
     assert [r.levelname for r in caplog.records] == ["WARNING"]
+
+
+def test_modules_built_from_other_sources_are_not_used_and_say_so(monkeypatch):
+    """After a ``git pull`` without ``setup.sh`` the built modules may lack what this
+    mpidag calls: they are not used (the Python path runs) and the reason says to rebuild."""
+    from mpidag.transport import frames
+    from mpidag.transport.wire import open_wire, status
+
+    if not wire_is_built():
+        pytest.skip("the compiled modules are not built here")
+    import _mpidag_frames
+    import _mpidag_wire
+
+    monkeypatch.setattr(_mpidag_wire, "VERSION", 1)
+    assert open_wire(None, tag=0, MPI=None) is None  # (refused before MPI is asked)
+    assert "built from other sources (version 1" in status() and "wire_build" in status()
+    monkeypatch.setattr(_mpidag_frames, "VERSION", 1)
+    monkeypatch.setattr(frames, "_codec_problem", None)
+    assert frames._load_codec() is None
+    assert "built from other sources (version 1" in frames.codec_problem()

@@ -846,10 +846,22 @@ decode_header = decode_header_python
 _codec: Any = None
 
 
+#: the ``VERSION`` of ``frames.c`` this module calls (a build from older sources is not
+#: used: the Python codec runs, with a warning to rebuild)
+CODEC_VERSION = 2
+
+
 def _load_codec() -> Any:
     try:
         import _mpidag_frames as codec  # type: ignore[import-not-found]
     except ImportError:
+        return None
+    if getattr(codec, "VERSION", 1) != CODEC_VERSION:
+        global _codec_problem
+        _codec_problem = (f"{codec.__file__} was built from other sources (version "
+                          f"{getattr(codec, 'VERSION', 1)}, this mpidag needs "
+                          f"{CODEC_VERSION}): the Python codec runs; rebuild it with "
+                          f"'python -m mpidag.transport.wire_build'")
         return None
     codec.configure(envelope=Envelope, header=Header, spec=TensorSpec, dtypes=DTYPES,
                     dtype_codes=DTYPE_CODE, device_name=_device_name,
@@ -879,8 +891,18 @@ def use_compiled(compiled: bool) -> bool:
 
 
 def compiled_codec() -> Any:
-    """The C codec module, or ``None`` when it is not built."""
+    """The C codec module, or ``None`` when it is not built (or built from other sources:
+    see :func:`codec_problem`)."""
     return _codec
+
+
+def codec_problem() -> str | None:
+    """Why a built C codec is not used (``None``: it is, or none is built); the MPI
+    transport logs it at ``init_rpc``."""
+    return _codec_problem
+
+
+_codec_problem: str | None = None
 
 
 _codec = _load_codec()

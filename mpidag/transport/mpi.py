@@ -344,7 +344,8 @@ class MPITransport(FramedTransport):
         #: the compiled frame-0 path (:mod:`mpidag.transport.wire`), or ``None``; the frame-0
         #: codec follows the same switch (``MPIDAG_COMPILED``)
         self.wire = open_wire(self.comm, HEADER_TAG, MPI, compiled)
-        frames.use_compiled(compiled)
+        if not frames.use_compiled(compiled) and compiled and frames.codec_problem():
+            log.warning("%s", frames.codec_problem())  # a build from older sources
         if self.wire is not None:
             if ft:  # a failed peer's error is noted, as on the Python path
                 self._send_frame0_unlocked = self._wire_send_ft

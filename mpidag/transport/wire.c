@@ -332,7 +332,10 @@ PyMODINIT_FUNC PyInit__mpidag_wire(void)
     PyObject *module = PyModule_Create(&wire_module);
     if (module == NULL)
         return NULL;
-    if (PyModule_AddObjectRef(module, "Wire", (PyObject *)&WireType) < 0) {
+    /* what mpidag/transport/wire.py expects (WIRE_VERSION): a build from older sources
+     * is not used */
+    if (PyModule_AddIntConstant(module, "VERSION", 2) < 0 ||
+            PyModule_AddObjectRef(module, "Wire", (PyObject *)&WireType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

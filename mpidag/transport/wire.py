@@ -28,7 +28,11 @@ import importlib
 import logging
 from typing import Any
 
-__all__ = ["open_wire", "status"]
+__all__ = ["WIRE_VERSION", "open_wire", "status"]
+
+#: the ``VERSION`` of ``wire.c`` this code calls (a build from older sources lacks a
+#: method: rebuild it)
+WIRE_VERSION = 2
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +56,11 @@ def _load(MPI: Any) -> tuple[Any, str]:
     except ImportError as exc:
         return None, (f"Python frame-0 path: the compiled one is not built ({exc}); build it "
                       f"with 'python -m mpidag.transport.wire_build'")
+    if getattr(module, "VERSION", 1) != WIRE_VERSION:
+        return None, (f"Python frame-0 path: {module.__file__} was built from other sources "
+                      f"(version {getattr(module, 'VERSION', 1)}, this mpidag needs "
+                      f"{WIRE_VERSION}); rebuild it with "
+                      f"'python -m mpidag.transport.wire_build'")
     ours = module.library_version().splitlines()[0].strip()
     theirs = MPI.Get_library_version().splitlines()[0].strip()
     if ours != theirs:
@@ -72,6 +81,6 @@ def open_wire(comm: Any, tag: int, MPI: Any, compiled: bool = True) -> Any:
         return None
     module, _status = _load(MPI)
     if module is None:  # a build for another MPI is a mistake to fix; none is a choice
-        (log.warning if "built against" in _status else log.info)("%s", _status)
+        (log.info if "not built" in _status else log.warning)("%s", _status)
         return None
     return module.Wire(MPI._handleof(comm), tag, MPI.Exception)
