@@ -68,6 +68,12 @@ def test_the_compiled_wire_sends_receives_and_keeps_large_frames_in_flight():
             if not waiter.is_alive():
                 break
         assert got == [None] and not waiter.is_alive()
+        wire.close()  # before the communicator is freed: an error, never a crash
+        with pytest.raises(MPI.Exception) as info:
+            wire.probe()
+        assert info.value.Get_error_class() == MPI.ERR_COMM
+        with pytest.raises(MPI.Exception):
+            wire.send(0, b"after close")
         assert open_wire(comm, tag=3, MPI=MPI, compiled=False) is None
         assert status() == "Python frame-0 path: MPIDAG_COMPILED=0"
     finally:

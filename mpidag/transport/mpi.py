@@ -575,6 +575,8 @@ class MPITransport(FramedTransport):
                     self._on_mpi_error(exc)
         super().close(collective)
         if collective and not self.failed:  # (a communicator with a dead rank is left)
+            if self.wire is not None:
+                self.wire.close()  # later calls raise, as mpi4py's on a freed communicator
             with self._mpi_lock:
                 if self._coll is not self.comm:
                     self._coll.Free()

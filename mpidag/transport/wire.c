@@ -36,7 +36,14 @@ typedef struct {
     InFlight *sends;       /* a ring of sends in flight */
     Py_ssize_t head, count, capacity;
     volatile int interrupted; /* set by interrupt(): a waiting probe returns at once */
+    int closed;               /* close(): the communicator is about to be freed */
 } Wire;
+
+/* After close() every call raises MPI_ERR_COMM, as mpi4py does for a freed communicator
+ * (a thread still running user code after shutdown must get an error, not a crash). */
+#define CHECK_OPEN(self)                                                                   \
+    if ((self)->closed)                                                                    \
+        return raise_mpi((self), MPI_ERR_COMM);
 
 static PyObject *raise_mpi(Wire *self, int ierr)
 {
@@ -130,6 +137,7 @@ static int push(Wire *self, MPI_Request request, Py_buffer *view)
 
 static PyObject *Wire_send(Wire *self, PyObject *const *args, Py_ssize_t nargs)
 {
+    CHECK_OPEN(self)
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "send(dst, frame) takes 2 arguments");
         return NULL;
@@ -180,6 +188,7 @@ static double now_s(void)
  * ``seconds`` 0 exactly one MPI_Improbe. The GIL is released for the whole wait. */
 static PyObject *receive(Wire *self, double seconds, int yield_cpu)
 {
+    CHECK_OPEN(self)
     if (self->count > 0 && complete(self) < 0)
         return NULL;
     int flag = 0, ierr, count = 0;
@@ -252,6 +261,13 @@ static PyObject *Wire_probe_wait(Wire *self, PyObject *const *args, Py_ssize_t n
     return receive(self, seconds > 0 ? seconds : 0.0, yield_cpu);
 }
 
+static PyObject *Wire_close(Wire *self, PyObject *Py_UNUSED(ignored))
+{
+    self->closed = 1;
+    self->interrupted = 1; /* a wait under way ends; the next call raises */
+    Py_RETURN_NONE;
+}
+
 static PyObject *Wire_interrupt(Wire *self, PyObject *Py_UNUSED(ignored))
 {
     self->interrupted = 1;
@@ -260,6 +276,7 @@ static PyObject *Wire_interrupt(Wire *self, PyObject *Py_UNUSED(ignored))
 
 static PyObject *Wire_complete_sends(Wire *self, PyObject *Py_UNUSED(ignored))
 {
+    CHECK_OPEN(self)
     if (complete(self) < 0)
         return NULL;
     return PyLong_FromSsize_t(self->count);
@@ -289,6 +306,8 @@ static PyMethodDef Wire_methods[] = {
     {"probe_wait", (PyCFunction)(void (*)(void))Wire_probe_wait, METH_FASTCALL,
      "probe_wait(seconds, yield_cpu=False) -> (source, bytearray) | None: probe() until a "
      "frame 0 arrives, seconds pass or interrupt() is called, without the GIL"},
+    {"close", (PyCFunction)Wire_close, METH_NOARGS,
+     "close(): before the communicator is freed; every later call raises MPI_ERR_COMM"},
     {"interrupt", (PyCFunction)Wire_interrupt, METH_NOARGS,
      "interrupt(): the probe_wait() under way (or the next one) returns at once"},
     {"complete_sends", (PyCFunction)Wire_complete_sends, METH_NOARGS,
@@ -334,7 +353,7 @@ PyMODINIT_FUNC PyInit__mpidag_wire(void)
         return NULL;
     /* what mpidag/transport/wire.py expects (WIRE_VERSION): a build from older sources
      * is not used */
-    if (PyModule_AddIntConstant(module, "VERSION", 2) < 0 ||
+    if (PyModule_AddIntConstant(module, "VERSION", 3) < 0 ||
             PyModule_AddObjectRef(module, "Wire", (PyObject *)&WireType) < 0) {
         Py_DECREF(module);
         return NULL;

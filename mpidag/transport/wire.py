@@ -32,7 +32,7 @@ __all__ = ["WIRE_VERSION", "open_wire", "status"]
 
 #: the ``VERSION`` of ``wire.c`` this code calls (a build from older sources lacks a
 #: method: rebuild it)
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 
 log = logging.getLogger(__name__)
 
