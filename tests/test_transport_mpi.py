@@ -57,7 +57,7 @@ def test_the_compiled_wire_sends_receives_and_keeps_large_frames_in_flight():
         # thread can only end before its 600 s because of interrupt())
         wire.send(0, b"waited for")
         assert wire.probe_wait(600.0) == (0, bytearray(b"waited for"))
-        assert wire.probe_wait(0.0) is None and wire.probe_wait(1e-4, True) is None
+        assert wire.probe_wait(0.0) is None and wire.probe_wait(1e-4) is None
         got = []
         waiter = threading.Thread(target=lambda: got.append(wire.probe_wait(600.0)),
                                   daemon=True)

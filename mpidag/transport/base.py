@@ -147,14 +147,14 @@ class FramedTransport(Transport):
         if rank not in self.failed and rank != self.rank:
             self.failed.add(rank)
             self._loopback.append(Envelope(kind=PEER_FAILED, src=rank))
-            self._loopback_added()
+            self.interrupt_wait()  # a poll_wait under way sees it at once
 
     def send_now(self, dst: int, env: Envelope, devices: list[str]) -> None:
         if self.failed and dst in self.failed:  # (the agent names the worker)
             raise WorkerFailedError(f"rank {dst} failed", dst)
         if dst == self.rank:
             self._loopback.append(self._loopback_copy(env, devices))
-            self._loopback_added()
+            self.interrupt_wait()  # a poll_wait under way sees it at once
             return
         needs_tag = env.tensors or len(env.payload) > frames.PAYLOAD_FRAME_LIMIT
         data_tag = 1 + next(self._tag_counter) % self._n_data_tags if needs_tag else 0
@@ -188,10 +188,6 @@ class FramedTransport(Transport):
                         payload=bytes(env.payload), tensors=tensors, src=self.rank)
 
     # ---------------------------------------------------------- receiving
-    def _loopback_added(self) -> None:
-        """A message to this rank itself was queued (a transport whose poll waits outside
-        Python ends that wait here)."""
-
     def poll(self) -> Envelope | None:
         if self._loopback:
             return self._loopback.popleft()

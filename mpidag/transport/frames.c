@@ -234,17 +234,24 @@ static int describe(PyObject *t, PyObject *device, Part *part)
     return 0;
 }
 
-/* Whether a CPU tensor's memory can be copied as it is (contiguous, not conj or neg). */
-static int plain_memory(PyObject *t)
+/* Where an inline tensor's bytes are, if its memory can be copied as it is (contiguous,
+ * neither conjugated nor negated): 0, FALLBACK (copy it in Python) or -1 (error). */
+static int inline_data(Part *part)
 {
-    int r = attr_true(t, S.s_is_contiguous, 1);
-    if (r <= 0)
-        return r;
-    if ((r = attr_true(t, S.s_is_conj, 1)) != 0)
-        return r < 0 ? -1 : 0;
-    if ((r = attr_true(t, S.s_is_neg, 1)) != 0)
-        return r < 0 ? -1 : 0;
-    return 1;
+    PyObject *t = part->tensor;
+    int contiguous = attr_true(t, S.s_is_contiguous, 1);
+    int conj = contiguous > 0 ? attr_true(t, S.s_is_conj, 1) : 0;
+    int neg = contiguous > 0 && conj == 0 ? attr_true(t, S.s_is_neg, 1) : 0;
+    if (contiguous < 0 || conj < 0 || neg < 0)
+        return -1;
+    if (!contiguous || conj || neg)
+        return FALLBACK;
+    PyObject *ptr = PyObject_CallMethodNoArgs(t, S.s_data_ptr);
+    if (ptr == NULL)
+        return -1;
+    part->data = PyLong_AsVoidPtr(ptr);
+    Py_DECREF(ptr);
+    return PyErr_Occurred() ? -1 : 0;
 }
 
 static void put_header(char *p, int kind, int flags, int wire, int n_tensors,
@@ -330,10 +337,13 @@ static PyObject *encode(PyObject *Py_UNUSED(module), PyObject *const *args, Py_s
         goto fall_back;
     /* specs, and where each tensor's bytes go */
     Py_ssize_t specs_len = 0, inline_total = 0;
-    for (; n_parts < n; n_parts++) {
-        Part *part = &parts[n_parts];
-        int rc = describe(PyList_GET_ITEM(tensors, n_parts), PyList_GET_ITEM(devices, n_parts),
-                          part);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Part *part = &parts[i];
+        int rc = describe(PyList_GET_ITEM(tensors, i), PyList_GET_ITEM(devices, i), part);
+        if (rc == 0)
+            n_parts = i + 1; /* its shape is held, released at the end */
+        if (rc == 0 && part->nbytes > 0 && inline_total + part->nbytes <= S.inline_limit)
+            rc = inline_data(part);
         if (rc < 0)
             goto done;
         if (rc == FALLBACK)
@@ -341,27 +351,7 @@ static PyObject *encode(PyObject *Py_UNUSED(module), PyObject *const *args, Py_s
         specs_len += SPEC_FIXED + 8 * part->ndim;
         if (part->nbytes == 0) {
             part->offset = 0;
-        } else if (inline_total + part->nbytes <= S.inline_limit) {
-            int plain = plain_memory(part->tensor);
-            if (plain < 0) {
-                n_parts++;
-                goto done;
-            }
-            if (!plain) {
-                n_parts++;
-                goto fall_back;
-            }
-            PyObject *ptr = PyObject_CallMethodNoArgs(part->tensor, S.s_data_ptr);
-            if (ptr == NULL) {
-                n_parts++;
-                goto done;
-            }
-            part->data = PyLong_AsVoidPtr(ptr);
-            Py_DECREF(ptr);
-            if (PyErr_Occurred()) {
-                n_parts++;
-                goto done;
-            }
+        } else if (part->data != NULL) {
             part->offset = inline_total;
             inline_total += align16(part->nbytes);
         } else {
@@ -417,7 +407,7 @@ static PyObject *encode(PyObject *Py_UNUSED(module), PyObject *const *args, Py_s
 fall_back:
     result = fallback_encode(env, devices, tag);
 done:
-    for (Py_ssize_t i = 0; i < n_parts && i < n; i++)
+    for (Py_ssize_t i = 0; i < n_parts; i++)
         Py_CLEAR(parts[i].shape);
     Py_XDECREF(frame);
     Py_XDECREF(separate);

@@ -349,7 +349,7 @@ class MPITransport(FramedTransport):
         if self.wire is not None:
             if ft:  # a failed peer's error is noted, as on the Python path
                 self._send_frame0_unlocked = self._wire_send_ft
-                self._probe_unlocked = self._wire_probe_ft
+                self._probe_unlocked = self._wire_probe_ft  # (seconds=0: one probe)
             else:  # any MPI error is raised as it is, as on the Python path
                 self._send_frame0_unlocked = self.wire.send
                 self._probe_unlocked = self.wire.probe
@@ -360,7 +360,7 @@ class MPITransport(FramedTransport):
         #: C without the GIL (the compiled path under ``THREAD_MULTIPLE``), else ``None``
         self.poll_wait: Callable[[float], Envelope | None] | None = None
         if self.wire is not None and self.thread_multiple:
-            self._probe_wait = self._wire_probe_wait_ft if ft else self.wire.probe_wait
+            self._probe_wait = self._wire_probe_ft if ft else self.wire.probe_wait
             self.poll_wait = self._poll_wait
             self.interrupt_wait = self.wire.interrupt
 
@@ -431,14 +431,7 @@ class MPITransport(FramedTransport):
             self._on_mpi_error(exc)
             raise WorkerFailedError(f"rank {dst} failed", dst) from None
 
-    def _wire_probe_ft(self) -> tuple[int, bytearray] | None:
-        try:
-            return self.wire.probe()
-        except self._MPI.Exception as exc:  # a failed peer: reported by the next poll
-            self._on_mpi_error(exc)
-            return None
-
-    def _wire_probe_wait_ft(self, seconds: float) -> tuple[int, bytearray] | None:
+    def _wire_probe_ft(self, seconds: float = 0.0) -> tuple[int, bytearray] | None:
         try:
             return self.wire.probe_wait(seconds)
         except self._MPI.Exception as exc:  # a failed peer: reported by the next poll
@@ -450,9 +443,6 @@ class MPITransport(FramedTransport):
             return self._loopback.popleft()
         got = self._probe_wait(seconds)
         return None if got is None else self._open(got)
-
-    def _loopback_added(self) -> None:
-        self.interrupt_wait()
 
     def _send_frame(self, dst: int, tag: int, buffer: Any) -> None:
         self._transfer(self.comm.Isend, buffer, dst, tag)

@@ -19,7 +19,6 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <mpi.h>
-#include <sched.h>
 #include <stdint.h>
 #include <time.h>
 
@@ -95,19 +94,16 @@ static int complete(Wire *self)
         Py_END_ALLOW_THREADS
         oldest = &self->sends[self->head]; /* the ring may have grown meanwhile */
         oldest->request = request;
-        if (ierr != MPI_SUCCESS) {
-            /* a send to a rank that failed: dropped, and the error reported */
-            PyBuffer_Release(&oldest->view);
-            self->head = (self->head + 1) % self->capacity;
-            self->count--;
-            raise_mpi(self, ierr);
-            return -1;
-        }
-        if (!done)
+        if (ierr == MPI_SUCCESS && !done)
             return 0;
+        /* done, or a send to a rank that failed: dropped, and the error reported */
         PyBuffer_Release(&oldest->view);
         self->head = (self->head + 1) % self->capacity;
         self->count--;
+        if (ierr != MPI_SUCCESS) {
+            raise_mpi(self, ierr);
+            return -1;
+        }
     }
     return 0;
 }
@@ -186,7 +182,7 @@ static double now_s(void)
 
 /* Probe until a frame 0 is there, ``seconds`` passed or interrupt() was called; with
  * ``seconds`` 0 exactly one MPI_Improbe. The GIL is released for the whole wait. */
-static PyObject *receive(Wire *self, double seconds, int yield_cpu)
+static PyObject *receive(Wire *self, double seconds)
 {
     CHECK_OPEN(self)
     if (self->count > 0 && complete(self) < 0)
@@ -202,8 +198,6 @@ static PyObject *receive(Wire *self, double seconds, int yield_cpu)
             break;
         if (now_s() >= until)
             break;
-        if (yield_cpu)
-            sched_yield();
     }
     if (ierr == MPI_SUCCESS && flag)
         ierr = MPI_Get_count(&status, MPI_BYTE, &count);
@@ -225,40 +219,20 @@ static PyObject *receive(Wire *self, double seconds, int yield_cpu)
         Py_DECREF(frame);
         return raise_mpi(self, ierr);
     }
-    PyObject *src = PyLong_FromLong(source);
-    if (src == NULL) {
-        Py_DECREF(frame);
-        return NULL;
-    }
-    PyObject *result = PyTuple_New(2);
-    if (result == NULL) {
-        Py_DECREF(src);
-        Py_DECREF(frame);
-        return NULL;
-    }
-    PyTuple_SET_ITEM(result, 0, src);
-    PyTuple_SET_ITEM(result, 1, frame);
-    return result;
+    return Py_BuildValue("(iN)", source, frame);
 }
 
 static PyObject *Wire_probe(Wire *self, PyObject *Py_UNUSED(ignored))
 {
-    return receive(self, 0.0, 0);
+    return receive(self, 0.0);
 }
 
-static PyObject *Wire_probe_wait(Wire *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *Wire_probe_wait(Wire *self, PyObject *arg)
 {
-    if (nargs < 1 || nargs > 2) {
-        PyErr_SetString(PyExc_TypeError, "probe_wait(seconds, yield_cpu=False)");
-        return NULL;
-    }
-    double seconds = PyFloat_AsDouble(args[0]);
+    double seconds = PyFloat_AsDouble(arg);
     if (seconds == -1.0 && PyErr_Occurred())
         return NULL;
-    int yield_cpu = nargs > 1 ? PyObject_IsTrue(args[1]) : 0;
-    if (yield_cpu < 0)
-        return NULL;
-    return receive(self, seconds > 0 ? seconds : 0.0, yield_cpu);
+    return receive(self, seconds > 0 ? seconds : 0.0);
 }
 
 static PyObject *Wire_close(Wire *self, PyObject *Py_UNUSED(ignored))
@@ -303,9 +277,9 @@ static PyMethodDef Wire_methods[] = {
      "send(dst, frame): start sending frame 0 to dst; it stays in flight if not done"},
     {"probe", (PyCFunction)Wire_probe, METH_NOARGS,
      "probe() -> (source, bytearray) | None: the next frame 0, received whole"},
-    {"probe_wait", (PyCFunction)(void (*)(void))Wire_probe_wait, METH_FASTCALL,
-     "probe_wait(seconds, yield_cpu=False) -> (source, bytearray) | None: probe() until a "
-     "frame 0 arrives, seconds pass or interrupt() is called, without the GIL"},
+    {"probe_wait", (PyCFunction)Wire_probe_wait, METH_O,
+     "probe_wait(seconds) -> (source, bytearray) | None: probe() until a frame 0 arrives, "
+     "seconds pass or interrupt() is called, without the GIL"},
     {"close", (PyCFunction)Wire_close, METH_NOARGS,
      "close(): before the communicator is freed; every later call raises MPI_ERR_COMM"},
     {"interrupt", (PyCFunction)Wire_interrupt, METH_NOARGS,
