@@ -16,7 +16,8 @@ import textwrap
 import pytest
 
 from tests.conftest import ROOT
-from tests.torch_suites.runner import Result, table
+from tests.torch_suites import exclusions
+from tests.torch_suites.runner import Result, choose_ci_part, table
 
 
 def _python(code: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -65,6 +66,12 @@ try:
     exclusions.check()
 except ValueError as exc:
     errors.append(str(exc))
+exclusions.EXCLUDED.clear()
+exclusions.CI_PART = exclusions.CI_PART | {"DdpUnderDistAutogradTest.test_backward_ddp_inside"}
+try:
+    exclusions.check()
+except ValueError as exc:
+    errors.append(str(exc))
 print(json.dumps({"errors": errors}))
 """
 
@@ -90,9 +97,22 @@ def test_exclusion_list_is_valid_and_names_only_reasons_of_the_closed_list(check
 
 
 def test_exclusion_check_rejects_unknown_reasons_and_tests(checks):
-    first, second = checks["errors"]
+    first, second, third = checks["errors"]
     assert "unknown reason 'flaky'" in first
     assert "RpcTest.test_no_such_test is not a test of the installed torch" in second
+    assert "race in torch's own code: ['DdpUnderDistAutogradTest.test_backward_ddp_inside']" \
+        in third
+
+
+def test_ci_part_is_chosen_without_slow_or_racy_tests():
+    racy = next(iter(exclusions.RACY_IN_TORCH))
+    cls, name = racy.split(".")
+    results = [Result("ddp_under_dist_autograd_test.py", cls, name, "passed", seconds=1.0),
+               Result("ddp_under_dist_autograd_test.py", cls, "test_backward_no_ddp",
+                      "passed", seconds=1.0),
+               Result("ddp_under_dist_autograd_test.py", cls, "test_slow", "passed",
+                      seconds=30.0)]
+    assert choose_ci_part(results) == [f"{cls}.test_backward_no_ddp"]
 
 
 def test_table_counts_hangs_and_crashes_as_failures_and_gives_the_rate():
@@ -134,3 +154,5 @@ def test_porting_guide_shows_every_exclusion():
     guide = (ROOT / "docs" / "porting.md").read_text()
     missing = [key for key in out.stdout.split() if f"`{key}`" not in guide]
     assert not missing, f"docs/porting.md does not list these exclusions: {missing}"
+    missing = [key for key in exclusions.RACY_IN_TORCH if f"`{key}`" not in guide]
+    assert not missing, f"docs/porting.md does not name these racy tests: {missing}"

@@ -100,6 +100,21 @@ EXCLUDED: dict[str, tuple[str, str]] = {
         "tensorpipe", "asserts the agent is an instance of torch's C++ TensorPipeAgent"),
 }
 
+#: "Class.test_name" -> why: tests that race in torch's own code; they run in the full run
+#: (``python -m tests.torch_suites``) but never in CI's fixed part, where one failure in two
+#: tries would fail CI for a reason mpidag cannot fix
+RACY_IN_TORCH: dict[str, str] = {
+    "DdpUnderDistAutogradTest.test_backward_ddp_inside": (
+        "the master's rpc.remote(trainer, Trainer) can reach a trainer whose main thread is "
+        "still inside dist.init_process_group (past the Gloo rendezvous, before the default "
+        "group is set), and Trainer.__init__'s dist.new_group raises 'Default process group "
+        "has not been initialized'; TensorPipe's ~1 ms latency hides the race, mpidag's "
+        "~10 us does not (failed 2 of 5 runs of its class, on the Python path too)"),
+    "DdpUnderDistAutogradTest.test_backward_ddp_outside": (
+        "the same race as test_backward_ddp_inside (Trainer.__init__ calls dist.new_group)"),
+}
+
+
 def _read_ci_part() -> frozenset[str]:
     from pathlib import Path
 
@@ -125,7 +140,8 @@ def check() -> None:
             try:
                 cls = suites.test_class(suite, cls_name)
             except Exception:  # noqa: BLE001 - reported by the runner as the file's failure
-                known |= {k for k in (*EXCLUDED, *CI_PART) if k.startswith(cls_name + ".")}
+                known |= {k for k in (*EXCLUDED, *CI_PART, *RACY_IN_TORCH)
+                          if k.startswith(cls_name + ".")}
                 continue
             known |= {f"{cls_name}.{n}" for n in suites.test_names(cls)}
     for key, (reason, why) in EXCLUDED.items():
@@ -139,3 +155,11 @@ def check() -> None:
     stale = sorted(CI_PART - known)
     if stale:
         raise ValueError(f"exclusions.py: CI_PART names tests torch does not have: {stale}")
+    stale = sorted(set(RACY_IN_TORCH) - known)
+    if stale:
+        raise ValueError(f"exclusions.py: RACY_IN_TORCH names tests torch does not have: "
+                         f"{stale}")
+    racy_in_ci = sorted(CI_PART & set(RACY_IN_TORCH))
+    if racy_in_ci:
+        raise ValueError(f"exclusions.py: CI's fixed part (ci_part.txt) has tests that race "
+                         f"in torch's own code: {racy_in_ci}")
