@@ -178,3 +178,50 @@ def test_local_backward_through_a_recv_function_is_a_clear_error():
     x = _received(anchor, torch.randn(2))
     with pytest.raises(RuntimeError, match="mpidag.autograd.backward"):
         x.sum().backward()
+
+
+class _Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001, ANN205
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001, ANN205
+        return g * 2
+
+
+@pytest.mark.parametrize("grad_mode", [True, False])
+def test_edge_of_gives_torchs_gradient_edge_for_every_kind_of_tensor(grad_mode):
+    from torch.autograd.graph import get_gradient_edge
+
+    leaf = torch.rand(4, 3, requires_grad=True)
+    with torch.enable_grad():
+        native = leaf * 2
+        second_output = torch.unbind(leaf)[2]  # output_nr 2 of one native node
+        python_output = _Double.apply(leaf)
+        anchor = torch.empty(0, requires_grad=True)
+        received = RecvRPC.apply(anchor, RecvRecord(1, 2, 1, 2, "m"),
+                                 [torch.ones(2), torch.zeros(3)])[1]
+    with torch.set_grad_enabled(grad_mode):
+        for tensor in (leaf, native, second_output, python_output, received):
+            ours, torchs = edge_of(tensor), get_gradient_edge(tensor)
+            assert (ours.node, ours.output_nr) == (torchs.node, torchs.output_nr)
+            assert (ours.ownership_token is None) == (torchs.ownership_token is None)
+            if ours.ownership_token is not None:  # a native node behind the Python one
+                assert ours.ownership_token.next_functions[0][0] is not None
+        assert edge_of(received).output_nr == 1
+        with pytest.raises(RuntimeError, match="does not require gradients"):
+            edge_of(torch.ones(2))
+
+
+def test_edge_of_a_python_node_output_keeps_the_graph_behind_it_alive():
+    import gc
+
+    leaf = torch.rand(3, requires_grad=True)
+    middle = leaf * 3
+    python_output = _Double.apply(middle)
+    edge = edge_of(python_output)
+    del middle, python_output  # only the edge holds the graph now
+    gc.collect()
+    (grad,) = torch.autograd.grad([edge], [leaf], [torch.ones(3)])
+    assert torch.equal(grad, torch.full((3,), 6.0))

@@ -246,6 +246,21 @@ class RecvRPC(torch.autograd.Function):
         )
 
 
+def _apply_recv(anchor: torch.Tensor, record: RecvRecord,
+                tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``RecvRPC.apply(anchor, record, tensors)`` without ``Function.apply``'s Python layer
+    (2.6 instead of 3.6 us a message): RecvRPC has no ``setup_context`` and its arguments
+    are no functorch wrappers, so that layer would only call the native ``apply``; under a
+    functorch transform the full ``apply`` runs."""
+    if _functorch_active():
+        return RecvRPC.apply(anchor, record, tensors)
+    return _native_recv_apply(anchor, record, tensors)
+
+
+#: the native ``_FunctionBase.apply`` bound to RecvRPC (what ``Function.apply`` ends in)
+_native_recv_apply = super(torch.autograd.Function, RecvRPC).apply
+_functorch_active = torch._C._are_functorch_transforms_active
+
 #: the node type of recv functions (what the engine looks for in the graph)
 RECV_NODE_TYPE: type = RecvRPC._backward_cls
 # torch's name of the node, as ``grad_fn.name()`` and graph printers show it
@@ -604,8 +619,11 @@ class ContextContainer(CallObserver):
         record = RecvRecord(ctx.context_id, message_id, src, len(index), what(),
                             self.live_recvs)
         plain = [tensors[i].detach() for i in index]
-        with torch.enable_grad():
-            outs = RecvRPC.apply(ctx.anchor, record, plain)
+        if torch.is_grad_enabled():  # as it is on the threads that receive
+            outs = _apply_recv(ctx.anchor, record, plain)
+        else:
+            with torch.enable_grad():
+                outs = _apply_recv(ctx.anchor, record, plain)
         with ctx.lock:
             ctx.known_workers.add(src)
             ctx.recvs[message_id] = record

@@ -69,15 +69,28 @@ AccumulateGrad: type = type(get_gradient_edge(torch.empty(0, requires_grad=True)
 EdgeKey = tuple[Any, int]
 
 
+_FunctionBase = torch._C._FunctionBase  # the base of Python nodes (autograd.Function)
+
+
 def edge_of(tensor: torch.Tensor) -> GradientEdge:
     """The edge through which ``tensor``'s gradient enters the graph (keeps it alive).
+
+    What ``torch.autograd.graph.get_gradient_edge`` returns, for half its cost (1.2 instead
+    of 2.5 us for a leaf, 0.3 instead of 0.6 us for the output of a native op): the same
+    node, input number and ownership token, without its generic checks, and without a grad
+    mode switch when grad mode is on (it is, wherever a message is recorded).
 
     Example::
 
         >>> edge_of(torch.ones(1, requires_grad=True)).node.name()
         'torch::autograd::AccumulateGrad'
     """
-    if tensor.layout is not torch.strided and tensor.requires_grad:
+    node = tensor.grad_fn
+    if node is not None and not isinstance(node, _FunctionBase):
+        return GradientEdge(node, tensor.output_nr)  # a native node owns its graph
+    if not tensor.requires_grad:
+        return get_gradient_edge(tensor)  # torch's own error
+    if tensor.layout is not torch.strided:
         # a sparse tensor: torch finds a leaf's accumulator (and keeps a Python node's
         # graph alive) through a view, which sparse tensors lack; a clone's node leads to
         # the same edge and owns the graph behind it
@@ -85,7 +98,16 @@ def edge_of(tensor: torch.Tensor) -> GradientEdge:
             token = tensor.clone().grad_fn
         node, output_nr = token.next_functions[0]
         return GradientEdge(node, output_nr, ownership_token=token)
-    return get_gradient_edge(tensor)
+    if torch.is_grad_enabled():
+        token = tensor.view_as(tensor).grad_fn
+    else:
+        with torch.enable_grad():
+            token = tensor.view_as(tensor).grad_fn
+    if node is None:  # a leaf: the view's node leads to its gradient accumulator
+        return GradientEdge(token.next_functions[0][0], 0)
+    # a Python node (a custom Function's output) does not keep the native graph behind it
+    # alive: the view's native node does
+    return GradientEdge(node, tensor.output_nr, ownership_token=token)
 
 
 class Reach:
