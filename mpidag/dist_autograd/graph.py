@@ -193,6 +193,8 @@ class Plan:
         self.recv_mask: dict[Any, int] = {}
         self.fired: set[Any] = set()
         self.regions: dict[int, _Region] = {}
+        #: the source mask of every node reached (only where some node is reached from
+        #: two sources: otherwise each source is a region of its own, with no exits)
         self.node_mask: dict[Any, int] = {}
         reaches = list(reaches) if reaches is not None else [None] * len(sources)
         for i, edges in enumerate(sources):
@@ -212,33 +214,33 @@ class Plan:
 
         Each source's reach is one depth-first pass (done when its send function was
         recorded, where possible, while the peer computes). When no node is reached from two
-        sources (the common case: a pipeline stage, a parameter server) the masks are the
-        sources' bits, merged at C speed; otherwise a topological pass computes full masks.
+        sources (the common case: a pipeline stage, a parameter server; checked at C speed)
+        each source is one region and no node needs a mask; otherwise a topological pass
+        computes every node's mask.
         """
-        succ: dict[Any, tuple] = {}
-        total = 0
         shared = False
         recv_mask = self.recv_mask
         for i, reach in enumerate(reaches):
-            succ.update(reach.succ)
-            total += len(reach.succ)
             for node in reach.recv_nodes:
                 seen = recv_mask.get(node, 0)
                 shared = shared or seen != 0
                 recv_mask[node] = seen | 1 << i
-        shared = shared or len(succ) != total
+        # (C-speed checks, no merged copy of the graph: a rank's plan runs between a
+        # gradient's arrival and its grad() call, on the critical path)
+        shared = shared or any(not a.succ.keys().isdisjoint(b.succ)
+                               for j, a in enumerate(reaches) for b in reaches[j + 1:])
         regions = self.regions
-        if not shared:
-            masks: dict[Any, int] = {}
+        if not shared:  # one region per source; no region has exits, so no node masks
             for i, reach in enumerate(reaches):
                 bit = 1 << i
-                masks.update(dict.fromkeys(reach.succ, bit))
                 region = _Region(bit, leaf_edges=reach.leaf_edges, recv_edges=reach.recv_edges)
                 region.entries = {key for key in self.sources[i]
                                   if key is not None and key[0] in reach.succ}
                 regions[bit] = region
-            self.node_mask = masks
             return
+        succ: dict[Any, tuple] = {}
+        for reach in reaches:
+            succ.update(reach.succ)
         masks = self._full_masks(succ)
         self.node_mask = masks
         acc, recv = AccumulateGrad, self.recv_type
