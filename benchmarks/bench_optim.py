@@ -14,7 +14,11 @@ pass (the gradients go back to the server through the lookup and the two fetches
 pass, and the other trainer's concurrent step would change it in place: autograd rejects
 that, in torch as here.)
 
-Rows (total steps per second of the two trainers, higher is better):
+Rows (total steps per second of the two trainers, higher is better; each sample is one
+run of 150 timed steps per trainer: with 60, one session's five samples spread 1.7x on the
+2-core VM, three ranks sharing two cores. torch RPC cannot start again in a process it shut
+down, so the two stacks cannot alternate within one run: compare_revisions.py alternates
+whole runs):
 
 * ``ps_shared_steps_per_s``: both trainers train the same table and layer (the torch RPC
   parameter-server tutorial's shape): mpidag vs torch.
@@ -165,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = comm.Get_rank()
     trainers = comm.Split(1 if rank > 0 else MPI.UNDEFINED, rank)
     trainers = None if trainers == MPI.COMM_NULL else trainers
-    steps, warmup, reps = (20, 5, 3) if args.quick else (60, 10, 5)
+    steps, warmup, reps = (20, 5, 3) if args.quick else (150, 10, 5)
     measured: dict[str, dict[str, list[float]]] = {}
     plan = {
         "mpidag": [("ps_shared_steps_per_s", "parameter"),
