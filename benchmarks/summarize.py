@@ -19,23 +19,22 @@ import statistics
 import sys
 from pathlib import Path
 
-#: (row, column of the ratio, comparison, bound, text) of issue 11's targets
+#: (row, column of the ratio, comparison, bound, text) of the open targets: issue 24's
+#: where it set one (the no-op, the 1 KiB echo, rpc_async, distributed autograd, the
+#: parameter server), issue 11's for the rest
 TARGETS: dict[str, list[tuple[str, str, float, str]]] = {
-    "rtt_noop_us": [("mpidag_vs_raw", "<=", 8.0, "<= 8x raw")],
-    "echo_1KiB_us": [("mpidag_vs_raw", "<=", 10.0, "<= 10x raw")],
+    "rtt_noop_us": [("mpidag_vs_raw", "<=", 5.0, "<= 5x raw")],
+    "echo_1KiB_us": [("mpidag_vs_raw", "<=", 12.0, "<= 12x raw")],
     "echo_1MiB_us": [("mpidag_vs_raw", "<=", 1.5, "<= 1.5x raw")],
     "echo_64MiB_us": [("mpidag_vs_raw", "<=", 1.1, "<= 1.1x raw")],
     "echo_1GiB_us": [("mpidag_vs_raw", "<=", 1.1, "<= 1.1x raw")],
-    "async_calls_per_s": [("mpidag", ">=", 50_000, ">= 50,000/s"),
-                          ("mpidag_vs_torch", ">=", 10.0, "or >= 10x torch")],
+    "async_calls_per_s": [("mpidag", ">=", 200_000, ">= 200,000/s")],
     "idle_cpu_percent": [("mpidag", "<=", 5.0, "<= 5 %")],
-    "autograd_pipeline_mlp_ms": [("mpidag_vs_torch", "<=", 0.9, "<= 0.9x torch"),
-                                 ("mpidag_vs_local_interleaved", "<=", 1.15,
-                                  "engine <= 1.15x local")],
-    "autograd_ops_1000_ms": [("mpidag_vs_torch", "<=", 0.9, "<= 0.9x torch"),
+    "autograd_pipeline_mlp_ms": [("mpidag_vs_torch", "<=", 0.7, "<= 0.7x torch")],
+    "autograd_ops_1000_ms": [("mpidag_vs_torch", "<=", 0.7, "<= 0.7x torch"),
                              ("mpidag_vs_local_interleaved", "<=", 1.15,
                               "engine <= 1.15x local")],
-    "autograd_seed_example_ms": [("mpidag_vs_torch", "<=", 0.9, "<= 0.9x torch")],
+    "autograd_seed_example_ms": [("mpidag_vs_torch", "<=", 0.7, "<= 0.7x torch")],
     "ps_shared_steps_per_s": [("mpidag_vs_torch", ">=", 1.3, ">= 1.3x torch")],
     "ps_disjoint_steps_per_s": [("mpidag_vs_torch", ">=", 1.3, ">= 1.3x torch")],
 }
