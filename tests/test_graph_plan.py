@@ -225,3 +225,18 @@ def test_edge_of_a_python_node_output_keeps_the_graph_behind_it_alive():
     gc.collect()
     (grad,) = torch.autograd.grad([edge], [leaf], [torch.ones(3)])
     assert torch.equal(grad, torch.full((3,), 6.0))
+
+
+def test_disjoint_reaches_are_told_from_overlapping_ones_whatever_their_order():
+    from mpidag.dist_autograd.graph import Reach, _disjoint
+
+    a, b = torch.rand(3, requires_grad=True), torch.rand(3, requires_grad=True)
+    shared = a.exp()
+    own_a, own_b = (a * 2).sin(), (b * 3).cos()
+    first, second = shared * 2, shared.sin()  # both behind `shared`'s node
+    reach = {name: Reach([edge_of(t)], RECV_NODE_TYPE)
+             for name, t in [("a", own_a), ("b", own_b), ("1", first), ("2", second)]}
+    assert _disjoint([reach["a"], reach["b"], reach["1"]])
+    for order in itertools.permutations(["b", "1", "2"]):
+        assert not _disjoint([reach[name] for name in order])
+    assert _disjoint([]) and _disjoint([reach["1"]])
