@@ -64,19 +64,22 @@ class IdGenerator:
         self.rank = rank
         self.rank_bits = rank_bits_for(world_size)
         self.counter_bits = counter_bits_for(world_size)
-        self._max_counter = (1 << self.counter_bits) - 1
-        self._base = rank << self.counter_bits
-        self._counter = itertools.count(1)  # next() on itertools.count is atomic under the GIL
+        #: the largest per-rank counter, and this rank's bits of every id
+        self.max_counter = (1 << self.counter_bits) - 1
+        self.base = rank << self.counter_bits
+        #: the per-rank counter (``next()`` on an ``itertools.count`` is atomic under the
+        #: GIL; the compiled call path draws from it too)
+        self.counter = itertools.count(1)
 
     def next(self) -> int:
         """Return a new id, never returned before in this job."""
-        value = next(self._counter)
-        if value > self._max_counter:
+        value = next(self.counter)
+        if value > self.max_counter:
             raise OverflowError(
-                f"id counter of rank {self.rank} exhausted after {self._max_counter} ids "
+                f"id counter of rank {self.rank} exhausted after {self.max_counter} ids "
                 f"({self.counter_bits} counter bits)"
             )
-        return self._base | value
+        return self.base | value
 
     def creator(self, any_id: int) -> int:
         """The rank that created ``any_id``."""
@@ -84,4 +87,4 @@ class IdGenerator:
 
     def local_counter(self, any_id: int) -> int:
         """The per-rank counter part of ``any_id``."""
-        return any_id & self._max_counter
+        return any_id & self.max_counter

@@ -61,7 +61,7 @@ def test_ids_unique_under_threads():
 
 def test_counter_overflow_raises():
     gen = IdGenerator(0, 2)
-    gen._max_counter = 2
+    gen.max_counter = 2
     gen.next()
     gen.next()
     with pytest.raises(OverflowError, match="exhausted"):

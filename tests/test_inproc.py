@@ -26,7 +26,7 @@ import torch
 
 from mpidag._config import Config
 from mpidag._runtime import Runtime
-from mpidag.agent.messages import FLAG_FUNCTION_REF
+from mpidag.agent.messages import FLAG_FUNCTION_REF, FLAG_PLAIN
 from mpidag.errors import RPCError, SerializationError
 from mpidag.transport import frames
 from mpidag.transport.frames import Envelope
@@ -172,7 +172,7 @@ def test_internal_messages_name_handlers_not_functions(world):
 def test_module_functions_travel_as_cached_references(world, monkeypatch):
     agent = world[0].agent
     payload, tensors, flags = agent.calls.codec.encode(1, rf.noop, (), {})
-    assert flags == FLAG_FUNCTION_REF and b"noop" in payload and tensors == []
+    assert flags == FLAG_FUNCTION_REF | FLAG_PLAIN and b"noop" in payload and tensors == []
     payload, tensors, flags = agent.calls.codec.encode(1, rf.add, (torch.ones(2), 1), {})
     assert flags == FLAG_FUNCTION_REF and len(tensors) == 1
     assert call(world[0], 1, rf.noop) is None

@@ -42,6 +42,7 @@ from mpidag._config import Config
 from mpidag._remote_profiling import install as install_rpc_profiling
 from mpidag._remote_profiling import serve_profiled
 from mpidag.agent.calls import OutgoingCalls, PendingCallView
+from mpidag.agent.compiled import make_core
 from mpidag.agent.encoding import CallCodec
 from mpidag.agent.futures import RpcFuture
 from mpidag.agent.handlers import (
@@ -105,7 +106,7 @@ class RpcAgent:
         self.codecs = Codecs()
         self.plugins = Plugins(self.peers.where())
         self.codecs.register(Handler, "handler", lambda h, scope: h.name, self.plugins.named)
-        self.sender = Sender(transport, self.peers, device_maps, self.codecs)
+        self.sender = Sender(transport, self.peers, device_maps, self.codecs, config.compiled)
         codec = CallCodec(self.sender, self.peers, self.plugins)
         max_sleep = options.max_sleep if options.max_sleep is not None else config.backoff_max
         self.engine = ProgressEngine(
@@ -120,6 +121,14 @@ class RpcAgent:
         self.quiescence = Quiescence(transport, self.peers, self.sender, self.calls,
                                      self.plugins, self.engine)
         self.calls.profiled = self.server.profiled = self._register_profiled_handlers()
+        #: the compiled path of plain calls (``None``: every call takes the Python path);
+        #: its dispatch hands what is not plain to the Python one, :meth:`dispatch`
+        self.core = make_core(self.calls, self.server, transport, self.dispatch,
+                              config.compiled)
+        if self.core is not None:
+            self.calls.core = self.core
+            self.dispatch = self.core.dispatch  # type: ignore[method-assign]
+            self.engine.set_dispatch(self.core.dispatch)
         #: a rank that shuts down without the others (graceful=False) says so to them
         self._left = self.register_handler("agent.left", self._peer_left, mode="control")
 

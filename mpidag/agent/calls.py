@@ -136,6 +136,14 @@ class OutgoingCalls:
         self._next_expiry_scan = 0.0
         #: (sync, async) handlers that run a call under the callee's profile
         self.profiled: tuple[Handler, Handler] | None = None
+        #: the compiled path of plain calls (:mod:`mpidag.agent.fastpath`), or ``None``
+        self.core: Any = None
+
+    @property
+    def table(self) -> dict[int, PendingCall]:
+        """The live table of calls waiting for their answer, by request id (the compiled
+        call path adds to it and completes from it; tools read :meth:`snapshot`)."""
+        return self._pending
 
     # --------------------------------------------------------------- deadlines
     def resolve_timeout(self, timeout: float | None) -> float:
@@ -214,7 +222,12 @@ class OutgoingCalls:
                   record: bool, with_future: bool) -> PendingCall:
         """Send a CALL and return its record in the table (``with_future``: one that
         completes an ``RpcFuture``; else the answer is kept in the record, see
-        :class:`PendingCall`)."""
+        :class:`PendingCall`). A plain call goes by the compiled path when there is one."""
+        core = self.core
+        if core is not None:
+            call = core.send_call(dst, func, args, kwargs, timeout, record, with_future)
+            if call is not None:
+                return call
         if not self.open:
             raise RPCError("the RPC agent is shut down; call mpidag.rpc.init_rpc again first")
         if self.peers.failed and dst in self.peers.failed:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from mpidag.agent.handlers import Handler, Plugins, describe
-from mpidag.agent.messages import FLAG_FUNCTION_REF, FLAG_HANDLER, REF_LENGTH
+from mpidag.agent.messages import FLAG_FUNCTION_REF, FLAG_HANDLER, FLAG_PLAIN, REF_LENGTH
 from mpidag.agent.peers import Peers
 from mpidag.agent.sending import Sender
 from mpidag.errors import RPCError, SerializationError, wrap_error
@@ -43,10 +43,12 @@ class CallCodec:
         self.sender = sender
         self.peers = peers
         self.plugins = plugins
-        #: function or handler -> (payload prefix, flag) of calls of it (see _prefix)
-        self._prefixes: dict[Any, tuple[bytes, int]] = {}
-        #: payload prefix -> (function, its module's namespace or None, its name)
-        self._targets: dict[bytes, tuple[Callable, dict | None, str]] = {}
+        #: function or handler -> (payload prefix, flag) of calls of it (see _prefix; the
+        #: compiled call path reads this table too)
+        self.prefixes: dict[Any, tuple[bytes, int]] = {}
+        #: payload prefix -> (function, its module's namespace or None, its name) (the
+        #: compiled call path reads this table too)
+        self.targets: dict[bytes, tuple[Callable, dict | None, str]] = {}
 
     def encode(self, dst: int, func: Callable, args: tuple, kwargs: dict
                ) -> tuple[bytes | memoryview, list[torch.Tensor], int]:
@@ -54,13 +56,14 @@ class CallCodec:
         try:
             prefix = None
             if type(func) in _REF_TYPES:
-                prefix = self._prefixes.get(func) or self._prefix(func)
+                prefix = self.prefixes.get(func) or self._prefix(func)
             if prefix is not None:
                 ref, flags = prefix
                 if not kwargs and is_plain(args):
                     if not args:
-                        return ref, [], flags
-                    return ref + pickle.dumps((args, kwargs), pickle.HIGHEST_PROTOCOL), [], flags
+                        return ref, [], flags | FLAG_PLAIN
+                    return (ref + pickle.dumps((args, kwargs), pickle.HIGHEST_PROTOCOL), [],
+                            flags | FLAG_PLAIN)
                 payload, tensors = self.sender.dumps_for(dst, (args, kwargs), (func, args), ref)
                 return payload, tensors, flags
             payload, tensors = self.sender.dumps_for(dst, (func, args, kwargs), (func, args))
@@ -88,14 +91,14 @@ class CallCodec:
                 return None  # the full pickle raises the error the user sees
             flag = FLAG_FUNCTION_REF
         prefix = (REF_LENGTH.pack(len(ref)) + ref, flag)
-        self._prefixes[func] = prefix
+        self.prefixes[func] = prefix
         return prefix
 
     def _resolve(self, prefix: bytes, flags: int) -> Callable:
         """The function or handler a call's payload prefix names (a table lookup after the
         first call; a module-level name is checked against its module on every call, so a
         function replaced in its module is found again)."""
-        entry = self._targets.get(prefix)
+        entry = self.targets.get(prefix)
         if entry is not None:
             func, namespace, name = entry
             if namespace is None or namespace.get(name) is func:
@@ -109,7 +112,7 @@ class CallCodec:
             namespace = vars(module) if module is not None and "." not in name else None
             if namespace is not None and namespace.get(name) is not func:
                 namespace = None
-        self._targets[prefix] = (func, namespace, name)
+        self.targets[prefix] = (func, namespace, name)
         return func
 
     def decode(self, env: Envelope, load: Loader) -> tuple[Callable, tuple, dict]:

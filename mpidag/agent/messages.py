@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 import struct
 
-__all__ = ["CALL", "CONTROL", "ERROR", "FLAG_FUNCTION_REF", "FLAG_HANDLER", "NOTIFY",
+__all__ = ["CALL", "CONTROL", "ERROR", "FLAG_FUNCTION_REF", "FLAG_HANDLER", "FLAG_PLAIN", "NOTIFY",
            "REF_LENGTH", "RESULT", "Kind"]
 
 #: header flag: the payload names a registered handler instead of carrying a function
@@ -27,6 +27,10 @@ FLAG_HANDLER = 1
 #: header flag: the payload starts with a reference to a module-level function (its pickle
 #: by name), which the receiver resolves once and then finds in a table
 FLAG_FUNCTION_REF = 2
+#: header flag: the pickle after the reference (a call's ``(args, kwargs)``) or the whole
+#: payload (a result) holds plain values only (:func:`mpidag.transport.frames.is_plain`):
+#: the receiver may unpickle it without the tensor table (the compiled path does)
+FLAG_PLAIN = 4
 
 #: a payload with either flag is ``<u16 length><reference><pickle of (args, kwargs)>``;
 #: the pickle is left out when both are empty

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
 
+from mpidag.agent.fastpath import make_counters
 from mpidag.agent.handlers import detaches_parameters
 from mpidag.agent.peers import Peers
 from mpidag.errors import WorkerFailedError
@@ -36,14 +36,14 @@ class Sender:
     """
 
     def __init__(self, transport: Transport, peers: Peers, device_maps: DeviceMaps,
-                 codecs: Codecs) -> None:
+                 codecs: Codecs, compiled: bool = True) -> None:
         self.transport = transport
         self.peers = peers
         self.device_maps = device_maps
         self.codecs = codecs
-        self._sent_to = [0] * peers.world_size
-        self._processed_from = [0] * peers.world_size
-        self._count_lock = threading.Lock()
+        #: sent to each rank and handled from each: the compiled call path's counters
+        #: (atomic under the GIL, shared with it) or their Python twin
+        self.counters = make_counters(peers.world_size, compiled)
 
     # ------------------------------------------------------------- devices
     def devices_for(self, dst: int, tensors: list[torch.Tensor], reply: bool) -> list[str]:
@@ -97,13 +97,11 @@ class Sender:
         """Send ``env`` to ``dst`` (counted); a failed ``dst`` raises its
         ``WorkerFailedError``."""
         devices = self.devices_for(dst, env.tensors, reply)
-        with self._count_lock:
-            self._sent_to[dst] += 1
+        self.counters.sent(dst)
         try:
             self.transport.send(dst, env, devices)
         except BaseException as exc:
-            with self._count_lock:
-                self._sent_to[dst] -= 1
+            self.counters.unsent(dst)
             if isinstance(exc, WorkerFailedError):
                 raise self.peers.failed_error(dst) from None
             raise
@@ -112,9 +110,7 @@ class Sender:
         """Send the answer to ``request``: the request counts as handled once its answer
         is on its way. Returns false when the caller died meanwhile (nobody to answer)."""
         src = request.src
-        with self._count_lock:
-            self._sent_to[src] += 1
-            self._processed_from[src] += 1
+        self.counters.answered(src)
         try:
             self.transport.send(src, reply, devices)
         except WorkerFailedError:
@@ -124,27 +120,19 @@ class Sender:
     def mark_processed(self, src: int) -> None:
         """A message from ``src`` is handled (one that needed no answer, or answered
         through :meth:`send`)."""
-        with self._count_lock:
-            self._processed_from[src] += 1
+        self.counters.processed(src)
 
     # ------------------------------------------------------------- counts
     @property
     def sent(self) -> int:
         """Messages this rank sent."""
-        return sum(self._sent_to)
+        return self.counters.sent_total
 
     @property
     def processed(self) -> int:
         """Messages this rank received and finished handling."""
-        return sum(self._processed_from)
+        return self.counters.processed_total
 
     def totals(self) -> tuple[int, int]:
         """``(sent, processed)`` with the failed ranks' messages left out."""
-        failed = self.peers.failed
-        sent = processed = 0
-        with self._count_lock:  # no container allocated under this lock: a GC could run
-            for rank in range(self.peers.world_size):
-                if rank not in failed:
-                    sent += self._sent_to[rank]
-                    processed += self._processed_from[rank]
-        return sent, processed
+        return self.counters.totals(self.peers.failed)

@@ -20,7 +20,7 @@ from mpidag._remote_profiling import (
 from mpidag.agent.encoding import CallCodec
 from mpidag.agent.futures import RpcFuture
 from mpidag.agent.handlers import Handler, Plugins, describe, is_asynchronous
-from mpidag.agent.messages import CONTROL, ERROR, RESULT
+from mpidag.agent.messages import CONTROL, ERROR, FLAG_PLAIN, RESULT
 from mpidag.agent.peers import Peers
 from mpidag.agent.sending import Sender
 from mpidag.errors import (
@@ -31,7 +31,7 @@ from mpidag.errors import (
     operator_error,
     pack_exception,
 )
-from mpidag.transport.frames import Envelope, loads
+from mpidag.transport.frames import Envelope, is_plain, loads
 from mpidag.transport.progress import ProgressEngine
 
 __all__ = ["Server"]
@@ -123,13 +123,12 @@ class Server:
                 return
             result = func(*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - the caller gets it, with its type
-            self._log_failure(exc)
-            self._reply_error(env, operator_error(func, exc))
+            self.fail_call(env, func, exc)
             return
         if type(func) is Handler and func.asynchronous and isinstance(result, torch._C.Future):
             self._answer_when_done(env, result, (func, args))
             return
-        self._reply_value(env, result, (func, args))
+        self.reply_value(env, result, (func, args))
 
     def _answer_when_done(self, env: Envelope, fut: torch.futures.Future,
                           call: tuple) -> None:
@@ -195,9 +194,15 @@ class Server:
                     span._call_end_callbacks_on_future(result)
                     return
         else:
-            self._reply_value(env, result, (func, args))
+            self.reply_value(env, result, (func, args))
         if span is not None:
             span.__exit__(None, None, None)
+
+    def fail_call(self, env: Envelope, func: Callable | None, exc: BaseException) -> None:
+        """The call ``env`` of ``func`` raised ``exc``: log it (as torch does) and answer
+        with it, its type kept (the compiled path calls this too)."""
+        self._log_failure(exc)
+        self._reply_error(env, operator_error(func, exc))
 
     def _log_failure(self, exc: BaseException) -> None:
         """Log a served function's exception on the callee, as torch's ``_run_function``
@@ -217,9 +222,12 @@ class Server:
         if error is not None:
             self._reply_error(env, error)
             return
-        self._reply_value(env, fut.value(), call)
+        self.reply_value(env, fut.value(), call)
 
-    def _reply_value(self, env: Envelope, value: Any, call: tuple | None = None) -> None:
+    def reply_value(self, env: Envelope, value: Any, call: tuple | None = None) -> None:
+        """Answer the call ``env`` with ``value`` (``call``: its ``(func, args)``, for how
+        parameters travel and for error messages); the compiled path calls this for a
+        value it does not send itself."""
         observer = self.plugins.observer
         try:
             payload, tensors = self.sender.dumps_for(env.src, value, call)
@@ -229,8 +237,10 @@ class Server:
                     env.context_id, env.src, tensors,
                     lambda: f"the result of {describe(*call) if call else 'a call'} sent to "
                             f"{self.peers.name(env.src)}")
-            reply = Envelope(kind=RESULT, request_id=env.request_id, payload=payload,
-                             tensors=tensors, context_id=env.context_id if message_id else 0,
+            reply = Envelope(kind=RESULT, request_id=env.request_id,
+                             flags=0 if tensors or not is_plain(value) else FLAG_PLAIN,
+                             payload=payload, tensors=tensors,
+                             context_id=env.context_id if message_id else 0,
                              message_id=message_id)
             devices = self.sender.devices_for(env.src, tensors, reply=True)
         except Exception as exc:

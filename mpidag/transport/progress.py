@@ -186,6 +186,11 @@ class ProgressEngine:
             for i in range(num_threads)
         ] + [sentinel]
 
+    def set_dispatch(self, dispatch: Callable[[Envelope], Work | None]) -> None:
+        """Replace the dispatcher given to ``__init__`` (before :meth:`start`: the agent
+        gives its compiled one once its parts exist)."""
+        self._dispatch = dispatch
+
     @property
     def pool_size(self) -> int:
         """How many pool threads this rank has (``num_threads``, more if it grew)."""

@@ -1,5 +1,6 @@
 """Build mpidag's compiled modules for this virtual environment: ``_mpidag_wire``
-(``wire.c``, the MPI frame-0 path) and ``_mpidag_frames`` (``frames.c``, frame 0's codec).
+(``wire.c``, the MPI frame-0 path), ``_mpidag_frames`` (``frames.c``, frame 0's codec) and
+``_mpidag_fastpath`` (``mpidag/agent/fastpath.c``, the agent's path of a plain call).
 
 ``_mpidag_wire`` calls MPI directly, so it must be compiled against the very MPI library that
 mpi4py uses here (Open MPI's and MPICH's handles and status layouts differ): the wheel's or
@@ -14,10 +15,10 @@ virtual environment (an editable checkout shared by several environments keeps n
 The compiler is ``$MPICC``, else the environment's own ``bin/mpicc`` (the Open MPI and
 MPICH wheels ship one), else ``mpicc`` on ``PATH`` (a system MPI). After building, a fresh
 interpreter loads the module and compares its ``MPI_Get_library_version`` with mpi4py's; a
-build that does not match is removed. ``_mpidag_frames`` needs no MPI: ``$CC``, else ``cc``
-or ``gcc`` on ``PATH``, else the MPI wrapper. Exit status 1 with the reason when a module
-cannot be built; mpidag then runs the Python code it replaces (``mpidag.transport.wire``,
-``mpidag.transport.frames``).
+build that does not match is removed. ``_mpidag_frames`` and ``_mpidag_fastpath`` need no
+MPI: ``$CC``, else ``cc`` or ``gcc`` on ``PATH``, else the MPI wrapper. Exit status 1 with
+the reason when a module cannot be built; mpidag then runs the Python code it replaces
+(``mpidag.transport.wire``, ``mpidag.transport.frames``, the agent's Python call path).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ MODULE = "_mpidag_wire"
 SOURCE = Path(__file__).with_name("wire.c")
 CODEC = "_mpidag_frames"
 CODEC_SOURCE = Path(__file__).with_name("frames.c")
+FASTPATH = "_mpidag_fastpath"
+FASTPATH_SOURCE = Path(__file__).resolve().parent.parent / "agent" / "fastpath.c"
 
 _CHECK = """
 import sys
@@ -46,7 +49,9 @@ if ours != theirs:
 import _mpidag_frames
 import mpidag.transport.frames as frames
 assert frames.compiled_codec() is not None, "frames.py did not take _mpidag_frames"
-print(_mpidag_wire.__file__, _mpidag_frames.__file__)
+import mpidag.agent.fastpath as fastpath
+assert fastpath.compiled_module() is not None, "fastpath.py did not take _mpidag_fastpath"
+print(_mpidag_wire.__file__, _mpidag_frames.__file__, fastpath.compiled_module().__file__)
 """
 
 
@@ -126,17 +131,18 @@ def build(into: Path | None = None) -> tuple[bool, str]:
     if mpicc is None or cc is None:
         return False, ("no MPI C compiler wrapper found (set MPICC, or put an MPI's mpicc on "
                        "PATH, e.g. 'module load openmpi' or Debian's libopenmpi-dev)")
-    for compiler, source, module in ((mpicc, SOURCE, MODULE), (cc, CODEC_SOURCE, CODEC)):
+    for compiler, source, module in ((mpicc, SOURCE, MODULE), (cc, CODEC_SOURCE, CODEC),
+                                     (cc, FASTPATH_SOURCE, FASTPATH)):
         failure = compile_module(compiler, source, target(module, into))
         if failure is not None:
             return False, failure
     ok, said = check(into)
     if not ok:
-        for module in (MODULE, CODEC):
+        for module in (MODULE, CODEC, FASTPATH):
             target(module, into).unlink(missing_ok=True)
         return False, f"the built modules do not load or match mpi4py's MPI: {said}"
-    return True, (f"built {target(MODULE, into)} with {mpicc} and {target(CODEC, into)} "
-                  f"with {cc}")
+    return True, (f"built {target(MODULE, into)} with {mpicc}, {target(CODEC, into)} and "
+                  f"{target(FASTPATH, into)} with {cc}")
 
 
 def main(argv: list[str] | None = None) -> int:

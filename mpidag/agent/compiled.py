@@ -1,0 +1,71 @@
+"""The compiled path of plain calls, assembled from an agent's parts (see
+:mod:`mpidag.agent.fastpath` for what it does and when it is used).
+
+Example::
+
+    >>> core = runtime.agent.core        # make_core(...) at the agent's start, or None
+    >>> core is None or callable(core.dispatch)
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+from typing import Any
+
+from mpidag._remote_profiling import observing
+from mpidag.agent import fastpath
+from mpidag.agent.calls import OutgoingCalls, PendingCall
+from mpidag.agent.futures import RpcFuture
+from mpidag.agent.handlers import Handler
+from mpidag.agent.serving import Server
+from mpidag.errors import WorkerFailedError
+from mpidag.transport import frames
+from mpidag.transport.base import FramedTransport
+
+__all__ = ["make_core"]
+
+
+def make_core(calls: OutgoingCalls, server: Server, transport: Any,
+              python_dispatch: Any, compiled: bool = True) -> Any:
+    """The compiled plain-call path of an agent's parts, or ``None`` (see the module's doc).
+
+    ``python_dispatch(env)``: the agent's Python dispatch, for every message the C path
+    leaves to Python. The sender's counters must be the C ones
+    (:func:`mpidag.agent.fastpath.make_counters`).
+    """
+    module = fastpath.compiled_module()
+    if not compiled:
+        fastpath.set_status("Python call path: MPIDAG_COMPILED=0")
+        return None
+    if module is None:
+        fastpath.set_status(fastpath.problem())
+        return None
+    sender, codec, ids = calls.sender, calls.codec, calls.ids
+    if not isinstance(sender.counters, module.Counters):
+        fastpath.set_status("Python call path: the sender counts in Python")
+        return None
+    if not isinstance(transport, FramedTransport):
+        fastpath.set_status("Python call path: the transport does not send frames")
+        return None
+    core = module.Core(
+        calls=calls, pending=calls.table, peers_failed=calls.peers.failed,
+        prefixes=codec.prefixes, targets=codec.targets, id_counter=ids.counter,
+        id_base=ids.base, id_max=ids.max_counter, counters=sender.counters,
+        transport=transport, transport_failed=transport.failed,
+        rank=transport.rank, frames=frames, plugins=calls.plugins,
+        new_future=functools.partial(RpcFuture, calls.engine),
+        wake_waiters=calls.engine.wake_waiters, observing=observing, dumps=pickle.dumps,
+        loads=pickle.loads, protocol=pickle.HIGHEST_PROTOCOL, handler_type=Handler,
+        envelope=frames.Envelope, pending_call=PendingCall,
+        payload_limit=frames.PAYLOAD_FRAME_LIMIT, py_dispatch=python_dispatch,
+        py_complete=calls.complete, py_serve=server.serve_call,
+        py_reply_value=server.reply_value, py_fail=server.fail_call,
+        failed_error=calls.peers.failed_error,
+        worker_failed_error=WorkerFailedError,
+    )
+    fastpath.set_status(f"compiled call path ({module.__file__})")
+    return core
+
+

@@ -1,0 +1,1201 @@
+/* _mpidag_fastpath: the agent's path of a plain call in C (see mpidag/agent/fastpath.py).
+ *
+ * A *plain* call names a module-level function or a handler that the caller's codec has
+ * already given a reference (see encoding.py), carries no keyword arguments and only
+ * plain values (None, bool, int, float, str, bytes, complex; a tuple of at most 8), and
+ * returns a plain value; it is made outside an autograd context and outside any profiler.
+ * Most of a training job's small control calls, and every no-op benchmark, are plain.
+ * For them this module does in C what the Python of calls.py, serving.py, sending.py and
+ * the transport's send_now does, with the same objects (PendingCall, Envelope), the same
+ * bytes on the wire, the same message counters and the same errors:
+ *
+ *   Core.send_call(...)   the caller: request id, call record, deadline, frame 0, send;
+ *   Core.dispatch(env)    the leader: a RESULT completes its call record here; a CALL
+ *                         becomes a work item (a ServeWork) that runs the function and
+ *                         sends the answer; anything else goes to the agent's Python;
+ *   Counters              the per-peer message counts of graceful shutdown, changed
+ *                         atomically under the GIL by C and Python alike.
+ *
+ * Anything that is not plain (tensors, kwargs, a new function, an autograd context, a
+ * profiler, a test's send hook, a failed peer, a message to this rank) goes, untouched,
+ * to the Python code it would have taken, which also raises every error the user sees.
+ * A flag bit of the header (FLAG_PLAIN) says that the pickle after the function
+ * reference (or the result's) holds plain values only, so the receiver may unpickle it
+ * without the tensor table.
+ *
+ * Needs neither MPI nor torch headers: the transport's _send_frame0 and the frame codec
+ * are called as Python callables (both are C in the compiled build).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#define VERSION 1
+
+/* the protocol's constants (messages.py); Core.__init__ checks them against Python's */
+#define CALL 1
+#define RESULT 2
+#define FLAG_HANDLER 1
+#define FLAG_FUNCTION_REF 2
+#define FLAG_PLAIN 4
+
+/* ================================================================== Counters */
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t size;
+    long long *sent_to;
+    long long *processed_from;
+} Counters;
+
+static int Counters_init(Counters *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"world_size", NULL};
+    Py_ssize_t size;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n", kwlist, &size))
+        return -1;
+    if (size < 1) {
+        PyErr_Format(PyExc_ValueError, "world_size must be at least 1, got %zd", size);
+        return -1;
+    }
+    PyMem_Free(self->sent_to);
+    PyMem_Free(self->processed_from);
+    self->sent_to = PyMem_Calloc(size, sizeof(long long));
+    self->processed_from = PyMem_Calloc(size, sizeof(long long));
+    if (self->sent_to == NULL || self->processed_from == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->size = size;
+    return 0;
+}
+
+static void Counters_dealloc(Counters *self)
+{
+    PyMem_Free(self->sent_to);
+    PyMem_Free(self->processed_from);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int rank_of(Counters *self, PyObject *arg, Py_ssize_t *rank)
+{
+    Py_ssize_t r = PyLong_AsSsize_t(arg);
+    if (r == -1 && PyErr_Occurred())
+        return -1;
+    if (r < 0 || r >= self->size) {
+        PyErr_Format(PyExc_IndexError, "rank %zd is outside the world of size %zd", r,
+                     self->size);
+        return -1;
+    }
+    *rank = r;
+    return 0;
+}
+
+#define COUNTER_METHOD(name, body)                                                         \
+    static PyObject *Counters_##name(Counters *self, PyObject *arg)                        \
+    {                                                                                      \
+        Py_ssize_t r;                                                                      \
+        if (rank_of(self, arg, &r) < 0)                                                    \
+            return NULL;                                                                   \
+        body;                                                                              \
+        Py_RETURN_NONE;                                                                    \
+    }
+
+COUNTER_METHOD(sent, self->sent_to[r]++)
+COUNTER_METHOD(unsent, self->sent_to[r]--)
+COUNTER_METHOD(processed, self->processed_from[r]++)
+COUNTER_METHOD(answered, (self->sent_to[r]++, self->processed_from[r]++))
+
+static PyObject *Counters_totals(Counters *self, PyObject *failed)
+{
+    long long sent = 0, processed = 0;
+    for (Py_ssize_t r = 0; r < self->size; r++) {
+        if (failed != Py_None && PySet_GET_SIZE(failed) > 0) {
+            PyObject *key = PyLong_FromSsize_t(r);
+            if (key == NULL)
+                return NULL;
+            int in = PySet_Contains(failed, key);
+            Py_DECREF(key);
+            if (in < 0)
+                return NULL;
+            if (in)
+                continue;
+        }
+        sent += self->sent_to[r];
+        processed += self->processed_from[r];
+    }
+    return Py_BuildValue("(LL)", sent, processed);
+}
+
+static PyObject *Counters_sum(long long *values, Py_ssize_t n)
+{
+    long long total = 0;
+    for (Py_ssize_t r = 0; r < n; r++)
+        total += values[r];
+    return PyLong_FromLongLong(total);
+}
+
+static PyObject *Counters_sent_total(Counters *self, void *Py_UNUSED(closure))
+{
+    return Counters_sum(self->sent_to, self->size);
+}
+
+static PyObject *Counters_processed_total(Counters *self, void *Py_UNUSED(closure))
+{
+    return Counters_sum(self->processed_from, self->size);
+}
+
+static PyMethodDef Counters_methods[] = {
+    {"sent", (PyCFunction)Counters_sent, METH_O, "a message was sent to rank"},
+    {"unsent", (PyCFunction)Counters_unsent, METH_O, "a send to rank failed: uncount it"},
+    {"processed", (PyCFunction)Counters_processed, METH_O,
+     "a message from rank is handled"},
+    {"answered", (PyCFunction)Counters_answered, METH_O,
+     "a request from rank is answered: sent and processed at once"},
+    {"totals", (PyCFunction)Counters_totals, METH_O,
+     "(sent, processed) over the ranks not in the set failed"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Counters_getset[] = {
+    {"sent_total", (getter)Counters_sent_total, NULL, "messages sent", NULL},
+    {"processed_total", (getter)Counters_processed_total, NULL, "messages handled", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject CountersType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "_mpidag_fastpath.Counters",
+    .tp_basicsize = sizeof(Counters),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Per-peer message counts (sent to each rank, handled from each), atomic "
+              "under the GIL.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Counters_init,
+    .tp_dealloc = (destructor)Counters_dealloc,
+    .tp_methods = Counters_methods,
+    .tp_getset = Counters_getset,
+};
+
+/* ================================================================== Core */
+
+enum { ENV_KIND, ENV_REQUEST_ID, ENV_FLAGS, ENV_CONTEXT_ID, ENV_MESSAGE_ID, ENV_PAYLOAD,
+       ENV_TENSORS, ENV_SRC, N_ENV };
+static const char *ENV_FIELDS[N_ENV] = {"kind", "request_id", "flags", "context_id",
+                                        "message_id", "payload", "tensors", "src"};
+enum { PC_REQUEST_ID, PC_FUTURE, PC_DST, PC_STARTED, PC_DEADLINE, PC_FUNC, PC_SECONDS,
+       PC_ARGS, PC_DONE, PC_VALUE, PC_ERROR, N_PC };
+static const char *PC_FIELDS[N_PC] = {"request_id", "future", "dst", "started", "deadline",
+                                      "func", "seconds", "args", "done", "value", "error"};
+
+/* the objects a Core works with; each a new reference (see Core_init's keywords) */
+enum {
+    O_CALLS,            /* OutgoingCalls: .open, .default_timeout */
+    O_PENDING,          /* its table of calls: dict request_id -> PendingCall */
+    O_PEERS_FAILED,     /* set of failed ranks (Peers.failed) */
+    O_PREFIXES,         /* CallCodec: func -> (reference prefix, flag) */
+    O_TARGETS,          /* CallCodec: reference prefix -> (func, namespace, name) */
+    O_ID_COUNTER,       /* IdGenerator's itertools.count */
+    O_COUNTERS,         /* Counters */
+    O_TRANSPORT,        /* .send_hook, ._send_frame0 */
+    O_TRANSPORT_FAILED, /* set of failed ranks (the transport's) */
+    O_FRAMES,           /* mpidag.transport.frames: .encode */
+    O_PLUGINS,          /* .observer.active */
+    O_NEW_FUTURE,       /* () -> RpcFuture of the engine */
+    O_WAKE,             /* engine.wake_waiters() */
+    O_OBSERVING,        /* () -> whether served calls take the observed path */
+    O_DUMPS,            /* pickle.dumps */
+    O_LOADS,            /* pickle.loads */
+    O_HANDLER_TYPE,     /* Handler */
+    O_ENVELOPE,         /* Envelope */
+    O_PENDING_CALL,     /* PendingCall */
+    O_PY_DISPATCH,      /* the agent's Python dispatch(env) */
+    O_PY_COMPLETE,      /* OutgoingCalls.complete(env) */
+    O_PY_SERVE,         /* Server.serve_call(env): the Python work item */
+    O_PY_REPLY_VALUE,   /* Server.reply_value(env, value, (func, args)) */
+    O_PY_FAIL,          /* Server.fail_call(env, func, exc) */
+    O_FAILED_ERROR,     /* Peers.failed_error(rank) */
+    O_WORKER_FAILED,    /* WorkerFailedError */
+    N_OBJECTS
+};
+static const char *OBJECT_NAMES[N_OBJECTS] = {
+    "calls", "pending", "peers_failed", "prefixes", "targets", "id_counter", "counters",
+    "transport", "transport_failed", "frames", "plugins", "new_future", "wake_waiters",
+    "observing", "dumps", "loads", "handler_type", "envelope", "pending_call",
+    "py_dispatch", "py_complete", "py_serve", "py_reply_value", "py_fail",
+    "failed_error", "worker_failed_error"};
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *o[N_OBJECTS];
+    PyObject *env_slots[N_ENV];
+    PyObject *pc_slots[N_PC];
+    long long id_base, id_max;
+    long rank;
+    Py_ssize_t payload_limit;
+    PyObject *protocol; /* pickle.HIGHEST_PROTOCOL */
+    PyObject *empty_dict;
+    /* interned attribute names */
+    PyObject *s_open, *s_default_timeout, *s_send_hook, *s_send_frame0, *s_encode,
+        *s_observer, *s_active, *s_future, *s_user_callbacks, *s_set_result,
+        *s_asynchronous, *s_wrapped_async, *s_get;
+} Core;
+
+static PyTypeObject *ServeWorkType;
+
+/* ------------------------------------------------------------------ helpers */
+static PyObject *slot_get(PyObject *descr, PyObject *obj)
+{
+    return Py_TYPE(descr)->tp_descr_get(descr, obj, (PyObject *)Py_TYPE(obj));
+}
+
+/* steals value */
+static int slot_set(PyObject *descr, PyObject *obj, PyObject *value)
+{
+    if (value == NULL)
+        return -1;
+    int rc = Py_TYPE(descr)->tp_descr_set(descr, obj, value);
+    Py_DECREF(value);
+    return rc;
+}
+
+static long long slot_ll(PyObject *descr, PyObject *obj, int *ok)
+{
+    PyObject *value = slot_get(descr, obj);
+    if (value == NULL) {
+        *ok = 0;
+        return 0;
+    }
+    long long v = PyLong_AsLongLong(value);
+    Py_DECREF(value);
+    if (v == -1 && PyErr_Occurred())
+        *ok = 0;
+    return v;
+}
+
+static int is_plain_type(PyTypeObject *t)
+{
+    return t == &_PyNone_Type || t == &PyBool_Type || t == &PyLong_Type ||
+           t == &PyFloat_Type || t == &PyUnicode_Type || t == &PyBytes_Type ||
+           t == &PyComplex_Type;
+}
+
+/* frames.is_plain: a plain value, or a tuple of at most 8 of them */
+static int is_plain(PyObject *obj)
+{
+    if (is_plain_type(Py_TYPE(obj)))
+        return 1;
+    if (!PyTuple_CheckExact(obj) || PyTuple_GET_SIZE(obj) > 8)
+        return 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(obj); i++)
+        if (!is_plain_type(Py_TYPE(PyTuple_GET_ITEM(obj, i))))
+            return 0;
+    return 1;
+}
+
+/* 1 when rank is in the set (0 when the set is empty), -1 on error */
+static int in_set(PyObject *set, long rank)
+{
+    if (PySet_GET_SIZE(set) == 0)
+        return 0;
+    PyObject *key = PyLong_FromLong(rank);
+    if (key == NULL)
+        return -1;
+    int in = PySet_Contains(set, key);
+    Py_DECREF(key);
+    return in;
+}
+
+static double monotonic_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts); /* what time.monotonic() reads on Linux */
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* an Envelope made through its slots (no __init__); steals payload; NULL on error */
+static PyObject *make_envelope(Core *self, int kind, PyObject *request_id, int flags,
+                               PyObject *payload)
+{
+    PyTypeObject *type = (PyTypeObject *)self->o[O_ENVELOPE];
+    PyObject *env = type->tp_alloc(type, 0);
+    if (env == NULL) {
+        Py_DECREF(payload);
+        return NULL;
+    }
+    PyObject **s = self->env_slots;
+    if (slot_set(s[ENV_KIND], env, PyLong_FromLong(kind)) < 0 ||
+        slot_set(s[ENV_REQUEST_ID], env, Py_NewRef(request_id)) < 0 ||
+        slot_set(s[ENV_FLAGS], env, PyLong_FromLong(flags)) < 0 ||
+        slot_set(s[ENV_CONTEXT_ID], env, PyLong_FromLong(0)) < 0 ||
+        slot_set(s[ENV_MESSAGE_ID], env, PyLong_FromLong(0)) < 0 ||
+        slot_set(s[ENV_PAYLOAD], env, payload) < 0 ||
+        slot_set(s[ENV_TENSORS], env, PyList_New(0)) < 0 ||
+        slot_set(s[ENV_SRC], env, PyLong_FromLong(-1)) < 0) {
+        Py_DECREF(env);
+        return NULL;
+    }
+    return env;
+}
+
+/* 1: the transport's plain send may carry a message to dst now (no test hook, dst another
+ * live rank); 0: leave it to the Python path; -1: error */
+static int can_send(Core *self, long dst)
+{
+    if (dst == self->rank || dst < 0 || dst >= ((Counters *)self->o[O_COUNTERS])->size)
+        return 0;
+    PyObject *hook = PyObject_GetAttr(self->o[O_TRANSPORT], self->s_send_hook);
+    if (hook == NULL)
+        return -1;
+    int none = hook == Py_None;
+    Py_DECREF(hook);
+    if (!none)
+        return 0;
+    int in = in_set(self->o[O_TRANSPORT_FAILED], dst);
+    return in < 0 ? -1 : !in;
+}
+
+/* frame 0 of env (no tensors, payload in frame 0) handed to the transport: 0, or -1 */
+static int send_frame0(Core *self, long dst, PyObject *env)
+{
+    PyObject *encode = PyObject_GetAttr(self->o[O_FRAMES], self->s_encode);
+    if (encode == NULL)
+        return -1;
+    PyObject *devices = PyList_New(0);
+    PyObject *tag = PyLong_FromLong(0);
+    PyObject *encoded = NULL;
+    if (devices != NULL && tag != NULL) {
+        PyObject *args[3] = {env, devices, tag};
+        encoded = PyObject_Vectorcall(encode, args, 3, NULL);
+    }
+    Py_DECREF(encode);
+    Py_XDECREF(devices);
+    Py_XDECREF(tag);
+    if (encoded == NULL)
+        return -1;
+    if (!PyTuple_Check(encoded) || PyTuple_GET_SIZE(encoded) != 2) {
+        Py_DECREF(encoded);
+        PyErr_SetString(PyExc_TypeError, "frames.encode did not return (frame0, separate)");
+        return -1;
+    }
+    PyObject *send = PyObject_GetAttr(self->o[O_TRANSPORT], self->s_send_frame0);
+    PyObject *result = NULL;
+    if (send != NULL) {
+        PyObject *rank = PyLong_FromLong(dst);
+        if (rank != NULL) {
+            PyObject *args[2] = {rank, PyTuple_GET_ITEM(encoded, 0)};
+            result = PyObject_Vectorcall(send, args, 2, NULL);
+            Py_DECREF(rank);
+        }
+        Py_DECREF(send);
+    }
+    Py_DECREF(encoded);
+    if (result == NULL)
+        return -1;
+    Py_DECREF(result);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ init */
+static int Core_init(Core *self, PyObject *args, PyObject *kwds)
+{
+    if (PyTuple_GET_SIZE(args) != 0 || kwds == NULL) {
+        PyErr_SetString(PyExc_TypeError, "Core takes keyword arguments only");
+        return -1;
+    }
+    for (int i = 0; i < N_OBJECTS; i++) {
+        PyObject *value = PyDict_GetItemString(kwds, OBJECT_NAMES[i]);
+        if (value == NULL) {
+            PyErr_Format(PyExc_TypeError, "Core needs %s=", OBJECT_NAMES[i]);
+            return -1;
+        }
+        Py_XSETREF(self->o[i], Py_NewRef(value));
+    }
+    if (!PyDict_CheckExact(self->o[O_PENDING]) || !PyDict_CheckExact(self->o[O_PREFIXES]) ||
+        !PyDict_CheckExact(self->o[O_TARGETS]) || !PyAnySet_Check(self->o[O_PEERS_FAILED]) ||
+        !PyAnySet_Check(self->o[O_TRANSPORT_FAILED]) ||
+        !PyType_Check(self->o[O_ENVELOPE]) || !PyType_Check(self->o[O_PENDING_CALL]) ||
+        !PyObject_TypeCheck(self->o[O_COUNTERS], &CountersType)) {
+        PyErr_SetString(PyExc_TypeError, "Core: an argument has the wrong type");
+        return -1;
+    }
+    PyObject *numbers[4] = {PyDict_GetItemString(kwds, "id_base"),
+                            PyDict_GetItemString(kwds, "id_max"),
+                            PyDict_GetItemString(kwds, "rank"),
+                            PyDict_GetItemString(kwds, "payload_limit")};
+    PyObject *protocol = PyDict_GetItemString(kwds, "protocol");
+    if (numbers[0] == NULL || numbers[1] == NULL || numbers[2] == NULL ||
+        numbers[3] == NULL || protocol == NULL) {
+        PyErr_SetString(PyExc_TypeError,
+                        "Core needs id_base=, id_max=, rank=, payload_limit=, protocol=");
+        return -1;
+    }
+    self->id_base = PyLong_AsLongLong(numbers[0]);
+    self->id_max = PyLong_AsLongLong(numbers[1]);
+    self->rank = PyLong_AsLong(numbers[2]);
+    self->payload_limit = PyLong_AsSsize_t(numbers[3]);
+    if (PyErr_Occurred())
+        return -1;
+    Py_XSETREF(self->protocol, Py_NewRef(protocol));
+    for (int i = 0; i < N_ENV; i++) {
+        PyObject *d = PyObject_GetAttrString(self->o[O_ENVELOPE], ENV_FIELDS[i]);
+        if (d == NULL)
+            return -1;
+        Py_XSETREF(self->env_slots[i], d);
+        if (Py_TYPE(d)->tp_descr_get == NULL || Py_TYPE(d)->tp_descr_set == NULL) {
+            PyErr_Format(PyExc_TypeError, "Envelope.%s is not a slot", ENV_FIELDS[i]);
+            return -1;
+        }
+    }
+    for (int i = 0; i < N_PC; i++) {
+        PyObject *d = PyObject_GetAttrString(self->o[O_PENDING_CALL], PC_FIELDS[i]);
+        if (d == NULL)
+            return -1;
+        Py_XSETREF(self->pc_slots[i], d);
+        if (Py_TYPE(d)->tp_descr_get == NULL || Py_TYPE(d)->tp_descr_set == NULL) {
+            PyErr_Format(PyExc_TypeError, "PendingCall.%s is not a slot", PC_FIELDS[i]);
+            return -1;
+        }
+    }
+    if (self->empty_dict == NULL && (self->empty_dict = PyDict_New()) == NULL)
+        return -1;
+#define NAME(field, text)                                                                  \
+    if (self->field == NULL && (self->field = PyUnicode_InternFromString(text)) == NULL)   \
+        return -1;
+    NAME(s_open, "open") NAME(s_default_timeout, "default_timeout")
+    NAME(s_send_hook, "send_hook") NAME(s_send_frame0, "_send_frame0")
+    NAME(s_encode, "encode") NAME(s_observer, "observer") NAME(s_active, "active")
+    NAME(s_future, "future") NAME(s_user_callbacks, "user_callbacks")
+    NAME(s_set_result, "set_result") NAME(s_asynchronous, "asynchronous")
+    NAME(s_wrapped_async, "_wrapped_async_rpc_function") NAME(s_get, "get")
+#undef NAME
+    return 0;
+}
+
+static int Core_traverse(Core *self, visitproc visit, void *arg)
+{
+    for (int i = 0; i < N_OBJECTS; i++)
+        Py_VISIT(self->o[i]);
+    return 0;
+}
+
+static int Core_clear(Core *self)
+{
+    for (int i = 0; i < N_OBJECTS; i++)
+        Py_CLEAR(self->o[i]);
+    return 0;
+}
+
+static void Core_dealloc(Core *self)
+{
+    PyObject_GC_UnTrack(self);
+    Core_clear(self);
+    for (int i = 0; i < N_ENV; i++)
+        Py_XDECREF(self->env_slots[i]);
+    for (int i = 0; i < N_PC; i++)
+        Py_XDECREF(self->pc_slots[i]);
+    Py_XDECREF(self->protocol);
+    Py_XDECREF(self->empty_dict);
+    PyObject *names[] = {self->s_open, self->s_default_timeout, self->s_send_hook,
+                         self->s_send_frame0, self->s_encode, self->s_observer,
+                         self->s_active, self->s_future, self->s_user_callbacks,
+                         self->s_set_result, self->s_asynchronous, self->s_wrapped_async,
+                         self->s_get};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+        Py_XDECREF(names[i]);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+#define READY(self)                                                                        \
+    if ((self)->o[0] == NULL) {                                                            \
+        PyErr_SetString(PyExc_RuntimeError, "Core is not initialised (or was cleared)");   \
+        return NULL;                                                                       \
+    }
+
+/* ------------------------------------------------------------------ the caller */
+
+/* The call's payload: the function's reference, then the pickle of (args, kwargs) unless
+ * both are empty. NULL with no error: not a plain call. */
+static PyObject *plain_payload(Core *self, PyObject *func, PyObject *args, PyObject *kwargs,
+                               int *flags)
+{
+    if (!PyTuple_CheckExact(args) || !PyDict_CheckExact(kwargs) || PyDict_GET_SIZE(kwargs))
+        return NULL;
+    PyObject *prefix = PyDict_GetItemWithError(self->o[O_PREFIXES], func); /* borrowed */
+    if (prefix == NULL)
+        return NULL; /* a new function (the Python path makes its reference), or an error */
+    if (!PyTuple_CheckExact(prefix) || PyTuple_GET_SIZE(prefix) != 2 ||
+        !PyBytes_CheckExact(PyTuple_GET_ITEM(prefix, 0)) || !is_plain(args))
+        return NULL;
+    long flag = PyLong_AsLong(PyTuple_GET_ITEM(prefix, 1));
+    if (flag == -1 && PyErr_Occurred())
+        return NULL;
+    *flags = (int)flag | FLAG_PLAIN;
+    PyObject *ref = PyTuple_GET_ITEM(prefix, 0);
+    if (PyTuple_GET_SIZE(args) == 0)
+        return Py_NewRef(ref);
+    PyObject *both = PyTuple_Pack(2, args, kwargs);
+    if (both == NULL)
+        return NULL;
+    PyObject *dump_args[2] = {both, self->protocol};
+    PyObject *pickled = PyObject_Vectorcall(self->o[O_DUMPS], dump_args, 2, NULL);
+    Py_DECREF(both);
+    if (pickled == NULL)
+        return NULL;
+    Py_ssize_t n_ref = PyBytes_GET_SIZE(ref), n_pickle = PyBytes_GET_SIZE(pickled);
+    PyObject *payload = PyBytes_FromStringAndSize(NULL, n_ref + n_pickle);
+    if (payload != NULL) {
+        memcpy(PyBytes_AS_STRING(payload), PyBytes_AS_STRING(ref), n_ref);
+        memcpy(PyBytes_AS_STRING(payload) + n_ref, PyBytes_AS_STRING(pickled), n_pickle);
+    }
+    Py_DECREF(pickled);
+    return payload;
+}
+
+/* 1: the agent is open and may record; 0: leave the call to Python; -1: error */
+static int may_send_plain(Core *self, long dst, int record)
+{
+    PyObject *open = PyObject_GetAttr(self->o[O_CALLS], self->s_open);
+    if (open == NULL)
+        return -1;
+    int is_open = PyObject_IsTrue(open);
+    Py_DECREF(open);
+    if (is_open <= 0)
+        return is_open; /* shut down: Python raises the error */
+    int failed = in_set(self->o[O_PEERS_FAILED], dst);
+    if (failed != 0)
+        return failed < 0 ? -1 : 0;
+    if (record) { /* the call observer (distributed autograd) records calls in a context */
+        PyObject *observer = PyObject_GetAttr(self->o[O_PLUGINS], self->s_observer);
+        if (observer == NULL)
+            return -1;
+        PyObject *active = PyObject_GetAttr(observer, self->s_active);
+        Py_DECREF(observer);
+        if (active == NULL)
+            return -1;
+        int truth = PyObject_IsTrue(active);
+        Py_DECREF(active);
+        if (truth != 0)
+            return truth < 0 ? -1 : 0;
+    }
+    return can_send(self, dst);
+}
+
+/* the call's (seconds, deadline) by torch's rule: negative or None is the default, 0 none */
+static int resolve_timeout(Core *self, PyObject *timeout, double now, PyObject **seconds,
+                           PyObject **deadline)
+{
+    double s;
+    if (timeout == Py_None) {
+        s = -1.0;
+    } else {
+        s = PyFloat_AsDouble(timeout);
+        if (s == -1.0 && PyErr_Occurred())
+            return -1;
+    }
+    if (s < 0) {
+        PyObject *d = PyObject_GetAttr(self->o[O_CALLS], self->s_default_timeout);
+        if (d == NULL)
+            return -1;
+        s = PyFloat_AsDouble(d);
+        Py_DECREF(d);
+        if (s == -1.0 && PyErr_Occurred())
+            return -1;
+    }
+    *seconds = PyFloat_FromDouble(s);
+    *deadline = s > 0 ? PyFloat_FromDouble(now + s) : Py_NewRef(Py_None);
+    if (*seconds == NULL || *deadline == NULL) {
+        Py_CLEAR(*seconds);
+        Py_CLEAR(*deadline);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *new_pending_call(Core *self, PyObject *request_id, PyObject *future, long dst,
+                                  double now, PyObject *seconds, PyObject *deadline,
+                                  PyObject *func, PyObject *args)
+{
+    PyTypeObject *type = (PyTypeObject *)self->o[O_PENDING_CALL];
+    PyObject *call = type->tp_alloc(type, 0);
+    if (call == NULL)
+        return NULL;
+    PyObject **s = self->pc_slots;
+    if (slot_set(s[PC_REQUEST_ID], call, Py_NewRef(request_id)) < 0 ||
+        slot_set(s[PC_FUTURE], call, Py_NewRef(future)) < 0 ||
+        slot_set(s[PC_DST], call, PyLong_FromLong(dst)) < 0 ||
+        slot_set(s[PC_STARTED], call, PyFloat_FromDouble(now)) < 0 ||
+        slot_set(s[PC_DEADLINE], call, Py_NewRef(deadline)) < 0 ||
+        slot_set(s[PC_FUNC], call, Py_NewRef(func)) < 0 ||
+        slot_set(s[PC_SECONDS], call, Py_NewRef(seconds)) < 0 ||
+        slot_set(s[PC_ARGS], call, Py_NewRef(args)) < 0 ||
+        slot_set(s[PC_DONE], call, Py_NewRef(Py_False)) < 0 ||
+        slot_set(s[PC_VALUE], call, Py_NewRef(Py_None)) < 0 ||
+        slot_set(s[PC_ERROR], call, Py_NewRef(Py_None)) < 0) {
+        Py_DECREF(call);
+        return NULL;
+    }
+    return call;
+}
+
+/* A failed send: the call leaves the table, the message is uncounted, and a failed peer's
+ * error names the worker (as Sender.send does). Always returns NULL. */
+static PyObject *send_failed(Core *self, PyObject *request_id, long dst)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (PyDict_DelItem(self->o[O_PENDING], request_id) < 0)
+        PyErr_Clear(); /* (expired meanwhile) */
+    ((Counters *)self->o[O_COUNTERS])->sent_to[dst]--;
+    if (type == NULL || !PyErr_GivenExceptionMatches(type, self->o[O_WORKER_FAILED])) {
+        PyErr_Restore(type, value, tb);
+        return NULL;
+    }
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    PyObject *rank = PyLong_FromLong(dst);
+    if (rank == NULL)
+        return NULL;
+    PyObject *error = PyObject_CallOneArg(self->o[O_FAILED_ERROR], rank);
+    Py_DECREF(rank);
+    if (error != NULL) { /* raised "from None", as Sender.send does */
+        PyException_SetCause(error, NULL);
+        ((PyBaseExceptionObject *)error)->suppress_context = 1;
+        PyErr_SetObject((PyObject *)Py_TYPE(error), error);
+        Py_DECREF(error);
+    }
+    return NULL;
+}
+
+/* send_call(dst, func, args, kwargs, timeout, record, with_future) -> PendingCall | None */
+static PyObject *Core_send_call(Core *self, PyObject *const *argv, Py_ssize_t nargs)
+{
+    READY(self)
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError,
+                        "send_call(dst, func, args, kwargs, timeout, record, with_future)");
+        return NULL;
+    }
+    long dst = PyLong_AsLong(argv[0]);
+    if (dst == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *func = argv[1], *args = argv[2], *kwargs = argv[3], *timeout = argv[4];
+    int record = PyObject_IsTrue(argv[5]), with_future = PyObject_IsTrue(argv[6]);
+    if (record < 0 || with_future < 0)
+        return NULL;
+    int ok = may_send_plain(self, dst, record);
+    if (ok <= 0)
+        return ok < 0 ? NULL : Py_NewRef(Py_None);
+    int flags = 0;
+    PyObject *payload = plain_payload(self, func, args, kwargs, &flags);
+    if (payload == NULL)
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    if (PyBytes_GET_SIZE(payload) > self->payload_limit) {
+        Py_DECREF(payload);
+        Py_RETURN_NONE; /* a payload frame of its own: the Python path */
+    }
+    PyObject *count = PyIter_Next(self->o[O_ID_COUNTER]);
+    if (count == NULL) {
+        Py_DECREF(payload);
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "the request id counter ended");
+        return NULL;
+    }
+    long long counter = PyLong_AsLongLong(count);
+    Py_DECREF(count);
+    if (counter == -1 && PyErr_Occurred()) {
+        Py_DECREF(payload);
+        return NULL;
+    }
+    if (counter > self->id_max) {
+        Py_DECREF(payload);
+        PyErr_Format(PyExc_OverflowError, "request id counter of rank %ld exhausted after "
+                     "%lld ids", self->rank, self->id_max);
+        return NULL;
+    }
+    PyObject *request_id = PyLong_FromLongLong(self->id_base | counter);
+    PyObject *future = with_future ? PyObject_CallNoArgs(self->o[O_NEW_FUTURE])
+                                   : Py_NewRef(Py_None);
+    PyObject *seconds = NULL, *deadline = NULL, *call = NULL, *env = NULL;
+    double now = monotonic_s();
+    if (request_id == NULL || future == NULL ||
+        resolve_timeout(self, timeout, now, &seconds, &deadline) < 0)
+        goto fail;
+    call = new_pending_call(self, request_id, future, dst, now, seconds, deadline, func, args);
+    if (call == NULL || PyDict_SetItem(self->o[O_PENDING], request_id, call) < 0)
+        goto fail;
+    env = make_envelope(self, CALL, request_id, flags, payload);
+    payload = NULL; /* (stolen) */
+    if (env == NULL) {
+        PyDict_DelItem(self->o[O_PENDING], request_id);
+        goto fail;
+    }
+    ((Counters *)self->o[O_COUNTERS])->sent_to[dst]++;
+    if (send_frame0(self, dst, env) < 0) {
+        send_failed(self, request_id, dst);
+        goto fail;
+    }
+    Py_DECREF(env);
+    Py_DECREF(request_id);
+    Py_DECREF(future);
+    Py_DECREF(seconds);
+    Py_DECREF(deadline);
+    return call;
+fail:
+    Py_XDECREF(payload);
+    Py_XDECREF(env);
+    Py_XDECREF(call);
+    Py_XDECREF(request_id);
+    Py_XDECREF(future);
+    Py_XDECREF(seconds);
+    Py_XDECREF(deadline);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ answers */
+
+/* A plain RESULT completes its call here; 1 done, 0 leave it to Python, -1 error */
+static int complete_plain(Core *self, PyObject *env, long long flags, long src)
+{
+    int ok = 1;
+    if (!(flags & FLAG_PLAIN) || slot_ll(self->env_slots[ENV_MESSAGE_ID], env, &ok) != 0)
+        return ok ? 0 : -1;
+    PyObject *request_id = slot_get(self->env_slots[ENV_REQUEST_ID], env);
+    if (request_id == NULL)
+        return -1;
+    PyObject *call = PyDict_GetItemWithError(self->o[O_PENDING], request_id);
+    if (call == NULL || Py_TYPE(call) != (PyTypeObject *)self->o[O_PENDING_CALL]) {
+        Py_DECREF(request_id);
+        return PyErr_Occurred() ? -1 : 0; /* late (timed out): Python logs it */
+    }
+    Py_INCREF(call);
+    int result = -1;
+    PyObject *value = NULL, *payload = NULL;
+    PyObject *future = slot_get(self->pc_slots[PC_FUTURE], call);
+    if (future == NULL)
+        goto done;
+    if (future != Py_None) {
+        PyObject *callbacks = PyObject_GetAttr(future, self->s_user_callbacks);
+        if (callbacks == NULL)
+            goto done;
+        int has = PyObject_IsTrue(callbacks);
+        Py_DECREF(callbacks);
+        if (has != 0) {
+            result = has < 0 ? -1 : 0; /* completed off the leader: Python */
+            goto done;
+        }
+    }
+    payload = slot_get(self->env_slots[ENV_PAYLOAD], env);
+    if (payload == NULL)
+        goto done;
+    value = PyObject_CallOneArg(self->o[O_LOADS], payload);
+    if (value == NULL) { /* Python says what could not be unpickled */
+        PyErr_Clear();
+        result = 0;
+        goto done;
+    }
+    if (PyDict_DelItem(self->o[O_PENDING], request_id) < 0) {
+        /* completed meanwhile (expired by another thread while loads ran) */
+        PyErr_Clear();
+        ((Counters *)self->o[O_COUNTERS])->processed_from[src]++;
+        result = 1;
+        goto done;
+    }
+    if (future == Py_None) {
+        if (slot_set(self->pc_slots[PC_VALUE], call, Py_NewRef(value)) < 0)
+            goto processed;
+    } else {
+        PyObject *r = PyObject_CallMethodOneArg(future, self->s_set_result, value);
+        if (r == NULL)
+            goto processed;
+        Py_DECREF(r);
+    }
+    if (slot_set(self->pc_slots[PC_DONE], call, Py_NewRef(Py_True)) < 0)
+        goto processed;
+    result = 1;
+processed:
+    ((Counters *)self->o[O_COUNTERS])->processed_from[src]++;
+    {
+        PyObject *type, *exc, *tb;
+        PyErr_Fetch(&type, &exc, &tb);
+        PyObject *r = PyObject_CallNoArgs(self->o[O_WAKE]);
+        if (r == NULL) {
+            if (type == NULL)
+                PyErr_Fetch(&type, &exc, &tb);
+            else
+                PyErr_Clear();
+        }
+        Py_XDECREF(r);
+        PyErr_Restore(type, exc, tb);
+        if (type != NULL)
+            result = -1;
+    }
+done:
+    Py_XDECREF(value);
+    Py_XDECREF(payload);
+    Py_XDECREF(future);
+    Py_DECREF(call);
+    Py_DECREF(request_id);
+    return result;
+}
+
+/* ------------------------------------------------------------------ the callee */
+
+/* the function a plain call's reference names, as CallCodec._resolve finds it in its table
+ * (NULL with no error: not there yet, or replaced in its module: Python resolves it) */
+static PyObject *resolve(Core *self, const char *buf, Py_ssize_t end)
+{
+    PyObject *key = PyBytes_FromStringAndSize(buf, end);
+    if (key == NULL)
+        return NULL;
+    PyObject *entry = PyDict_GetItemWithError(self->o[O_TARGETS], key);
+    Py_DECREF(key);
+    if (entry == NULL || !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3)
+        return NULL;
+    PyObject *func = PyTuple_GET_ITEM(entry, 0), *namespace = PyTuple_GET_ITEM(entry, 1);
+    if (namespace != Py_None) {
+        if (!PyDict_Check(namespace))
+            return NULL;
+        PyObject *now = PyDict_GetItemWithError(namespace, PyTuple_GET_ITEM(entry, 2));
+        if (now != func)
+            return NULL;
+    }
+    return Py_NewRef(func);
+}
+
+/* whether func answers with a future (handlers.is_asynchronous); -1 on error */
+static int is_asynchronous(Core *self, PyObject *func)
+{
+    if (Py_TYPE(func) == (PyTypeObject *)self->o[O_HANDLER_TYPE]) {
+        PyObject *a = PyObject_GetAttr(func, self->s_asynchronous);
+        if (a == NULL)
+            return -1;
+        int truth = PyObject_IsTrue(a);
+        Py_DECREF(a);
+        return truth;
+    }
+    PyObject *wrapped = PyObject_GetAttr(func, self->s_wrapped_async);
+    if (wrapped == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            return -1;
+        PyErr_Clear();
+    }
+    int is = wrapped != NULL && wrapped != Py_None;
+    Py_XDECREF(wrapped);
+    return is;
+}
+
+/* The answer of a served plain call: RESULT, counted as sent and the request as handled;
+ * a value that is not plain, or a send the plain path cannot make, goes to Python. */
+static int answer(Core *self, PyObject *request, long src, PyObject *func, PyObject *args,
+                  PyObject *value)
+{
+    int can = is_plain(value) ? can_send(self, src) : 0;
+    if (can < 0)
+        return -1;
+    if (!can) {
+        PyObject *call = PyTuple_Pack(2, func, args);
+        if (call == NULL)
+            return -1;
+        PyObject *r = PyObject_CallFunctionObjArgs(self->o[O_PY_REPLY_VALUE], request, value,
+                                                   call, NULL);
+        Py_DECREF(call);
+        Py_XDECREF(r);
+        return r == NULL ? -1 : 0;
+    }
+    PyObject *dump_args[2] = {value, self->protocol};
+    PyObject *payload = PyObject_Vectorcall(self->o[O_DUMPS], dump_args, 2, NULL);
+    if (payload == NULL)
+        return -1;
+    PyObject *request_id = slot_get(self->env_slots[ENV_REQUEST_ID], request);
+    if (request_id == NULL) {
+        Py_DECREF(payload);
+        return -1;
+    }
+    PyObject *reply = make_envelope(self, RESULT, request_id, FLAG_PLAIN, payload);
+    Py_DECREF(request_id);
+    if (reply == NULL)
+        return -1;
+    Counters *counters = (Counters *)self->o[O_COUNTERS];
+    counters->sent_to[src]++;
+    counters->processed_from[src]++; /* handled once its answer is on its way */
+    int rc = send_frame0(self, src, reply);
+    Py_DECREF(reply);
+    if (rc < 0 && PyErr_ExceptionMatches(self->o[O_WORKER_FAILED])) {
+        PyErr_Clear(); /* the caller died meanwhile: nobody to answer */
+        rc = 0;
+    }
+    return rc;
+}
+
+/* Serve a CALL: 1 served, 0 not plain (Python serves it; nothing was consumed), -1 error */
+static int serve_plain(Core *self, PyObject *env)
+{
+    int ok = 1;
+    long long flags = slot_ll(self->env_slots[ENV_FLAGS], env, &ok);
+    long src = (long)slot_ll(self->env_slots[ENV_SRC], env, &ok);
+    if (!ok)
+        return -1;
+    if (!(flags & (FLAG_HANDLER | FLAG_FUNCTION_REF)) || src < 0 ||
+        src >= ((Counters *)self->o[O_COUNTERS])->size)
+        return 0;
+    PyObject *observing = PyObject_CallNoArgs(self->o[O_OBSERVING]);
+    if (observing == NULL)
+        return -1;
+    int observed = PyObject_IsTrue(observing);
+    Py_DECREF(observing);
+    if (observed != 0)
+        return observed < 0 ? -1 : 0;
+    PyObject *payload = slot_get(self->env_slots[ENV_PAYLOAD], env);
+    if (payload == NULL)
+        return -1;
+    Py_buffer view;
+    if (PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE) < 0) {
+        Py_DECREF(payload);
+        return -1;
+    }
+    int result = 0;
+    PyObject *func = NULL, *loaded = NULL, *args = NULL, *kwargs = NULL, *value = NULL;
+    const unsigned char *buf = view.buf;
+    Py_ssize_t end = view.len >= 2 ? 2 + (buf[0] | buf[1] << 8) : view.len + 1;
+    if (end > view.len)
+        goto done; /* malformed: Python's decode says so */
+    func = resolve(self, view.buf, end);
+    if (func == NULL) {
+        result = PyErr_Occurred() ? -1 : 0;
+        goto done;
+    }
+    int asynchronous = is_asynchronous(self, func);
+    if (asynchronous != 0) {
+        result = asynchronous < 0 ? -1 : 0;
+        goto done;
+    }
+    if (view.len == end) {
+        args = PyTuple_New(0);
+        kwargs = Py_NewRef(self->empty_dict);
+    } else {
+        PyObject *tensors = slot_get(self->env_slots[ENV_TENSORS], env);
+        if (tensors == NULL) {
+            result = -1;
+            goto done;
+        }
+        int no_tensors = PyList_Check(tensors) && PyList_GET_SIZE(tensors) == 0;
+        Py_DECREF(tensors);
+        if (!(flags & FLAG_PLAIN) || !no_tensors)
+            goto done;
+        PyObject *rest = PyMemoryView_FromMemory((char *)view.buf + end, view.len - end,
+                                                 PyBUF_READ);
+        if (rest == NULL) {
+            result = -1;
+            goto done;
+        }
+        loaded = PyObject_CallOneArg(self->o[O_LOADS], rest);
+        Py_DECREF(rest);
+        if (loaded == NULL) {
+            PyErr_Clear(); /* Python's decode raises the error the caller gets */
+            goto done;
+        }
+        if (!PyTuple_CheckExact(loaded) || PyTuple_GET_SIZE(loaded) != 2 ||
+            !PyTuple_CheckExact(PyTuple_GET_ITEM(loaded, 0)) ||
+            !PyDict_CheckExact(PyTuple_GET_ITEM(loaded, 1)))
+            goto done;
+        args = Py_NewRef(PyTuple_GET_ITEM(loaded, 0));
+        kwargs = Py_NewRef(PyTuple_GET_ITEM(loaded, 1));
+    }
+    if (args == NULL) {
+        result = -1;
+        goto done;
+    }
+    PyBuffer_Release(&view);
+    view.obj = NULL;
+    result = 1;
+    value = PyObject_Call(func, args, PyDict_GET_SIZE(kwargs) ? kwargs : NULL);
+    if (value == NULL) { /* the caller gets the exception, with its type */
+        PyObject *type, *exc, *tb;
+        PyErr_Fetch(&type, &exc, &tb);
+        PyErr_NormalizeException(&type, &exc, &tb);
+        if (tb != NULL && exc != NULL)
+            PyException_SetTraceback(exc, tb);
+        PyObject *r = PyObject_CallFunctionObjArgs(self->o[O_PY_FAIL], env, func,
+                                                   exc ? exc : Py_None, NULL);
+        Py_XDECREF(type);
+        Py_XDECREF(exc);
+        Py_XDECREF(tb);
+        if (r == NULL)
+            result = -1;
+        Py_XDECREF(r);
+        goto done;
+    }
+    if (answer(self, env, src, func, args, value) < 0)
+        result = -1;
+done:
+    if (view.obj != NULL)
+        PyBuffer_Release(&view);
+    Py_DECREF(payload);
+    Py_XDECREF(func);
+    Py_XDECREF(loaded);
+    Py_XDECREF(args);
+    Py_XDECREF(kwargs);
+    Py_XDECREF(value);
+    return result;
+}
+
+/* ------------------------------------------------------------------ ServeWork */
+typedef struct {
+    PyObject_HEAD
+    Core *core;
+    PyObject *env;
+} ServeWork;
+
+static int ServeWork_traverse(ServeWork *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->core);
+    Py_VISIT(self->env);
+    return 0;
+}
+
+static int ServeWork_clear(ServeWork *self)
+{
+    Py_CLEAR(self->core);
+    Py_CLEAR(self->env);
+    return 0;
+}
+
+static void ServeWork_dealloc(ServeWork *self)
+{
+    PyObject_GC_UnTrack(self);
+    ServeWork_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* the work item of an incoming plain CALL: serve it here, or through the Python server */
+static PyObject *ServeWork_call(ServeWork *self, PyObject *Py_UNUSED(args),
+                                PyObject *Py_UNUSED(kwds))
+{
+    Core *core = self->core;
+    READY(core)
+    int served = serve_plain(core, self->env);
+    if (served < 0)
+        return NULL;
+    if (served == 0)
+        return PyObject_CallOneArg(core->o[O_PY_SERVE], self->env);
+    Py_RETURN_NONE;
+}
+
+static PyType_Slot serve_work_slots[] = {
+    {Py_tp_dealloc, ServeWork_dealloc},
+    {Py_tp_traverse, ServeWork_traverse},
+    {Py_tp_clear, ServeWork_clear},
+    {Py_tp_call, ServeWork_call},
+    {Py_tp_doc, "The work item of an incoming CALL (served by the plain path if it can)."},
+    {0, NULL},
+};
+
+static PyType_Spec serve_work_spec = {
+    "_mpidag_fastpath.ServeWork", sizeof(ServeWork), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, serve_work_slots,
+};
+
+/* dispatch(env) -> work item or None: what the progress engine's leader does with a
+ * received message (see RpcAgent.dispatch) */
+static PyObject *Core_dispatch(Core *self, PyObject *env)
+{
+    READY(self)
+    if (Py_TYPE(env) != (PyTypeObject *)self->o[O_ENVELOPE])
+        return PyObject_CallOneArg(self->o[O_PY_DISPATCH], env);
+    int ok = 1;
+    long long kind = slot_ll(self->env_slots[ENV_KIND], env, &ok);
+    long long flags = slot_ll(self->env_slots[ENV_FLAGS], env, &ok);
+    long long context_id = slot_ll(self->env_slots[ENV_CONTEXT_ID], env, &ok);
+    long long src = slot_ll(self->env_slots[ENV_SRC], env, &ok);
+    if (!ok)
+        return NULL;
+    int in_world = src >= 0 && src < ((Counters *)self->o[O_COUNTERS])->size;
+    if (kind == RESULT && in_world) {
+        int done = complete_plain(self, env, flags, (long)src);
+        if (done < 0)
+            return NULL;
+        if (done)
+            Py_RETURN_NONE;
+        return PyObject_CallOneArg(self->o[O_PY_COMPLETE], env);
+    }
+    if (kind == CALL && context_id == 0 && in_world) {
+        ServeWork *work = PyObject_GC_New(ServeWork, ServeWorkType);
+        if (work == NULL)
+            return NULL;
+        work->core = (Core *)Py_NewRef(self);
+        work->env = Py_NewRef(env);
+        PyObject_GC_Track(work);
+        return (PyObject *)work;
+    }
+    return PyObject_CallOneArg(self->o[O_PY_DISPATCH], env);
+}
+
+static PyMethodDef Core_methods[] = {
+    {"send_call", (PyCFunction)(void (*)(void))Core_send_call, METH_FASTCALL,
+     "send_call(dst, func, args, kwargs, timeout, record, with_future): send a plain CALL "
+     "and return its PendingCall, or None when the call is not plain (send it in Python)"},
+    {"dispatch", (PyCFunction)Core_dispatch, METH_O,
+     "dispatch(env): complete a plain RESULT here, make a CALL's work item, else the "
+     "agent's Python dispatch"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject CoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "_mpidag_fastpath.Core",
+    .tp_basicsize = sizeof(Core),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The plain-call path of one agent (see mpidag/agent/fastpath.py).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Core_init,
+    .tp_dealloc = (destructor)Core_dealloc,
+    .tp_traverse = (traverseproc)Core_traverse,
+    .tp_clear = (inquiry)Core_clear,
+    .tp_methods = Core_methods,
+};
+
+/* ------------------------------------------------------------------ module */
+static PyObject *module_is_plain(PyObject *Py_UNUSED(module), PyObject *obj)
+{
+    return PyBool_FromLong(is_plain(obj));
+}
+
+static PyMethodDef module_methods[] = {
+    {"is_plain", module_is_plain, METH_O, "frames.is_plain in C (for the tests)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef fastpath_module = {
+    PyModuleDef_HEAD_INIT, "_mpidag_fastpath",
+    "the agent's path of a plain call in C (see mpidag/agent/fastpath.py)", -1,
+    module_methods,
+};
+
+PyMODINIT_FUNC PyInit__mpidag_fastpath(void)
+{
+    if (PyType_Ready(&CountersType) < 0 || PyType_Ready(&CoreType) < 0)
+        return NULL;
+    ServeWorkType = (PyTypeObject *)PyType_FromSpec(&serve_work_spec);
+    if (ServeWorkType == NULL)
+        return NULL;
+    PyObject *module = PyModule_Create(&fastpath_module);
+    if (module == NULL)
+        return NULL;
+    if (PyModule_AddIntConstant(module, "VERSION", VERSION) < 0 ||
+        PyModule_AddIntConstant(module, "FLAG_PLAIN", FLAG_PLAIN) < 0 ||
+        PyModule_AddIntConstant(module, "CALL", CALL) < 0 ||
+        PyModule_AddIntConstant(module, "RESULT", RESULT) < 0 ||
+        PyModule_AddIntConstant(module, "FLAG_HANDLER", FLAG_HANDLER) < 0 ||
+        PyModule_AddIntConstant(module, "FLAG_FUNCTION_REF", FLAG_FUNCTION_REF) < 0 ||
+        PyModule_AddObjectRef(module, "Counters", (PyObject *)&CountersType) < 0 ||
+        PyModule_AddObjectRef(module, "Core", (PyObject *)&CoreType) < 0 ||
+        PyModule_AddObjectRef(module, "ServeWork", (PyObject *)ServeWorkType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

@@ -1,0 +1,295 @@
+"""The compiled path of plain calls (``_mpidag_fastpath``, see mpidag/agent/fastpath.py).
+
+Every test here checks that the C path gives what the Python path gives (results, errors
+with their types, the bytes on the wire, the message counters of graceful shutdown), that
+it is the path plain calls really take, and that what is not plain still takes Python.
+The contract suite (tests/contract/) runs every public behaviour on both transports with
+the C path where it is built; the test matrix runs it again with ``MPIDAG_COMPILED=0``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from mpidag._config import Config
+from mpidag._runtime import Runtime
+from mpidag.agent import fastpath
+from mpidag.agent.messages import CALL, FLAG_FUNCTION_REF, FLAG_PLAIN, RESULT
+from mpidag.errors import RPCTimeoutError
+from mpidag.transport import frames
+from tests import rpc_funcs as rf
+from tests.test_inproc import TIMEOUT, call, on_every_rank, start_world
+
+pytestmark = pytest.mark.skipif(
+    fastpath.compiled_module() is None,
+    reason="_mpidag_fastpath is not built here (python -m mpidag.transport.wire_build)")
+
+
+@pytest.fixture
+def world() -> Iterator[list[Runtime]]:
+    runtimes = start_world(2)
+    yield runtimes
+    on_every_rank(2, lambda r: runtimes[r].shutdown(graceful=True, timeout=TIMEOUT))
+
+
+def sync(runtime: Runtime, dst: int, func, *args, **kwargs):
+    """``rpc_sync``'s path: the agent's call_sync, no future."""
+    return runtime.agent.call_sync(dst, func, args, kwargs, TIMEOUT)
+
+
+class PythonCalls:
+    """Counts the calls of the agent's Python functions that the C path replaces, in this
+    thread (use it with :class:`HandDriven`, whose ranks run here)."""
+
+    NAMES = {"serve_call", "complete", "reply_value", "dispatch", "encode", "decode"}
+
+    def __init__(self) -> None:
+        self.seen: dict[str, int] = {}
+
+    def __enter__(self) -> PythonCalls:
+        def profile(frame, event, arg):  # noqa: ARG001 - sys.setprofile's signature
+            if event == "call" and frame.f_code.co_name in self.NAMES and \
+                    "mpidag/agent" in frame.f_code.co_filename:
+                name = frame.f_code.co_name
+                self.seen[name] = self.seen.get(name, 0) + 1
+        sys.setprofile(profile)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(None)
+
+
+class HandDriven:
+    """Two ranks of an in-process world with no threads: each call is carried through the
+    real agents by this thread (as benchmarks/inproc_cost.py does)."""
+
+    def __init__(self) -> None:
+        from mpidag.agent.options import MPIRpcBackendOptions
+        from mpidag.transport.inproc import InProcWorld
+        world = InProcWorld(2)
+        options = MPIRpcBackendOptions(num_worker_threads=1, rpc_timeout=TIMEOUT)
+        config = Config(gc_freeze=False)
+        self.runtimes = on_every_rank(2, lambda r: Runtime.connect(
+            world.transports[r], options=options, config=config))
+        self.transports = world.transports
+        self.agents = [runtime.agent for runtime in self.runtimes]
+
+    def call(self, func, *args, **kwargs):
+        record = self.agents[0].calls.send_call(1, func, args, kwargs, TIMEOUT, True, False)
+        progressed = True
+        while progressed:
+            progressed = False
+            for transport, agent in zip(self.transports[::-1], self.agents[::-1],
+                                        strict=True):
+                env = transport.poll()
+                if env is not None:
+                    progressed = True
+                    work = agent.dispatch(env)
+                    if work is not None:
+                        work()
+        assert record.done
+        if record.error is not None:
+            raise record.error
+        return record.value
+
+    def close(self) -> None:
+        for transport in self.transports:
+            transport.close(collective=False)
+
+
+def test_plain_calls_take_the_compiled_path_on_both_ends():
+    ranks = HandDriven()
+    try:
+        assert ranks.agents[0].core is not None and ranks.agents[1].core is not None
+        assert fastpath.status().startswith("compiled call path")
+        for func in (rf.add, rf.noop, rf.identity):  # the first calls make the references
+            ranks.call(func, *([1, 2][:func.__code__.co_argcount]))
+        with PythonCalls() as python:
+            for i in range(20):
+                assert ranks.call(rf.add, i, 1) == i + 1
+                assert ranks.call(rf.noop) is None
+                assert ranks.call(rf.add, "a", "b") == "ab"
+                assert ranks.call(rf.identity, 2j) == 2j
+        assert python.seen == {}, python.seen
+        # what is not plain takes the Python path, on both ends
+        with PythonCalls() as python:
+            assert ranks.call(rf.add, torch.ones(2), 1).tolist() == [2.0, 2.0]
+        assert python.seen["serve_call"] == 1 and python.seen["complete"] == 1
+        with PythonCalls() as python:
+            assert ranks.call(rf.add, 1, b=2) == 3  # keyword arguments
+        assert python.seen["encode"] == 1 and python.seen["serve_call"] == 1
+        with PythonCalls() as python:
+            assert ranks.call(rf.identity, [1, 2]) == [1, 2]  # a list is not plain
+            assert ranks.call(rf.identity, (1, 2)) == (1, 2)  # nor a tuple argument
+        assert python.seen["serve_call"] == 2
+        with PythonCalls() as python:  # an error is answered by the Python server
+            with pytest.raises(ValueError, match="boom"):
+                ranks.call(rf.raise_value_error, "boom")
+            with pytest.raises(ValueError, match="again"):
+                ranks.call(rf.raise_value_error, "again")
+        assert python.seen["serve_call"] == 1  # (the first call: its reference)
+    finally:
+        ranks.close()
+
+
+def test_the_compiled_path_sends_the_bytes_the_python_path_sends(world, monkeypatch):
+    agent = world[0].agent
+    transport = agent.transport
+    sent: list[tuple[int, bytes]] = []
+    send_frame0 = transport._send_frame0
+
+    def record(dst, frame0):
+        sent.append((dst, bytes(frame0)))
+        send_frame0(dst, frame0)
+
+    monkeypatch.setattr(transport, "_send_frame0", record)
+    assert sync(world[0], 1, rf.add, 2, 3) == 5  # the reference is made: Python
+    assert sync(world[0], 1, rf.add, 2, 3) == 5  # C
+    core, agent.calls.core = agent.calls.core, None
+    try:
+        assert sync(world[0], 1, rf.add, 2, 3) == 5  # Python again
+    finally:
+        agent.calls.core = core
+    envs = [frames.decode_header(bytearray(frame), 0)[0] for _, frame in sent]
+    assert [dst for dst, _ in sent] == [1, 1, 1]
+    assert {(env.kind, env.flags, bytes(env.payload)) for env in envs} == \
+        {(CALL, FLAG_FUNCTION_REF | FLAG_PLAIN, bytes(envs[0].payload))}
+    assert envs[1].request_id == envs[0].request_id + 1 == envs[2].request_id - 1
+
+
+def test_the_message_counters_add_up_as_on_the_python_path(world):
+    sender0, sender1 = world[0].agent.sender, world[1].agent.sender
+    assert isinstance(sender0.counters, fastpath.compiled_module().Counters)
+    sync(world[0], 1, rf.noop)
+    on_every_rank(2, lambda r: world[r].agent.wait_quiescent(TIMEOUT))
+    before = (sender0.sent, sender0.processed, sender1.sent, sender1.processed)
+    for _ in range(10):
+        sync(world[0], 1, rf.noop)
+    with pytest.raises(ValueError, match="boom"):
+        sync(world[0], 1, rf.raise_value_error, "boom")
+    # each call: one request and one answer, each handled once
+    after = (sender0.sent, sender0.processed, sender1.sent, sender1.processed)
+    assert [b - a for a, b in zip(before, after, strict=True)] == [11, 11, 11, 11]
+    on_every_rank(2, lambda r: world[r].agent.wait_quiescent(TIMEOUT))  # terminates
+
+
+def test_errors_keep_their_type_message_and_remote_traceback(world):
+    for _ in range(2):  # the first call makes the reference, the second is C's
+        with pytest.raises(rf.CustomError) as info:
+            sync(world[0], 1, rf.raise_custom, 7)
+        assert info.value.code == 7
+        cause = "".join(str(c) for c in [info.value.__cause__])
+        assert "raise_custom" in cause  # the callee's traceback names the function
+    with pytest.raises(ValueError, match="no such thing"):
+        sync(world[0], 1, rf.raise_value_error, "no such thing")
+
+
+def test_a_plain_call_still_times_out_and_its_late_answer_is_dropped(world):
+    agent = world[0].agent
+    assert sync(world[0], 1, rf.sleep_then, 0, 1) == 1
+    with pytest.raises(RPCTimeoutError, match="sleep_then"):
+        agent.call_sync(1, rf.sleep_then, (0.5, 2), {}, 0.05)
+    assert len(agent.calls) == 0
+    assert sync(world[0], 1, rf.add, 1, 1) == 2  # the late answer did not disturb this one
+    on_every_rank(2, lambda r: world[r].agent.wait_quiescent(TIMEOUT))
+
+
+def test_futures_of_plain_calls_complete_with_and_without_callbacks(world):
+    agent = world[0].agent
+    sync(world[0], 1, rf.add, 1, 1)
+    futures = [agent.call(1, rf.add, (i, i), {}, TIMEOUT) for i in range(50)]
+    assert [agent.wait(fut, TIMEOUT) for fut in futures] == [2 * i for i in range(50)]
+    fut = agent.call(1, rf.add, (2, 2), {}, TIMEOUT)
+    chained = fut.then(lambda f: f.value() * 10)  # completed off the leader (Python)
+    assert chained.wait() == 40 and fut.wait() == 4
+
+
+def test_a_function_replaced_in_its_module_is_found_again(world, monkeypatch):
+    assert sync(world[0], 1, rf.identity, 4) == 4
+    assert sync(world[0], 1, rf.identity, 4) == 4
+
+    def doubled(x):
+        return 2 * x
+
+    doubled.__qualname__, doubled.__module__ = "identity", rf.__name__
+    monkeypatch.setattr(rf, "identity", doubled)
+    assert sync(world[0], 1, rf.identity, 4) == 8
+
+
+def test_results_that_are_not_plain_are_answered_by_python(world):
+    sync(world[0], 1, rf.make_big, 8)
+    t = sync(world[0], 1, rf.make_big, 8)
+    assert isinstance(t, torch.Tensor) and t.tolist() == [0, 1]
+    with pytest.raises(Exception, match="could not be sent back"):
+        sync(world[0], 1, rf.return_unpicklable)
+
+
+def test_without_the_compiled_path_the_agent_counts_in_python():
+    runtimes = start_world(2)
+    try:
+        assert runtimes[0].agent.core is not None
+    finally:
+        on_every_rank(2, lambda r: runtimes[r].shutdown(graceful=True, timeout=TIMEOUT))
+    from mpidag.agent.options import MPIRpcBackendOptions
+    from mpidag.transport.inproc import InProcWorld
+    world = InProcWorld(2)
+    options = MPIRpcBackendOptions(num_worker_threads=2, rpc_timeout=TIMEOUT)
+    config = Config(gc_freeze=False, poll_spin=2e-3, compiled=False)
+    runtimes = on_every_rank(2, lambda r: Runtime.connect(world.transports[r],
+                                                          options=options, config=config))
+    for runtime in runtimes:
+        runtime.serve()
+    try:
+        assert runtimes[0].agent.core is None
+        assert fastpath.status() == "Python call path: MPIDAG_COMPILED=0"
+        assert isinstance(runtimes[0].agent.sender.counters, fastpath.PythonCounters)
+        assert call(runtimes[0], 1, rf.add, 2, 3) == 5
+    finally:
+        on_every_rank(2, lambda r: runtimes[r].shutdown(graceful=True, timeout=TIMEOUT))
+
+
+def test_compiled_and_python_counters_agree():
+    module = fastpath.compiled_module()
+    steps = [("sent", 1), ("sent", 2), ("answered", 0), ("processed", 2), ("unsent", 1),
+             ("answered", 2), ("processed", 1)]
+    both = [module.Counters(3), fastpath.PythonCounters(3)]
+    for name, rank in steps:
+        for counters in both:
+            getattr(counters, name)(rank)
+    for failed in (set(), {2}, {0, 1, 2}):
+        assert both[0].totals(failed) == both[1].totals(failed)
+    assert (both[0].sent_total, both[0].processed_total) == \
+        (both[1].sent_total, both[1].processed_total) == (3, 4)
+    with pytest.raises(IndexError, match="outside the world of size 3"):
+        both[0].sent(3)
+    with pytest.raises(ValueError, match="at least 1"):
+        module.Counters(0)
+
+
+@pytest.mark.parametrize("value", [
+    None, True, 3, 2.5, "s", b"b", 1j, (), (1, "a", None), tuple(range(8)),
+    tuple(range(9)), [1], {"a": 1}, (1, [2]), torch.ones(1), (torch.ones(1),), object(),
+    ((1, 2),), frozenset({1}),
+])
+def test_is_plain_in_c_agrees_with_python(value):
+    assert fastpath.compiled_module().is_plain(value) is frames.is_plain(value)
+
+
+def test_plain_results_answered_by_python_carry_the_plain_flag(world, monkeypatch):
+    transport = world[1].agent.transport
+    sent: list[bytes] = []
+    send_frame0 = transport._send_frame0
+
+    def record(dst, frame0):
+        sent.append(bytes(frame0))
+        send_frame0(dst, frame0)
+
+    monkeypatch.setattr(transport, "_send_frame0", record)
+    assert sync(world[0], 1, rf.whoami) is not None  # first call: served by Python
+    assert sync(world[0], 1, rf.identity, [3]) == [3]  # a list: Python, not plain
+    kinds = [frames.decode_header(bytearray(frame), 1)[0] for frame in sent]
+    assert [(env.kind, env.flags) for env in kinds] == [(RESULT, FLAG_PLAIN), (RESULT, 0)]
