@@ -171,3 +171,13 @@ class TwoArgumentError(Exception):
 
 def raise_two_argument_error():
     raise TwoArgumentError(True, "built with two arguments")
+
+
+def same_object(a, b):
+    """Whether the callee got one object for ``a`` and ``b`` (a tensor passed twice)."""
+    return a is b
+
+
+def grad_flags(*tensors):
+    """The ``requires_grad`` flags of the tensors the callee got."""
+    return tuple(t.requires_grad for t in tensors)

@@ -115,17 +115,31 @@ def test_plain_calls_take_the_compiled_path_on_both_ends():
                 assert ranks.call(rf.add, "a", "b") == "ab"
                 assert ranks.call(rf.identity, 2j) == 2j
         assert python.seen == {}, python.seen
-        # what is not plain takes the Python path, on both ends
+        # dense contiguous CPU tensors travel by the C path too, as arguments and results
+        x = torch.arange(256, dtype=torch.float32)
+        ranks.call(rf.same_object, 1, 1)
+        ranks.call(rf.grad_flags, x)
         with PythonCalls() as python:
-            assert ranks.call(rf.add, torch.ones(2), 1).tolist() == [2.0, 2.0]
-        assert python.seen["serve_call"] == 1 and python.seen["complete"] == 1
+            assert torch.equal(ranks.call(rf.identity, x), x)
+            assert ranks.call(rf.add, x, 1).tolist() == (x + 1).tolist()
+            assert ranks.call(rf.same_object, x, x) is True  # sent once, one object there
+            assert ranks.call(rf.same_object, x, x.clone()) is False
+            assert ranks.call(rf.grad_flags, torch.ones(2, requires_grad=True), x) == \
+                (True, False)
+            assert ranks.call(rf.identity, torch.ones(0)).shape == (0,)
+        assert python.seen == {}, python.seen
+        # what is not plain takes the Python path, on both ends
+        for args, name in [((x[::2],), "a view that is not contiguous"),
+                           ((torch.nn.Parameter(torch.ones(2)),), "a parameter"),
+                           ((torch.ones(40_000),), "a tensor too large for frame 0"),
+                           (([1, 2],), "a list"), (((1, 2),), "a tuple argument")]:
+            with PythonCalls() as python:
+                result = ranks.call(rf.identity, *args)
+            assert python.seen.get("encode") == 1 and python.seen.get("serve_call") == 1, name
+            assert type(result) is type(args[0]) and str(result) == str(args[0]), name
         with PythonCalls() as python:
             assert ranks.call(rf.add, 1, b=2) == 3  # keyword arguments
         assert python.seen["encode"] == 1 and python.seen["serve_call"] == 1
-        with PythonCalls() as python:
-            assert ranks.call(rf.identity, [1, 2]) == [1, 2]  # a list is not plain
-            assert ranks.call(rf.identity, (1, 2)) == (1, 2)  # nor a tuple argument
-        assert python.seen["serve_call"] == 2
         with PythonCalls() as python:  # an error is answered by the Python server
             with pytest.raises(ValueError, match="boom"):
                 ranks.call(rf.raise_value_error, "boom")
@@ -293,3 +307,20 @@ def test_plain_results_answered_by_python_carry_the_plain_flag(world, monkeypatc
     assert sync(world[0], 1, rf.identity, [3]) == [3]  # a list: Python, not plain
     kinds = [frames.decode_header(bytearray(frame), 1)[0] for frame in sent]
     assert [(env.kind, env.flags) for env in kinds] == [(RESULT, FLAG_PLAIN), (RESULT, 0)]
+
+
+def test_the_python_server_reads_the_tensor_slots_the_compiled_caller_sends():
+    from mpidag.agent.agent import RpcAgent
+    ranks = HandDriven()
+    try:
+        x = torch.arange(4.0)
+        for func in (rf.same_object, rf.add):
+            ranks.call(func, 1, 1)  # the caller's references
+        callee = ranks.agents[1]
+        callee.dispatch = RpcAgent.dispatch.__get__(callee)  # the callee serves in Python
+        with PythonCalls() as python:
+            assert ranks.call(rf.same_object, x, x) is True
+            assert ranks.call(rf.add, x, 2.0).tolist() == [2.0, 3.0, 4.0, 5.0]
+        assert python.seen.get("encode") is None and python.seen["decode"] == 2
+    finally:
+        ranks.close()

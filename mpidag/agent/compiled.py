@@ -14,6 +14,8 @@ import functools
 import pickle
 from typing import Any
 
+import torch
+
 from mpidag._remote_profiling import observing
 from mpidag.agent import fastpath
 from mpidag.agent.calls import OutgoingCalls, PendingCall
@@ -63,7 +65,8 @@ def make_core(calls: OutgoingCalls, server: Server, transport: Any,
         py_complete=calls.complete, py_serve=server.serve_call,
         py_reply_value=server.reply_value, py_fail=server.fail_call,
         failed_error=calls.peers.failed_error,
-        worker_failed_error=WorkerFailedError,
+        worker_failed_error=WorkerFailedError, tensor_type=torch.Tensor, strided=torch.strided,
+        lone_tensor=frames.LONE_TENSOR_PAYLOAD, inline_limit=frames.INLINE_LIMIT,
     )
     fastpath.set_status(f"compiled call path ({module.__file__})")
     return core

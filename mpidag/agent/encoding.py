@@ -12,7 +12,13 @@ from typing import Any
 import torch
 
 from mpidag.agent.handlers import Handler, Plugins, describe
-from mpidag.agent.messages import FLAG_FUNCTION_REF, FLAG_HANDLER, FLAG_PLAIN, REF_LENGTH
+from mpidag.agent.messages import (
+    FLAG_FUNCTION_REF,
+    FLAG_HANDLER,
+    FLAG_PLAIN,
+    FLAG_TENSOR_SLOTS,
+    REF_LENGTH,
+)
 from mpidag.agent.peers import Peers
 from mpidag.agent.sending import Sender
 from mpidag.errors import RPCError, SerializationError, wrap_error
@@ -126,6 +132,11 @@ class CallCodec:
                 func = self._resolve(bytes(payload[:end]), flags)
                 if len(payload) == end:
                     return func, (), {}
+                if flags & FLAG_TENSOR_SLOTS:  # (sent by the compiled path)
+                    holes, kwargs, slots = pickle.loads(payload[end:])
+                    tensors = env.tensors
+                    return func, tuple(item if slot < 0 else tensors[slot]
+                                       for item, slot in zip(holes, slots, strict=True)), kwargs
                 args, kwargs = load(payload[end:], env)
                 return func, args, kwargs
             func, args, kwargs = load(env.payload, env)

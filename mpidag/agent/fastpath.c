@@ -21,7 +21,11 @@
  * to the Python code it would have taken, which also raises every error the user sees.
  * A flag bit of the header (FLAG_PLAIN) says that the pickle after the function
  * reference (or the result's) holds plain values only, so the receiver may unpickle it
- * without the tensor table.
+ * without the tensor table. Dense contiguous CPU tensors (exactly torch.Tensor, small
+ * enough to travel inside frame 0) may be arguments too: FLAG_TENSOR_SLOTS says the
+ * pickle is (args, kwargs, slots), args with None where slots[i] >= 0 names the tensor
+ * env.tensors[slots[i]]; and a lone such tensor may be the result (frames' lone-tensor
+ * payload, as the Python path sends it).
  *
  * Needs neither MPI nor torch headers: the transport's _send_frame0 and the frame codec
  * are called as Python callables (both are C in the compiled build).
@@ -40,6 +44,8 @@
 #define FLAG_HANDLER 1
 #define FLAG_FUNCTION_REF 2
 #define FLAG_PLAIN 4
+#define FLAG_TENSOR_SLOTS 8
+#define ALIGN 16
 
 /* ================================================================== Counters */
 
@@ -218,6 +224,9 @@ enum {
     O_PY_FAIL,          /* Server.fail_call(env, func, exc) */
     O_FAILED_ERROR,     /* Peers.failed_error(rank) */
     O_WORKER_FAILED,    /* WorkerFailedError */
+    O_TENSOR_TYPE,      /* torch.Tensor */
+    O_STRIDED,          /* torch.strided */
+    O_LONE_TENSOR,      /* frames' payload of a result that is one tensor (bytes) */
     N_OBJECTS
 };
 static const char *OBJECT_NAMES[N_OBJECTS] = {
@@ -225,7 +234,7 @@ static const char *OBJECT_NAMES[N_OBJECTS] = {
     "transport", "transport_failed", "frames", "plugins", "new_future", "wake_waiters",
     "observing", "dumps", "loads", "handler_type", "envelope", "pending_call",
     "py_dispatch", "py_complete", "py_serve", "py_reply_value", "py_fail",
-    "failed_error", "worker_failed_error"};
+    "failed_error", "worker_failed_error", "tensor_type", "strided", "lone_tensor"};
 
 typedef struct {
     PyObject_HEAD
@@ -234,13 +243,14 @@ typedef struct {
     PyObject *pc_slots[N_PC];
     long long id_base, id_max;
     long rank;
-    Py_ssize_t payload_limit;
+    Py_ssize_t payload_limit, inline_limit;
     PyObject *protocol; /* pickle.HIGHEST_PROTOCOL */
     PyObject *empty_dict;
     /* interned attribute names */
     PyObject *s_open, *s_default_timeout, *s_send_hook, *s_send_frame0, *s_encode,
         *s_observer, *s_active, *s_future, *s_user_callbacks, *s_set_result,
-        *s_asynchronous, *s_wrapped_async, *s_get;
+        *s_asynchronous, *s_wrapped_async, *s_get, *s_layout, *s_is_cpu, *s_is_contiguous,
+        *s_nbytes, *s_cpu;
 } Core;
 
 static PyTypeObject *ServeWorkType;
@@ -315,28 +325,34 @@ static double monotonic_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* an Envelope made through its slots (no __init__); steals payload; NULL on error */
+/* an Envelope made through its slots (no __init__); steals payload and tensors (NULL:
+ * none); NULL on error */
 static PyObject *make_envelope(Core *self, int kind, PyObject *request_id, int flags,
-                               PyObject *payload)
+                               PyObject *payload, PyObject *tensors)
 {
     PyTypeObject *type = (PyTypeObject *)self->o[O_ENVELOPE];
     PyObject *env = type->tp_alloc(type, 0);
     if (env == NULL) {
         Py_DECREF(payload);
+        Py_XDECREF(tensors);
         return NULL;
     }
-    PyObject **s = self->env_slots;
-    if (slot_set(s[ENV_KIND], env, PyLong_FromLong(kind)) < 0 ||
-        slot_set(s[ENV_REQUEST_ID], env, Py_NewRef(request_id)) < 0 ||
-        slot_set(s[ENV_FLAGS], env, PyLong_FromLong(flags)) < 0 ||
-        slot_set(s[ENV_CONTEXT_ID], env, PyLong_FromLong(0)) < 0 ||
-        slot_set(s[ENV_MESSAGE_ID], env, PyLong_FromLong(0)) < 0 ||
-        slot_set(s[ENV_PAYLOAD], env, payload) < 0 ||
-        slot_set(s[ENV_TENSORS], env, PyList_New(0)) < 0 ||
-        slot_set(s[ENV_SRC], env, PyLong_FromLong(-1)) < 0) {
-        Py_DECREF(env);
-        return NULL;
+    PyObject *values[N_ENV] = {PyLong_FromLong(kind), Py_NewRef(request_id),
+                               PyLong_FromLong(flags), PyLong_FromLong(0), PyLong_FromLong(0),
+                               payload, tensors != NULL ? tensors : PyList_New(0),
+                               PyLong_FromLong(-1)};
+    int rc = 0;
+    for (int i = 0; i < N_ENV; i++)
+        if (values[i] == NULL)
+            rc = -1;
+    for (int i = 0; i < N_ENV; i++) {
+        if (rc == 0 && Py_TYPE(self->env_slots[i])->tp_descr_set(self->env_slots[i], env,
+                                                                 values[i]) < 0)
+            rc = -1;
+        Py_XDECREF(values[i]);
     }
+    if (rc < 0)
+        Py_CLEAR(env);
     return env;
 }
 
@@ -357,13 +373,55 @@ static int can_send(Core *self, long dst)
     return in < 0 ? -1 : !in;
 }
 
-/* frame 0 of env (no tensors, payload in frame 0) handed to the transport: 0, or -1 */
-static int send_frame0(Core *self, long dst, PyObject *env)
+/* 1 when t may travel by the plain path: exactly torch.Tensor, strided, on the CPU,
+ * contiguous; its bytes are added to *inline_bytes (16-aligned, as frame 0 packs them).
+ * 0: not such a tensor; -1: error */
+static int plain_tensor(Core *self, PyObject *t, Py_ssize_t *inline_bytes)
+{
+    if (Py_TYPE(t) != (PyTypeObject *)self->o[O_TENSOR_TYPE])
+        return 0;
+    PyObject *layout = PyObject_GetAttr(t, self->s_layout);
+    if (layout == NULL)
+        return -1;
+    int strided = layout == self->o[O_STRIDED];
+    Py_DECREF(layout);
+    if (!strided)
+        return 0;
+    PyObject *cpu = PyObject_GetAttr(t, self->s_is_cpu);
+    if (cpu == NULL)
+        return -1;
+    int on_cpu = cpu == Py_True;
+    Py_DECREF(cpu);
+    if (!on_cpu)
+        return 0;
+    PyObject *contiguous = PyObject_CallMethodNoArgs(t, self->s_is_contiguous);
+    if (contiguous == NULL)
+        return -1;
+    int is_contiguous = contiguous == Py_True;
+    Py_DECREF(contiguous);
+    if (!is_contiguous)
+        return 0;
+    PyObject *nbytes = PyObject_GetAttr(t, self->s_nbytes);
+    if (nbytes == NULL)
+        return -1;
+    Py_ssize_t n = PyLong_AsSsize_t(nbytes);
+    Py_DECREF(nbytes);
+    if (n == -1 && PyErr_Occurred())
+        return -1;
+    *inline_bytes += (n + ALIGN - 1) & ~(Py_ssize_t)(ALIGN - 1);
+    return *inline_bytes <= self->inline_limit;
+}
+
+/* frame 0 of env (its payload and CPU tensors inside frame 0) handed to the transport:
+ * 0, or -1 */
+static int send_frame0(Core *self, long dst, PyObject *env, Py_ssize_t n_tensors)
 {
     PyObject *encode = PyObject_GetAttr(self->o[O_FRAMES], self->s_encode);
     if (encode == NULL)
         return -1;
-    PyObject *devices = PyList_New(0);
+    PyObject *devices = PyList_New(n_tensors);
+    for (Py_ssize_t i = 0; devices != NULL && i < n_tensors; i++)
+        PyList_SET_ITEM(devices, i, Py_NewRef(self->s_cpu));
     PyObject *tag = PyLong_FromLong(0);
     PyObject *encoded = NULL;
     if (devices != NULL && tag != NULL) {
@@ -375,9 +433,11 @@ static int send_frame0(Core *self, long dst, PyObject *env)
     Py_XDECREF(tag);
     if (encoded == NULL)
         return -1;
-    if (!PyTuple_Check(encoded) || PyTuple_GET_SIZE(encoded) != 2) {
+    if (!PyTuple_Check(encoded) || PyTuple_GET_SIZE(encoded) != 2 ||
+        PyObject_Length(PyTuple_GET_ITEM(encoded, 1)) != 0) {
         Py_DECREF(encoded);
-        PyErr_SetString(PyExc_TypeError, "frames.encode did not return (frame0, separate)");
+        PyErr_SetString(PyExc_RuntimeError,
+                        "frames.encode did not put the whole message in frame 0");
         return -1;
     }
     PyObject *send = PyObject_GetAttr(self->o[O_TRANSPORT], self->s_send_frame0);
@@ -421,21 +481,27 @@ static int Core_init(Core *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_TypeError, "Core: an argument has the wrong type");
         return -1;
     }
-    PyObject *numbers[4] = {PyDict_GetItemString(kwds, "id_base"),
+    PyObject *numbers[5] = {PyDict_GetItemString(kwds, "id_base"),
                             PyDict_GetItemString(kwds, "id_max"),
                             PyDict_GetItemString(kwds, "rank"),
-                            PyDict_GetItemString(kwds, "payload_limit")};
+                            PyDict_GetItemString(kwds, "payload_limit"),
+                            PyDict_GetItemString(kwds, "inline_limit")};
     PyObject *protocol = PyDict_GetItemString(kwds, "protocol");
     if (numbers[0] == NULL || numbers[1] == NULL || numbers[2] == NULL ||
-        numbers[3] == NULL || protocol == NULL) {
-        PyErr_SetString(PyExc_TypeError,
-                        "Core needs id_base=, id_max=, rank=, payload_limit=, protocol=");
+        numbers[3] == NULL || numbers[4] == NULL || protocol == NULL) {
+        PyErr_SetString(PyExc_TypeError, "Core needs id_base=, id_max=, rank=, "
+                                         "payload_limit=, inline_limit=, protocol=");
+        return -1;
+    }
+    if (!PyBytes_CheckExact(self->o[O_LONE_TENSOR])) {
+        PyErr_SetString(PyExc_TypeError, "Core: lone_tensor= must be bytes");
         return -1;
     }
     self->id_base = PyLong_AsLongLong(numbers[0]);
     self->id_max = PyLong_AsLongLong(numbers[1]);
     self->rank = PyLong_AsLong(numbers[2]);
     self->payload_limit = PyLong_AsSsize_t(numbers[3]);
+    self->inline_limit = PyLong_AsSsize_t(numbers[4]);
     if (PyErr_Occurred())
         return -1;
     Py_XSETREF(self->protocol, Py_NewRef(protocol));
@@ -470,6 +536,8 @@ static int Core_init(Core *self, PyObject *args, PyObject *kwds)
     NAME(s_future, "future") NAME(s_user_callbacks, "user_callbacks")
     NAME(s_set_result, "set_result") NAME(s_asynchronous, "asynchronous")
     NAME(s_wrapped_async, "_wrapped_async_rpc_function") NAME(s_get, "get")
+    NAME(s_layout, "layout") NAME(s_is_cpu, "is_cpu") NAME(s_is_contiguous, "is_contiguous")
+    NAME(s_nbytes, "nbytes") NAME(s_cpu, "cpu")
 #undef NAME
     return 0;
 }
@@ -502,7 +570,8 @@ static void Core_dealloc(Core *self)
                          self->s_send_frame0, self->s_encode, self->s_observer,
                          self->s_active, self->s_future, self->s_user_callbacks,
                          self->s_set_result, self->s_asynchronous, self->s_wrapped_async,
-                         self->s_get};
+                         self->s_get, self->s_layout, self->s_is_cpu, self->s_is_contiguous,
+                         self->s_nbytes, self->s_cpu};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         Py_XDECREF(names[i]);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -516,32 +585,11 @@ static void Core_dealloc(Core *self)
 
 /* ------------------------------------------------------------------ the caller */
 
-/* The call's payload: the function's reference, then the pickle of (args, kwargs) unless
- * both are empty. NULL with no error: not a plain call. */
-static PyObject *plain_payload(Core *self, PyObject *func, PyObject *args, PyObject *kwargs,
-                               int *flags)
+/* ref + pickle of obj (a new bytes object), or NULL */
+static PyObject *ref_and_pickle(Core *self, PyObject *ref, PyObject *obj)
 {
-    if (!PyTuple_CheckExact(args) || !PyDict_CheckExact(kwargs) || PyDict_GET_SIZE(kwargs))
-        return NULL;
-    PyObject *prefix = PyDict_GetItemWithError(self->o[O_PREFIXES], func); /* borrowed */
-    if (prefix == NULL)
-        return NULL; /* a new function (the Python path makes its reference), or an error */
-    if (!PyTuple_CheckExact(prefix) || PyTuple_GET_SIZE(prefix) != 2 ||
-        !PyBytes_CheckExact(PyTuple_GET_ITEM(prefix, 0)) || !is_plain(args))
-        return NULL;
-    long flag = PyLong_AsLong(PyTuple_GET_ITEM(prefix, 1));
-    if (flag == -1 && PyErr_Occurred())
-        return NULL;
-    *flags = (int)flag | FLAG_PLAIN;
-    PyObject *ref = PyTuple_GET_ITEM(prefix, 0);
-    if (PyTuple_GET_SIZE(args) == 0)
-        return Py_NewRef(ref);
-    PyObject *both = PyTuple_Pack(2, args, kwargs);
-    if (both == NULL)
-        return NULL;
-    PyObject *dump_args[2] = {both, self->protocol};
+    PyObject *dump_args[2] = {obj, self->protocol};
     PyObject *pickled = PyObject_Vectorcall(self->o[O_DUMPS], dump_args, 2, NULL);
-    Py_DECREF(both);
     if (pickled == NULL)
         return NULL;
     Py_ssize_t n_ref = PyBytes_GET_SIZE(ref), n_pickle = PyBytes_GET_SIZE(pickled);
@@ -551,6 +599,88 @@ static PyObject *plain_payload(Core *self, PyObject *func, PyObject *args, PyObj
         memcpy(PyBytes_AS_STRING(payload) + n_ref, PyBytes_AS_STRING(pickled), n_pickle);
     }
     Py_DECREF(pickled);
+    return payload;
+}
+
+/* The payload of a call of args with tensors among them: ref + pickle of
+ * (args with None for each tensor, kwargs, slots); *tensors the table (a tensor passed
+ * twice is sent once). NULL with no error: a tensor that cannot travel this way. */
+static PyObject *slotted_payload(Core *self, PyObject *ref, PyObject *args, PyObject *kwargs,
+                                 PyObject **tensors)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(args), inline_bytes = 0;
+    PyObject *holes = PyTuple_New(n), *slots = PyTuple_New(n), *table = PyList_New(0);
+    PyObject *payload = NULL;
+    if (holes == NULL || slots == NULL || table == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyTuple_GET_ITEM(args, i);
+        Py_ssize_t slot = -1;
+        if (!is_plain_type(Py_TYPE(item))) {
+            for (Py_ssize_t j = 0; j < PyList_GET_SIZE(table); j++)
+                if (PyList_GET_ITEM(table, j) == item)
+                    slot = j;
+            if (slot < 0) {
+                int ok = plain_tensor(self, item, &inline_bytes);
+                if (ok <= 0)
+                    goto done;
+                slot = PyList_GET_SIZE(table);
+                if (PyList_Append(table, item) < 0)
+                    goto done;
+            }
+        }
+        PyObject *index = PyLong_FromSsize_t(slot);
+        if (index == NULL)
+            goto done;
+        PyTuple_SET_ITEM(slots, i, index);
+        PyTuple_SET_ITEM(holes, i, Py_NewRef(slot < 0 ? item : Py_None));
+    }
+    PyObject *three = PyTuple_Pack(3, holes, kwargs, slots);
+    if (three == NULL)
+        goto done;
+    payload = ref_and_pickle(self, ref, three);
+    Py_DECREF(three);
+    if (payload != NULL)
+        *tensors = Py_NewRef(table);
+done:
+    Py_XDECREF(holes);
+    Py_XDECREF(slots);
+    Py_XDECREF(table);
+    return payload;
+}
+
+/* The call's payload: the function's reference, then the pickle of (args, kwargs) unless
+ * both are empty; with tensors among the arguments, see slotted_payload (*tensors: their
+ * table, else NULL). NULL with no error: not a call for this path. */
+static PyObject *call_payload(Core *self, PyObject *func, PyObject *args, PyObject *kwargs,
+                              int *flags, PyObject **tensors)
+{
+    *tensors = NULL;
+    if (!PyTuple_CheckExact(args) || !PyDict_CheckExact(kwargs) || PyDict_GET_SIZE(kwargs) ||
+        PyTuple_GET_SIZE(args) > 8)
+        return NULL;
+    PyObject *prefix = PyDict_GetItemWithError(self->o[O_PREFIXES], func); /* borrowed */
+    if (prefix == NULL)
+        return NULL; /* a new function (the Python path makes its reference), or an error */
+    if (!PyTuple_CheckExact(prefix) || PyTuple_GET_SIZE(prefix) != 2 ||
+        !PyBytes_CheckExact(PyTuple_GET_ITEM(prefix, 0)))
+        return NULL;
+    long flag = PyLong_AsLong(PyTuple_GET_ITEM(prefix, 1));
+    if (flag == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *ref = PyTuple_GET_ITEM(prefix, 0);
+    if (!is_plain(args)) {
+        *flags = (int)flag | FLAG_TENSOR_SLOTS;
+        return slotted_payload(self, ref, args, kwargs, tensors);
+    }
+    *flags = (int)flag | FLAG_PLAIN;
+    if (PyTuple_GET_SIZE(args) == 0)
+        return Py_NewRef(ref);
+    PyObject *both = PyTuple_Pack(2, args, kwargs);
+    if (both == NULL)
+        return NULL;
+    PyObject *payload = ref_and_pickle(self, ref, both);
+    Py_DECREF(both);
     return payload;
 }
 
@@ -690,16 +820,20 @@ static PyObject *Core_send_call(Core *self, PyObject *const *argv, Py_ssize_t na
     if (ok <= 0)
         return ok < 0 ? NULL : Py_NewRef(Py_None);
     int flags = 0;
-    PyObject *payload = plain_payload(self, func, args, kwargs, &flags);
+    PyObject *tensors = NULL;
+    PyObject *payload = call_payload(self, func, args, kwargs, &flags, &tensors);
     if (payload == NULL)
         return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    Py_ssize_t n_tensors = tensors != NULL ? PyList_GET_SIZE(tensors) : 0;
     if (PyBytes_GET_SIZE(payload) > self->payload_limit) {
         Py_DECREF(payload);
+        Py_XDECREF(tensors);
         Py_RETURN_NONE; /* a payload frame of its own: the Python path */
     }
     PyObject *count = PyIter_Next(self->o[O_ID_COUNTER]);
     if (count == NULL) {
         Py_DECREF(payload);
+        Py_XDECREF(tensors);
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_RuntimeError, "the request id counter ended");
         return NULL;
@@ -708,10 +842,12 @@ static PyObject *Core_send_call(Core *self, PyObject *const *argv, Py_ssize_t na
     Py_DECREF(count);
     if (counter == -1 && PyErr_Occurred()) {
         Py_DECREF(payload);
+        Py_XDECREF(tensors);
         return NULL;
     }
     if (counter > self->id_max) {
         Py_DECREF(payload);
+        Py_XDECREF(tensors);
         PyErr_Format(PyExc_OverflowError, "request id counter of rank %ld exhausted after "
                      "%lld ids", self->rank, self->id_max);
         return NULL;
@@ -727,14 +863,14 @@ static PyObject *Core_send_call(Core *self, PyObject *const *argv, Py_ssize_t na
     call = new_pending_call(self, request_id, future, dst, now, seconds, deadline, func, args);
     if (call == NULL || PyDict_SetItem(self->o[O_PENDING], request_id, call) < 0)
         goto fail;
-    env = make_envelope(self, CALL, request_id, flags, payload);
-    payload = NULL; /* (stolen) */
+    env = make_envelope(self, CALL, request_id, flags, payload, tensors);
+    payload = tensors = NULL; /* (stolen) */
     if (env == NULL) {
         PyDict_DelItem(self->o[O_PENDING], request_id);
         goto fail;
     }
     ((Counters *)self->o[O_COUNTERS])->sent_to[dst]++;
-    if (send_frame0(self, dst, env) < 0) {
+    if (send_frame0(self, dst, env, n_tensors) < 0) {
         send_failed(self, request_id, dst);
         goto fail;
     }
@@ -746,6 +882,7 @@ static PyObject *Core_send_call(Core *self, PyObject *const *argv, Py_ssize_t na
     return call;
 fail:
     Py_XDECREF(payload);
+    Py_XDECREF(tensors);
     Py_XDECREF(env);
     Py_XDECREF(call);
     Py_XDECREF(request_id);
@@ -761,14 +898,43 @@ fail:
 static int complete_plain(Core *self, PyObject *env, long long flags, long src)
 {
     int ok = 1;
-    if (!(flags & FLAG_PLAIN) || slot_ll(self->env_slots[ENV_MESSAGE_ID], env, &ok) != 0)
+    if (slot_ll(self->env_slots[ENV_MESSAGE_ID], env, &ok) != 0)
         return ok ? 0 : -1;
-    PyObject *request_id = slot_get(self->env_slots[ENV_REQUEST_ID], env);
-    if (request_id == NULL)
+    PyObject *tensors = slot_get(self->env_slots[ENV_TENSORS], env);
+    if (tensors == NULL)
         return -1;
+    PyObject *lone = NULL; /* the result, when it is one tensor (frames.loads' rule) */
+    if (PyList_Check(tensors) && PyList_GET_SIZE(tensors) == 1 && !(flags & FLAG_PLAIN)) {
+        PyObject *payload = slot_get(self->env_slots[ENV_PAYLOAD], env);
+        if (payload == NULL) {
+            Py_DECREF(tensors);
+            return -1;
+        }
+        PyObject *expected = self->o[O_LONE_TENSOR];
+        Py_buffer view;
+        if (PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE) == 0) {
+            if (view.len == PyBytes_GET_SIZE(expected) &&
+                memcmp(view.buf, PyBytes_AS_STRING(expected), view.len) == 0)
+                lone = Py_NewRef(PyList_GET_ITEM(tensors, 0));
+            PyBuffer_Release(&view);
+        } else {
+            PyErr_Clear();
+        }
+        Py_DECREF(payload);
+    }
+    int no_tensors = PyList_Check(tensors) && PyList_GET_SIZE(tensors) == 0;
+    Py_DECREF(tensors);
+    if (lone == NULL && !((flags & FLAG_PLAIN) && no_tensors))
+        return 0;
+    PyObject *request_id = slot_get(self->env_slots[ENV_REQUEST_ID], env);
+    if (request_id == NULL) {
+        Py_XDECREF(lone);
+        return -1;
+    }
     PyObject *call = PyDict_GetItemWithError(self->o[O_PENDING], request_id);
     if (call == NULL || Py_TYPE(call) != (PyTypeObject *)self->o[O_PENDING_CALL]) {
         Py_DECREF(request_id);
+        Py_XDECREF(lone);
         return PyErr_Occurred() ? -1 : 0; /* late (timed out): Python logs it */
     }
     Py_INCREF(call);
@@ -788,14 +954,18 @@ static int complete_plain(Core *self, PyObject *env, long long flags, long src)
             goto done;
         }
     }
-    payload = slot_get(self->env_slots[ENV_PAYLOAD], env);
-    if (payload == NULL)
-        goto done;
-    value = PyObject_CallOneArg(self->o[O_LOADS], payload);
-    if (value == NULL) { /* Python says what could not be unpickled */
-        PyErr_Clear();
-        result = 0;
-        goto done;
+    if (lone != NULL) {
+        value = Py_NewRef(lone);
+    } else {
+        payload = slot_get(self->env_slots[ENV_PAYLOAD], env);
+        if (payload == NULL)
+            goto done;
+        value = PyObject_CallOneArg(self->o[O_LOADS], payload);
+        if (value == NULL) { /* Python says what could not be unpickled */
+            PyErr_Clear();
+            result = 0;
+            goto done;
+        }
     }
     if (PyDict_DelItem(self->o[O_PENDING], request_id) < 0) {
         /* completed meanwhile (expired by another thread while loads ran) */
@@ -834,6 +1004,7 @@ processed:
             result = -1;
     }
 done:
+    Py_XDECREF(lone);
     Py_XDECREF(value);
     Py_XDECREF(payload);
     Py_XDECREF(future);
@@ -893,7 +1064,12 @@ static int is_asynchronous(Core *self, PyObject *func)
 static int answer(Core *self, PyObject *request, long src, PyObject *func, PyObject *args,
                   PyObject *value)
 {
-    int can = is_plain(value) ? can_send(self, src) : 0;
+    Py_ssize_t inline_bytes = 0;
+    int plain = is_plain(value);
+    int lone = plain ? 0 : plain_tensor(self, value, &inline_bytes);
+    if (lone < 0)
+        return -1;
+    int can = plain || lone ? can_send(self, src) : 0;
     if (can < 0)
         return -1;
     if (!can) {
@@ -906,29 +1082,67 @@ static int answer(Core *self, PyObject *request, long src, PyObject *func, PyObj
         Py_XDECREF(r);
         return r == NULL ? -1 : 0;
     }
-    PyObject *dump_args[2] = {value, self->protocol};
-    PyObject *payload = PyObject_Vectorcall(self->o[O_DUMPS], dump_args, 2, NULL);
-    if (payload == NULL)
-        return -1;
+    PyObject *payload, *tensors = NULL;
+    if (lone) { /* frames.dumps' payload of a lone tensor, as the Python path sends it */
+        payload = Py_NewRef(self->o[O_LONE_TENSOR]);
+        if ((tensors = PyList_New(1)) == NULL) {
+            Py_DECREF(payload);
+            return -1;
+        }
+        PyList_SET_ITEM(tensors, 0, Py_NewRef(value));
+    } else {
+        PyObject *dump_args[2] = {value, self->protocol};
+        payload = PyObject_Vectorcall(self->o[O_DUMPS], dump_args, 2, NULL);
+        if (payload == NULL)
+            return -1;
+    }
     PyObject *request_id = slot_get(self->env_slots[ENV_REQUEST_ID], request);
     if (request_id == NULL) {
         Py_DECREF(payload);
+        Py_XDECREF(tensors);
         return -1;
     }
-    PyObject *reply = make_envelope(self, RESULT, request_id, FLAG_PLAIN, payload);
+    PyObject *reply = make_envelope(self, RESULT, request_id, lone ? 0 : FLAG_PLAIN, payload,
+                                    tensors);
     Py_DECREF(request_id);
     if (reply == NULL)
         return -1;
     Counters *counters = (Counters *)self->o[O_COUNTERS];
     counters->sent_to[src]++;
     counters->processed_from[src]++; /* handled once its answer is on its way */
-    int rc = send_frame0(self, src, reply);
+    int rc = send_frame0(self, src, reply, lone);
     Py_DECREF(reply);
     if (rc < 0 && PyErr_ExceptionMatches(self->o[O_WORKER_FAILED])) {
         PyErr_Clear(); /* the caller died meanwhile: nobody to answer */
         rc = 0;
     }
     return rc;
+}
+
+/* the arguments of a FLAG_TENSOR_SLOTS call: holes with slots[i] >= 0 filled from tensors
+ * (NULL with no error: malformed, Python's decode says so) */
+static PyObject *fill_slots(PyObject *holes, PyObject *slots, PyObject *tensors)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(holes);
+    if (!PyTuple_CheckExact(slots) || PyTuple_GET_SIZE(slots) != n)
+        return NULL;
+    PyObject *args = PyTuple_New(n);
+    if (args == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t slot = PyLong_AsSsize_t(PyTuple_GET_ITEM(slots, i));
+        if (slot == -1 && PyErr_Occurred()) {
+            Py_DECREF(args);
+            return NULL;
+        }
+        if (slot >= PyList_GET_SIZE(tensors) || slot < -1) {
+            Py_DECREF(args);
+            return NULL;
+        }
+        PyObject *item = slot < 0 ? PyTuple_GET_ITEM(holes, i) : PyList_GET_ITEM(tensors, slot);
+        PyTuple_SET_ITEM(args, i, Py_NewRef(item));
+    }
+    return args;
 }
 
 /* Serve a CALL: 1 served, 0 not plain (Python serves it; nothing was consumed), -1 error */
@@ -958,7 +1172,8 @@ static int serve_plain(Core *self, PyObject *env)
         return -1;
     }
     int result = 0;
-    PyObject *func = NULL, *loaded = NULL, *args = NULL, *kwargs = NULL, *value = NULL;
+    PyObject *func = NULL, *loaded = NULL, *args = NULL, *kwargs = NULL, *value = NULL,
+             *tensors = NULL;
     const unsigned char *buf = view.buf;
     Py_ssize_t end = view.len >= 2 ? 2 + (buf[0] | buf[1] << 8) : view.len + 1;
     if (end > view.len)
@@ -977,14 +1192,15 @@ static int serve_plain(Core *self, PyObject *env)
         args = PyTuple_New(0);
         kwargs = Py_NewRef(self->empty_dict);
     } else {
-        PyObject *tensors = slot_get(self->env_slots[ENV_TENSORS], env);
+        tensors = slot_get(self->env_slots[ENV_TENSORS], env);
         if (tensors == NULL) {
             result = -1;
             goto done;
         }
-        int no_tensors = PyList_Check(tensors) && PyList_GET_SIZE(tensors) == 0;
-        Py_DECREF(tensors);
-        if (!(flags & FLAG_PLAIN) || !no_tensors)
+        if (!PyList_Check(tensors))
+            goto done;
+        int no_tensors = PyList_GET_SIZE(tensors) == 0;
+        if (!((flags & FLAG_PLAIN) && no_tensors) && !(flags & FLAG_TENSOR_SLOTS))
             goto done;
         PyObject *rest = PyMemoryView_FromMemory((char *)view.buf + end, view.len - end,
                                                  PyBUF_READ);
@@ -998,11 +1214,21 @@ static int serve_plain(Core *self, PyObject *env)
             PyErr_Clear(); /* Python's decode raises the error the caller gets */
             goto done;
         }
-        if (!PyTuple_CheckExact(loaded) || PyTuple_GET_SIZE(loaded) != 2 ||
+        if (!PyTuple_CheckExact(loaded) ||
+            PyTuple_GET_SIZE(loaded) != (flags & FLAG_TENSOR_SLOTS ? 3 : 2) ||
             !PyTuple_CheckExact(PyTuple_GET_ITEM(loaded, 0)) ||
             !PyDict_CheckExact(PyTuple_GET_ITEM(loaded, 1)))
             goto done;
-        args = Py_NewRef(PyTuple_GET_ITEM(loaded, 0));
+        if (flags & FLAG_TENSOR_SLOTS) {
+            args = fill_slots(PyTuple_GET_ITEM(loaded, 0), PyTuple_GET_ITEM(loaded, 2),
+                              tensors);
+            if (args == NULL) {
+                result = PyErr_Occurred() ? -1 : 0;
+                goto done;
+            }
+        } else {
+            args = Py_NewRef(PyTuple_GET_ITEM(loaded, 0));
+        }
         kwargs = Py_NewRef(PyTuple_GET_ITEM(loaded, 1));
     }
     if (args == NULL) {
@@ -1040,6 +1266,7 @@ done:
     Py_XDECREF(args);
     Py_XDECREF(kwargs);
     Py_XDECREF(value);
+    Py_XDECREF(tensors);
     return result;
 }
 
@@ -1187,6 +1414,7 @@ PyMODINIT_FUNC PyInit__mpidag_fastpath(void)
         return NULL;
     if (PyModule_AddIntConstant(module, "VERSION", VERSION) < 0 ||
         PyModule_AddIntConstant(module, "FLAG_PLAIN", FLAG_PLAIN) < 0 ||
+        PyModule_AddIntConstant(module, "FLAG_TENSOR_SLOTS", FLAG_TENSOR_SLOTS) < 0 ||
         PyModule_AddIntConstant(module, "CALL", CALL) < 0 ||
         PyModule_AddIntConstant(module, "RESULT", RESULT) < 0 ||
         PyModule_AddIntConstant(module, "FLAG_HANDLER", FLAG_HANDLER) < 0 ||

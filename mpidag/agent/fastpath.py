@@ -70,9 +70,9 @@ def _load() -> tuple[Any, str]:
                       f"{FASTPATH_VERSION}); rebuild it with "
                       f"'python -m mpidag.transport.wire_build'")
     ours = (module.CALL, module.RESULT, module.FLAG_HANDLER, module.FLAG_FUNCTION_REF,
-            module.FLAG_PLAIN)
+            module.FLAG_PLAIN, module.FLAG_TENSOR_SLOTS)
     theirs = (messages.CALL, messages.RESULT, messages.FLAG_HANDLER,
-              messages.FLAG_FUNCTION_REF, messages.FLAG_PLAIN)
+              messages.FLAG_FUNCTION_REF, messages.FLAG_PLAIN, messages.FLAG_TENSOR_SLOTS)
     if ours != theirs:
         return None, (f"Python call path: {module.__file__} has other protocol constants "
                       f"({ours} vs {theirs}); rebuild it")

@@ -19,7 +19,8 @@ from __future__ import annotations
 import enum
 import struct
 
-__all__ = ["CALL", "CONTROL", "ERROR", "FLAG_FUNCTION_REF", "FLAG_HANDLER", "FLAG_PLAIN", "NOTIFY",
+__all__ = ["CALL", "CONTROL", "ERROR", "FLAG_FUNCTION_REF", "FLAG_HANDLER", "FLAG_PLAIN",
+           "FLAG_TENSOR_SLOTS", "NOTIFY",
            "REF_LENGTH", "RESULT", "Kind"]
 
 #: header flag: the payload names a registered handler instead of carrying a function
@@ -31,6 +32,10 @@ FLAG_FUNCTION_REF = 2
 #: payload (a result) holds plain values only (:func:`mpidag.transport.frames.is_plain`):
 #: the receiver may unpickle it without the tensor table (the compiled path does)
 FLAG_PLAIN = 4
+#: header flag: the pickle after the reference is ``(args, kwargs, slots)``, ``args`` with
+#: ``None`` where ``slots[i] >= 0`` names the message's tensor ``slots[i]`` (the compiled
+#: path sends the dense CPU tensor arguments of a call this way, with no tensor pickler)
+FLAG_TENSOR_SLOTS = 8
 
 #: a payload with either flag is ``<u16 length><reference><pickle of (args, kwargs)>``;
 #: the pickle is left out when both are empty

@@ -550,6 +550,9 @@ def _lone_tensor_payload() -> bytes:
 
 
 _LONE_TENSOR = _lone_tensor_payload()
+#: the payload of a message whose whole value is one plain tensor (the compiled call path
+#: sends it too)
+LONE_TENSOR_PAYLOAD = _LONE_TENSOR
 
 
 def loads(payload: bytes | memoryview, tensors: list[torch.Tensor],
