@@ -189,7 +189,11 @@ class OutgoingCalls:
         if call_profiling():
             return self.wait(self.call(dst, func, args, kwargs, timeout, record=record,
                                        exec_mode="sync"), timeout)
-        call = self.send_call(dst, func, args, kwargs, timeout, record, False)
+        return self.finish(self.send_call(dst, func, args, kwargs, timeout, record, False))
+
+    def finish(self, call: PendingCall) -> Any:
+        """Wait in this thread for the answer of ``call`` (sent without a future), driving
+        progress; return its value, or raise its error or an ``RPCTimeoutError``."""
         if not call.done and not self.engine.wait_until(call.is_done, call.deadline) \
                 and not call.done:
             self.expire(call.request_id)

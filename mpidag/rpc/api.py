@@ -496,8 +496,12 @@ def rpc_async(to: str | WorkerInfo | int, func: Callable, args: tuple | None = N
         tensor([4., 4.])
     """
     runtime = _runtime.current()
-    args, kwargs = check_call(func, args, kwargs)
-    fut = runtime.agent.call(runtime.to_rank(to), func, args, kwargs, check_timeout(timeout))
+    core = runtime.agent.core  # the compiled path takes a plain call with common arguments
+    fut = core.rpc(to, func, args, kwargs, timeout, True) if core is not None else None
+    if fut is None:
+        args, kwargs = check_call(func, args, kwargs)
+        fut = runtime.agent.call(runtime.to_rank(to), func, args, kwargs,
+                                 check_timeout(timeout))
     if hasattr(_thread_local_var, "future_list"):  # inside `with _wait_all():`
         _thread_local_var.future_list.append(fut)
     return fut
@@ -516,9 +520,14 @@ def rpc_sync(to: str | WorkerInfo | int, func: Callable, args: tuple | None = No
         tensor([4., 4.])
     """
     runtime = _runtime.current()
+    agent = runtime.agent
+    core = agent.core  # the compiled path takes a plain call with common arguments
+    if core is not None:
+        call = core.rpc(to, func, args, kwargs, timeout, False)
+        if call is not None:
+            return agent.calls.finish(call)
     args, kwargs = check_call(func, args, kwargs)
-    return runtime.agent.call_sync(runtime.to_rank(to), func, args, kwargs,
-                                   check_timeout(timeout))
+    return agent.call_sync(runtime.to_rank(to), func, args, kwargs, check_timeout(timeout))
 
 
 # ----------------------------------------------------------------------------------------
