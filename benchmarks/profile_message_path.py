@@ -6,7 +6,7 @@ in every process)::
     python -m mpidag.run -n 2 benchmarks/profile_message_path.py [--calls 3000]
 
 Rank 0 calls rank 1; for every call the script stamps, without changing mpidag itself
-(it wraps the MPI transport's ``_send_frame0``/``_probe``/``_probe_wait`` and the called
+(it wraps the MPI transport's ``send_frame0``/``_probe``/``_probe_wait`` and the called
 function):
 
     T0 caller enters rpc_sync / to_here          T3 callee's reply leaves (MPI_Send done)
@@ -56,7 +56,7 @@ def _header(frame0) -> tuple[int, int]:
 
 def instrument(transport) -> None:
     """Wrap this rank's transport so each request and reply frame is stamped."""
-    send_frame0, probe = transport._send_frame0, transport._probe
+    send_frame0, probe = transport.send_frame0, transport._probe
 
     def stamped_send(dst, frame0):
         send_frame0(dst, frame0)
@@ -94,7 +94,7 @@ def instrument(transport) -> None:
         recv_frame(*args)
         data_frames.append(("recv", start, _clock()))
 
-    transport._send_frame0 = stamped_send
+    transport.send_frame0 = stamped_send
     transport._probe = stamped_probe
     transport._send_frame = timed_send_frame
     transport._recv_frame = timed_recv_frame

@@ -154,13 +154,13 @@ def test_the_compiled_path_sends_the_bytes_the_python_path_sends(world, monkeypa
     agent = world[0].agent
     transport = agent.transport
     sent: list[tuple[int, bytes]] = []
-    send_frame0 = transport._send_frame0
+    send_frame0 = transport.send_frame0
 
     def record(dst, frame0):
         sent.append((dst, bytes(frame0)))
         send_frame0(dst, frame0)
 
-    monkeypatch.setattr(transport, "_send_frame0", record)
+    monkeypatch.setattr(transport, "send_frame0", record)
     assert sync(world[0], 1, rf.add, 2, 3) == 5  # the reference is made: Python
     assert sync(world[0], 1, rf.add, 2, 3) == 5  # C
     core, agent.calls.core = agent.calls.core, None
@@ -296,13 +296,13 @@ def test_is_plain_in_c_agrees_with_python(value):
 def test_plain_results_answered_by_python_carry_the_plain_flag(world, monkeypatch):
     transport = world[1].agent.transport
     sent: list[bytes] = []
-    send_frame0 = transport._send_frame0
+    send_frame0 = transport.send_frame0
 
     def record(dst, frame0):
         sent.append(bytes(frame0))
         send_frame0(dst, frame0)
 
-    monkeypatch.setattr(transport, "_send_frame0", record)
+    monkeypatch.setattr(transport, "send_frame0", record)
     assert sync(world[0], 1, rf.whoami) is not None  # first call: served by Python
     assert sync(world[0], 1, rf.identity, [3]) == [3]  # a list: Python, not plain
     kinds = [frames.decode_header(bytearray(frame), 1)[0] for frame in sent]
@@ -324,3 +324,44 @@ def test_the_python_server_reads_the_tensor_slots_the_compiled_caller_sends():
         assert python.seen.get("encode") is None and python.seen["decode"] == 2
     finally:
         ranks.close()
+
+
+def test_the_api_hands_common_calls_to_the_compiled_path_and_checks_the_rest(world):
+    """``rpc_sync``/``rpc_async`` give a call of common arguments to ``Core.rpc``; any other
+    argument takes the API's Python checks, with torch's errors."""
+    import mpidag.rpc as rpc
+    from mpidag._runtime import bind_thread
+    from mpidag.errors import InvalidArgumentError, UnknownWorkerError
+    core = world[0].agent.core
+    bind_thread(world[0])
+    try:
+        rpc.rpc_sync("worker1", rf.add, args=(1, 2))  # the reference
+        for to in ("worker1", 1):
+            for timeout in (-1.0, None, 0, 5, 2.5):
+                call = core.rpc(to, rf.add, (1, 2), None, timeout, False)
+                assert world[0].agent.calls.finish(call) == 3
+            fut = core.rpc(to, rf.add, (4, 5), {}, -1.0, True)
+            assert fut.wait() == 9
+        info = rpc.get_worker_info("worker1")
+        for to, args, kwargs, timeout in [
+                (info, (1, 2), None, -1.0),  # a WorkerInfo
+                ("worker1", [1, 2], None, -1.0),  # a list
+                ("worker1", (1,), {"b": 2}, -1.0),  # keyword arguments
+                ("worker1", (1, 2), None, float("inf")),  # no timeout, by inf
+                (True, (1, 2), None, -1.0)]:  # a bool is not a rank
+            assert core.rpc(to, rf.add, args, kwargs, timeout, False) is None
+        assert rpc.rpc_sync(info, rf.add, args=[1, 2]) == 3
+        assert rpc.rpc_sync("worker1", rf.add, args=(1,), kwargs={"b": 2}) == 3
+        assert rpc.rpc_async(1, rf.add, args=(1, 2), timeout=float("inf")).wait() == 3
+        with pytest.raises(TypeError, match="args must be a tuple"):
+            rpc.rpc_sync("worker1", rf.add, args=5)
+        with pytest.raises(InvalidArgumentError, match="timeout=-5"):
+            rpc.rpc_async("worker1", rf.add, args=(1, 2), timeout=-5)
+        with pytest.raises(InvalidArgumentError, match="timeout=nan"):
+            rpc.rpc_sync("worker1", rf.add, args=(1, 2), timeout=float("nan"))
+        with pytest.raises(UnknownWorkerError, match="worker7"):
+            rpc.rpc_sync("worker7", rf.add, args=(1, 2))
+        with pytest.raises(UnknownWorkerError, match="unknown destination rank 5"):
+            rpc.rpc_async(5, rf.add, args=(1, 2))
+    finally:
+        bind_thread(None)

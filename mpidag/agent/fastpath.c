@@ -27,7 +27,7 @@
  * env.tensors[slots[i]]; and a lone such tensor may be the result (frames' lone-tensor
  * payload, as the Python path sends it).
  *
- * Needs neither MPI nor torch headers: the transport's _send_frame0 and the frame codec
+ * Needs neither MPI nor torch headers: the transport's send_frame0 and the frame codec
  * are called as Python callables (both are C in the compiled build).
  */
 #define PY_SSIZE_T_CLEAN
@@ -206,7 +206,7 @@ enum {
     O_TARGETS,          /* CallCodec: reference prefix -> (func, namespace, name) */
     O_ID_COUNTER,       /* IdGenerator's itertools.count */
     O_COUNTERS,         /* Counters */
-    O_TRANSPORT,        /* .send_hook, ._send_frame0 */
+    O_TRANSPORT,        /* .send_hook, .send_frame0 */
     O_TRANSPORT_FAILED, /* set of failed ranks (the transport's) */
     O_FRAMES,           /* mpidag.transport.frames: .encode */
     O_PLUGINS,          /* .observer.active */
@@ -541,7 +541,7 @@ static int Core_init(Core *self, PyObject *args, PyObject *kwds)
     if (self->field == NULL && (self->field = PyUnicode_InternFromString(text)) == NULL)   \
         return -1;
     NAME(s_open, "open") NAME(s_default_timeout, "default_timeout")
-    NAME(s_send_hook, "send_hook") NAME(s_send_frame0, "_send_frame0")
+    NAME(s_send_hook, "send_hook") NAME(s_send_frame0, "send_frame0")
     NAME(s_encode, "encode") NAME(s_observer, "observer") NAME(s_active, "active")
     NAME(s_future, "future") NAME(s_user_callbacks, "user_callbacks")
     NAME(s_set_result, "set_result") NAME(s_asynchronous, "asynchronous")

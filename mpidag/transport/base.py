@@ -105,7 +105,7 @@ class Transport:
 class FramedTransport(Transport):
     """Framing, tensor allocation and loopback; subclasses move the bytes.
 
-    Subclasses implement :meth:`_send_frame0`, :meth:`_send_frame`, :meth:`_probe` and
+    Subclasses implement :meth:`send_frame0`, :meth:`_send_frame`, :meth:`_probe` and
     :meth:`_recv_frame`, pass ``rank``, ``size`` and ``n_data_tags`` to ``__init__``, and set
     ``cuda_aware`` when their transfers can read and write device memory.
     """
@@ -125,7 +125,12 @@ class FramedTransport(Transport):
         self.send_hook = None
 
     # ------------------------------------------------------- moving bytes
-    def _send_frame0(self, dst: int, frame0: bytes | bytearray) -> None:
+    def send_frame0(self, dst: int, frame0: bytes | bytearray) -> None:
+        """Hand frame 0 of a message to the wire (it may stay in flight after this returns);
+        a failed ``dst`` raises ``WorkerFailedError``. The one call per message of the hot
+        path: :meth:`send_now` makes it, and so does the agent's compiled call path
+        (:mod:`mpidag.agent.fastpath`) for a message all inside frame 0. A transport may
+        replace it per instance with a faster callable of the same meaning."""
         raise NotImplementedError
 
     def _send_frame(self, dst: int, tag: int, buffer: Any) -> None:
@@ -159,7 +164,7 @@ class FramedTransport(Transport):
         needs_tag = env.tensors or len(env.payload) > frames.PAYLOAD_FRAME_LIMIT
         data_tag = 1 + next(self._tag_counter) % self._n_data_tags if needs_tag else 0
         frame0, separate = frames.encode(env, devices, data_tag)
-        self._send_frame0(dst, frame0)
+        self.send_frame0(dst, frame0)
         for item in separate:
             if isinstance(item, memoryview):
                 self._send_frame(dst, data_tag, item)

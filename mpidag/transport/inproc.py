@@ -102,7 +102,7 @@ class InProcTransport(FramedTransport):
                               f"{self.world.aborted}")
 
     # ------------------------------------------------------- moving bytes
-    def _send_frame0(self, dst: int, frame0: bytes | bytearray) -> None:
+    def send_frame0(self, dst: int, frame0: bytes | bytearray) -> None:
         self._check()
         self.world.inboxes[dst].append((self.rank, bytearray(frame0)))
 

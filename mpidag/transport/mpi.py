@@ -335,7 +335,7 @@ class MPITransport(FramedTransport):
         #: what was set so that a thread blocked in MPI leaves the core to the others
         #: (:func:`make_blocking_waits_yield`), or ``None``
         self.blocking_waits_yield = make_blocking_waits_yield(MPI.Get_library_version())
-        #: frame-0 sends still in flight: (request, frame) (see _send_frame0)
+        #: frame-0 sends still in flight: (request, frame) (see send_frame0)
         self._sends_in_flight: collections.deque[tuple[Any, bytes | bytearray]] = \
             collections.deque()
         self._Isend = self.comm.Isend
@@ -354,7 +354,7 @@ class MPITransport(FramedTransport):
                 self._send_frame0_unlocked = self.wire.send
                 self._probe_unlocked = self.wire.probe
         if self.thread_multiple:  # the hot path without a lock (a no-op context costs 0.15 us)
-            self._send_frame0 = self._send_frame0_unlocked
+            self.send_frame0 = self._send_frame0_unlocked
             self._probe = self._probe_unlocked
         #: ``poll_wait(seconds)``: :meth:`poll` that waits for a frame 0 up to ``seconds`` in
         #: C without the GIL (the compiled path under ``THREAD_MULTIPLE``), else ``None``
@@ -365,7 +365,7 @@ class MPITransport(FramedTransport):
             self.interrupt_wait = self.wire.interrupt
 
     # ------------------------------------------------------- moving bytes
-    def _send_frame0(self, dst: int, frame0: bytes | bytearray) -> None:
+    def send_frame0(self, dst: int, frame0: bytes | bytearray) -> None:
         """Start sending frame 0 and return without waiting for the receiver.
 
         Frame 0 is the sender's own copy, so it can stay in flight: a blocking send of a
