@@ -21,7 +21,7 @@ variable                   field                  default    meaning
 ``MPIDAG_OPTIM_LOCKS``     ``optim_locks``        parameter  ``parameter`` or ``global``
 ``MPIDAG_FT``              ``ft``                 0          1: fault-tolerant (ULFM) session
 ``MPIDAG_INSPECT_DIR``     ``inspect_dir``        tmp dir    state files for mpidag.inspect
-``MPIDAG_COMPILED``        ``compiled``           1          0: the Python frame-0 path
+``MPIDAG_COMPILED``        ``compiled``           1          0: the Python paths (frame 0, calls)
 =========================  =====================  =========  ==================================
 
 The launcher's variables (:class:`LaunchConfig`): ``MPIDAG_MPIRUN`` (the ``mpirun`` to
@@ -157,7 +157,8 @@ class Config:
     #: per-user directory under the system's temporary directory; a shared file system
     #: for jobs over several nodes)
     inspect_dir: str | None = None
-    #: MPIDAG_COMPILED: use the compiled frame-0 path when it is built (0: the Python one)
+    #: MPIDAG_COMPILED: use the compiled frame-0 path and call path when they are built (0: the
+    #: Python ones)
     compiled: bool = True
 
     @classmethod
