@@ -274,7 +274,7 @@ def test_compiled_and_python_counters_agree():
     for name, rank in steps:
         for counters in both:
             getattr(counters, name)(rank)
-    for failed in (set(), {2}, {0, 1, 2}):
+    for failed in (set(), {2}, {0, 1, 2}, [1], frozenset({0})):
         assert both[0].totals(failed) == both[1].totals(failed)
     assert (both[0].sent_total, both[0].processed_total) == \
         (both[1].sent_total, both[1].processed_total) == (3, 4)

@@ -118,12 +118,16 @@ COUNTER_METHOD(answered, (self->sent_to[r]++, self->processed_from[r]++))
 static PyObject *Counters_totals(Counters *self, PyObject *failed)
 {
     long long sent = 0, processed = 0;
+    int any_failed = PyAnySet_Check(failed) ? PySet_GET_SIZE(failed) > 0
+                                            : PyObject_IsTrue(failed);
+    if (any_failed < 0)
+        return NULL;
     for (Py_ssize_t r = 0; r < self->size; r++) {
-        if (failed != Py_None && PySet_GET_SIZE(failed) > 0) {
+        if (any_failed) {
             PyObject *key = PyLong_FromSsize_t(r);
             if (key == NULL)
                 return NULL;
-            int in = PySet_Contains(failed, key);
+            int in = PySequence_Contains(failed, key);
             Py_DECREF(key);
             if (in < 0)
                 return NULL;
@@ -255,8 +259,8 @@ typedef struct {
     PyObject *empty_dict, *empty_tuple;
     /* interned attribute names */
     PyObject *s_open, *s_default_timeout, *s_send_hook, *s_send_frame0, *s_encode,
-        *s_observer, *s_active, *s_future, *s_user_callbacks, *s_set_result,
-        *s_asynchronous, *s_wrapped_async, *s_get, *s_layout, *s_is_cpu, *s_is_contiguous,
+        *s_observer, *s_active, *s_user_callbacks, *s_asynchronous, *s_wrapped_async,
+        *s_layout, *s_is_cpu, *s_is_contiguous,
         *s_nbytes, *s_cpu, *s_id;
 } Core;
 
@@ -543,9 +547,8 @@ static int Core_init(Core *self, PyObject *args, PyObject *kwds)
     NAME(s_open, "open") NAME(s_default_timeout, "default_timeout")
     NAME(s_send_hook, "send_hook") NAME(s_send_frame0, "send_frame0")
     NAME(s_encode, "encode") NAME(s_observer, "observer") NAME(s_active, "active")
-    NAME(s_future, "future") NAME(s_user_callbacks, "user_callbacks")
-    NAME(s_set_result, "set_result") NAME(s_asynchronous, "asynchronous")
-    NAME(s_wrapped_async, "_wrapped_async_rpc_function") NAME(s_get, "get")
+    NAME(s_user_callbacks, "user_callbacks") NAME(s_asynchronous, "asynchronous")
+    NAME(s_wrapped_async, "_wrapped_async_rpc_function")
     NAME(s_layout, "layout") NAME(s_is_cpu, "is_cpu") NAME(s_is_contiguous, "is_contiguous")
     NAME(s_nbytes, "nbytes") NAME(s_cpu, "cpu") NAME(s_id, "id")
 #undef NAME
@@ -579,9 +582,8 @@ static void Core_dealloc(Core *self)
     Py_XDECREF(self->empty_tuple);
     PyObject *names[] = {self->s_open, self->s_default_timeout, self->s_send_hook,
                          self->s_send_frame0, self->s_encode, self->s_observer,
-                         self->s_active, self->s_future, self->s_user_callbacks,
-                         self->s_set_result, self->s_asynchronous, self->s_wrapped_async,
-                         self->s_get, self->s_layout, self->s_is_cpu, self->s_is_contiguous,
+                         self->s_active, self->s_user_callbacks, self->s_asynchronous,
+                         self->s_wrapped_async, self->s_layout, self->s_is_cpu, self->s_is_contiguous,
                          self->s_nbytes, self->s_cpu, self->s_id};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         Py_XDECREF(names[i]);
