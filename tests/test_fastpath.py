@@ -355,6 +355,10 @@ def test_the_api_hands_common_calls_to_the_compiled_path_and_checks_the_rest(wor
         assert rpc.rpc_async(1, rf.add, args=(1, 2), timeout=float("inf")).wait() == 3
         with pytest.raises(TypeError, match="args must be a tuple"):
             rpc.rpc_sync("worker1", rf.add, args=5)
+        with pytest.raises(TypeError, match="function should be callable, got list"):
+            rpc.rpc_sync("worker1", [1, 2], args=(1, 2))  # (unhashable: not a table key)
+        with pytest.raises(TypeError, match="function should be callable, got int"):
+            rpc.rpc_async("worker1", 7)
         with pytest.raises(InvalidArgumentError, match="timeout=-5"):
             rpc.rpc_async("worker1", rf.add, args=(1, 2), timeout=-5)
         with pytest.raises(InvalidArgumentError, match="timeout=nan"):

@@ -673,8 +673,10 @@ static PyObject *call_payload(Core *self, PyObject *func, PyObject *args, PyObje
         PyTuple_GET_SIZE(args) > 8)
         return NULL;
     PyObject *prefix = PyDict_GetItemWithError(self->o[O_PREFIXES], func); /* borrowed */
-    if (prefix == NULL)
-        return NULL; /* a new function (the Python path makes its reference), or an error */
+    if (prefix == NULL) { /* a new function (the Python path makes its reference), or one */
+        PyErr_Clear();    /* that cannot be a key (unhashable: the Python checks say why) */
+        return NULL;
+    }
     if (!PyTuple_CheckExact(prefix) || PyTuple_GET_SIZE(prefix) != 2 ||
         !PyBytes_CheckExact(PyTuple_GET_ITEM(prefix, 0)))
         return NULL;
