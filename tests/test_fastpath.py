@@ -18,6 +18,7 @@ import torch
 from mpidag._config import Config
 from mpidag._runtime import Runtime
 from mpidag.agent import fastpath
+from mpidag.agent.futures import RpcFuture
 from mpidag.agent.messages import CALL, FLAG_FUNCTION_REF, FLAG_PLAIN, RESULT
 from mpidag.errors import RPCTimeoutError
 from mpidag.transport import frames
@@ -341,6 +342,8 @@ def test_the_api_hands_common_calls_to_the_compiled_path_and_checks_the_rest(wor
                 call = core.rpc(to, rf.add, (1, 2), None, timeout, False)
                 assert world[0].agent.calls.finish(call) == 3
             fut = core.rpc(to, rf.add, (4, 5), {}, -1.0, True)
+            # made in C as RpcFuture.__init__ makes it
+            assert type(fut) is RpcFuture and vars(fut) == vars(RpcFuture(world[0].agent.engine))
             assert fut.wait() == 9
         info = rpc.get_worker_info("worker1")
         for to, args, kwargs, timeout in [
@@ -369,3 +372,37 @@ def test_the_api_hands_common_calls_to_the_compiled_path_and_checks_the_rest(wor
             rpc.rpc_async(5, rf.add, args=(1, 2))
     finally:
         bind_thread(None)
+
+
+def test_waiting_answers_are_completed_in_one_dispatch_and_the_rest_keeps_its_order():
+    ranks = HandDriven()
+    try:
+        caller, callee = ranks.agents
+        ranks.call(rf.add, 1, 1)
+        ranks.call(rf.identity, 1)
+
+        def send(func, *args):
+            return caller.calls.send_call(1, func, args, {}, TIMEOUT, True, True).future
+
+        futures = [send(rf.add, i, 1) for i in range(10)]
+        futures.append(send(rf.identity, [7]))  # a list: answered and completed in Python
+        futures += [send(rf.add, i, 100) for i in range(5)]
+        while (env := ranks.transports[1].poll()) is not None:  # the callee serves them all
+            work = callee.dispatch(env)
+            if work is not None:
+                work()
+        first = ranks.transports[0].poll()
+        with PythonCalls() as python:
+            assert caller.dispatch(first) is None
+        assert python.seen == {}, python.seen
+        assert [f.done() for f in futures] == [True] * 10 + [False] * 6
+        assert [f.wait() for f in futures[:10]] == [i + 1 for i in range(10)]
+        after = ranks.transports[0].poll()  # the list's answer, put back first
+        with PythonCalls() as python:
+            caller.dispatch(after)
+        assert python.seen["complete"] == 1 and futures[10].wait() == [7]
+        assert caller.dispatch(ranks.transports[0].poll()) is None  # the next burst
+        assert [f.wait() for f in futures[11:]] == [i + 100 for i in range(5)]
+        assert ranks.transports[0].poll() is None and len(caller.calls) == 0
+    finally:
+        ranks.close()

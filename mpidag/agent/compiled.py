@@ -10,7 +10,6 @@ Example::
 
 from __future__ import annotations
 
-import functools
 import pickle
 from typing import Any
 
@@ -65,8 +64,10 @@ def make_core(calls: OutgoingCalls, server: Server, transport: Any,
         id_base=ids.base, id_max=ids.max_counter, counters=sender.counters,
         transport=transport, transport_failed=transport.failed,
         rank=transport.rank, frames=frames, plugins=calls.plugins,
-        new_future=functools.partial(RpcFuture, calls.engine), set_result=_set_result(),
-        wake_waiters=calls.engine.wake_waiters, observing=observing, dumps=pickle.dumps,
+        future_type=RpcFuture, future_init=torch._C.Future.__init__, engine=calls.engine,
+        set_result=_set_result(),
+        wake_waiters=calls.engine.wake_waiters, poll=transport.poll,
+        requeue=transport.requeue, observing=observing, dumps=pickle.dumps,
         loads=pickle.loads, protocol=pickle.HIGHEST_PROTOCOL, handler_type=Handler,
         envelope=frames.Envelope, pending_call=PendingCall,
         payload_limit=frames.PAYLOAD_FRAME_LIMIT, py_dispatch=python_dispatch,

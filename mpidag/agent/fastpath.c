@@ -214,9 +214,13 @@ enum {
     O_TRANSPORT_FAILED, /* set of failed ranks (the transport's) */
     O_FRAMES,           /* mpidag.transport.frames: .encode */
     O_PLUGINS,          /* .observer.active */
-    O_NEW_FUTURE,       /* () -> RpcFuture of the engine */
+    O_FUTURE_TYPE,      /* RpcFuture */
+    O_FUTURE_INIT,      /* torch._C.Future.__init__ (what RpcFuture.__init__ calls) */
+    O_ENGINE,           /* the progress engine (RpcFuture.engine) */
     O_SET_RESULT,       /* set_result(future, value): RpcFuture's, unbound */
     O_WAKE,             /* engine.wake_waiters() */
+    O_POLL,             /* transport.poll(): the next message, or None at once */
+    O_REQUEUE,          /* transport.requeue(env): it is the next one poll() returns */
     O_OBSERVING,        /* () -> whether served calls take the observed path */
     O_DUMPS,            /* pickle.dumps */
     O_LOADS,            /* pickle.loads */
@@ -240,8 +244,9 @@ enum {
 };
 static const char *OBJECT_NAMES[N_OBJECTS] = {
     "calls", "pending", "peers_failed", "prefixes", "targets", "id_counter", "counters",
-    "transport", "transport_failed", "frames", "plugins", "new_future", "set_result",
-    "wake_waiters",
+    "transport", "transport_failed", "frames", "plugins", "future_type", "future_init",
+    "engine", "set_result",
+    "wake_waiters", "poll", "requeue",
     "observing", "dumps", "loads", "handler_type", "envelope", "pending_call",
     "py_dispatch", "py_complete", "py_serve", "py_reply_value", "py_fail",
     "failed_error", "worker_failed_error", "by_name", "peers_left", "call_profiling",
@@ -261,7 +266,7 @@ typedef struct {
     PyObject *s_open, *s_default_timeout, *s_send_hook, *s_send_frame0, *s_encode,
         *s_observer, *s_active, *s_user_callbacks, *s_asynchronous, *s_wrapped_async,
         *s_layout, *s_is_cpu, *s_is_contiguous,
-        *s_nbytes, *s_cpu, *s_id;
+        *s_nbytes, *s_cpu, *s_id, *s_engine;
 } Core;
 
 static PyTypeObject *ServeWorkType;
@@ -489,6 +494,7 @@ static int Core_init(Core *self, PyObject *args, PyObject *kwds)
         !PyAnySet_Check(self->o[O_TRANSPORT_FAILED]) ||
         !PyAnySet_Check(self->o[O_PEERS_LEFT]) || !PyDict_Check(self->o[O_BY_NAME]) ||
         !PyType_Check(self->o[O_ENVELOPE]) || !PyType_Check(self->o[O_PENDING_CALL]) ||
+        !PyType_Check(self->o[O_FUTURE_TYPE]) ||
         !PyObject_TypeCheck(self->o[O_COUNTERS], &CountersType)) {
         PyErr_SetString(PyExc_TypeError, "Core: an argument has the wrong type");
         return -1;
@@ -550,7 +556,7 @@ static int Core_init(Core *self, PyObject *args, PyObject *kwds)
     NAME(s_user_callbacks, "user_callbacks") NAME(s_asynchronous, "asynchronous")
     NAME(s_wrapped_async, "_wrapped_async_rpc_function")
     NAME(s_layout, "layout") NAME(s_is_cpu, "is_cpu") NAME(s_is_contiguous, "is_contiguous")
-    NAME(s_nbytes, "nbytes") NAME(s_cpu, "cpu") NAME(s_id, "id")
+    NAME(s_nbytes, "nbytes") NAME(s_cpu, "cpu") NAME(s_id, "id") NAME(s_engine, "engine")
 #undef NAME
     return 0;
 }
@@ -584,7 +590,7 @@ static void Core_dealloc(Core *self)
                          self->s_send_frame0, self->s_encode, self->s_observer,
                          self->s_active, self->s_user_callbacks, self->s_asynchronous,
                          self->s_wrapped_async, self->s_layout, self->s_is_cpu, self->s_is_contiguous,
-                         self->s_nbytes, self->s_cpu, self->s_id};
+                         self->s_nbytes, self->s_cpu, self->s_id, self->s_engine};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         Py_XDECREF(names[i]);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -728,6 +734,30 @@ static int may_send_plain(Core *self, long dst, int record)
     return can_send(self, dst);
 }
 
+/* An RpcFuture of the engine, made as RpcFuture.__init__ makes it (torch's C future with
+ * no devices, then its engine), without its Python frame */
+static PyObject *new_future(Core *self)
+{
+    PyTypeObject *type = (PyTypeObject *)self->o[O_FUTURE_TYPE];
+    PyObject *future = type->tp_new(type, self->empty_tuple, NULL);
+    if (future == NULL)
+        return NULL;
+    PyObject *devices = PyList_New(0);
+    PyObject *r = NULL;
+    if (devices != NULL) {
+        PyObject *init_args[2] = {future, devices};
+        r = PyObject_Vectorcall(self->o[O_FUTURE_INIT], init_args, 2, NULL);
+        Py_DECREF(devices);
+    }
+    if (r == NULL || PyObject_SetAttr(future, self->s_engine, self->o[O_ENGINE]) < 0) {
+        Py_XDECREF(r);
+        Py_DECREF(future);
+        return NULL;
+    }
+    Py_DECREF(r);
+    return future;
+}
+
 /* the call's (seconds, deadline) by torch's rule: negative or None is the default, 0 none */
 static int resolve_timeout(Core *self, PyObject *timeout, double now, PyObject **seconds,
                            PyObject **deadline)
@@ -868,8 +898,7 @@ static PyObject *Core_send_call(Core *self, PyObject *const *argv, Py_ssize_t na
         return NULL;
     }
     PyObject *request_id = PyLong_FromLongLong(self->id_base | counter);
-    PyObject *future = with_future ? PyObject_CallNoArgs(self->o[O_NEW_FUTURE])
-                                   : Py_NewRef(Py_None);
+    PyObject *future = with_future ? new_future(self) : Py_NewRef(Py_None);
     PyObject *seconds = NULL, *deadline = NULL, *call = NULL, *env = NULL;
     double now = monotonic_s();
     if (request_id == NULL || future == NULL ||
@@ -986,8 +1015,10 @@ static PyObject *Core_rpc(Core *self, PyObject *const *argv, Py_ssize_t nargs)
 
 /* ------------------------------------------------------------------ answers */
 
-/* A plain RESULT completes its call here; 1 done, 0 leave it to Python, -1 error */
-static int complete_plain(Core *self, PyObject *env, long long flags, long src)
+/* A plain RESULT completes its call here (the caller wakes the waiters); 1 done, 0 leave
+ * it to Python, -1 error. *with_future: the call was rpc_async's. */
+static int complete_plain(Core *self, PyObject *env, long long flags, long src,
+                          int *with_future)
 {
     int ok = 1;
     if (slot_ll(self->env_slots[ENV_MESSAGE_ID], env, &ok) != 0)
@@ -1035,6 +1066,7 @@ static int complete_plain(Core *self, PyObject *env, long long flags, long src)
     PyObject *future = slot_get(self->pc_slots[PC_FUTURE], call);
     if (future == NULL)
         goto done;
+    *with_future = future != Py_None;
     if (future != Py_None) {
         PyObject *callbacks = PyObject_GetAttr(future, self->s_user_callbacks);
         if (callbacks == NULL)
@@ -1081,21 +1113,6 @@ static int complete_plain(Core *self, PyObject *env, long long flags, long src)
     result = 1;
 processed:
     ((Counters *)self->o[O_COUNTERS])->processed_from[src]++;
-    {
-        PyObject *type, *exc, *tb;
-        PyErr_Fetch(&type, &exc, &tb);
-        PyObject *r = PyObject_CallNoArgs(self->o[O_WAKE]);
-        if (r == NULL) {
-            if (type == NULL)
-                PyErr_Fetch(&type, &exc, &tb);
-            else
-                PyErr_Clear();
-        }
-        Py_XDECREF(r);
-        PyErr_Restore(type, exc, tb);
-        if (type != NULL)
-            result = -1;
-    }
 done:
     Py_XDECREF(lone);
     Py_XDECREF(value);
@@ -1419,6 +1436,73 @@ static PyType_Spec serve_work_spec = {
     Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, serve_work_slots,
 };
 
+/* Wake the threads that wait for calls (engine.wake_waiters), after completions; with
+ * done < 0 the error set stays the one raised. 0, or -1 with an error set. */
+static int wake(Core *self, int done)
+{
+    PyObject *type, *exc, *tb;
+    PyErr_Fetch(&type, &exc, &tb);
+    PyObject *r = PyObject_CallNoArgs(self->o[O_WAKE]);
+    if (r == NULL) {
+        if (type == NULL)
+            PyErr_Fetch(&type, &exc, &tb);
+        else
+            PyErr_Clear();
+    }
+    Py_XDECREF(r);
+    PyErr_Restore(type, exc, tb);
+    return type != NULL || done < 0 ? -1 : 0;
+}
+
+/* The answers of rpc_async calls come in bursts: after completing one, the leader takes
+ * those already waiting in the transport (at most DRAIN_MAX) and completes the plain ones
+ * here, without a turn of the engine's loop each; the first message it does not complete
+ * goes back to the front of the transport's queue (transport.requeue), so the engine
+ * dispatches it next, in arrival order. 1, or -1 with an error set. */
+#define DRAIN_MAX 64
+static int drain_results(Core *self)
+{
+    for (int i = 0; i < DRAIN_MAX; i++) {
+        PyObject *env = PyObject_CallNoArgs(self->o[O_POLL]);
+        if (env == NULL)
+            return -1;
+        if (env == Py_None) {
+            Py_DECREF(env);
+            return 1;
+        }
+        int done = 0, ok = 1, with_future = 0;
+        if (Py_TYPE(env) == (PyTypeObject *)self->o[O_ENVELOPE]) {
+            long long kind = slot_ll(self->env_slots[ENV_KIND], env, &ok);
+            long long flags = slot_ll(self->env_slots[ENV_FLAGS], env, &ok);
+            long long src = slot_ll(self->env_slots[ENV_SRC], env, &ok);
+            if (!ok) {
+                done = -1;
+            } else if (kind == RESULT && src >= 0 &&
+                       src < ((Counters *)self->o[O_COUNTERS])->size) {
+                done = complete_plain(self, env, flags, (long)src, &with_future);
+            }
+        }
+        if (done > 0) {
+            Py_DECREF(env);
+            continue;
+        }
+        PyObject *type, *exc, *tb;
+        PyErr_Fetch(&type, &exc, &tb);
+        PyObject *r = PyObject_CallOneArg(self->o[O_REQUEUE], env);
+        Py_DECREF(env);
+        if (r == NULL) {
+            Py_XDECREF(type);
+            Py_XDECREF(exc);
+            Py_XDECREF(tb);
+            return -1;
+        }
+        Py_DECREF(r);
+        PyErr_Restore(type, exc, tb);
+        return done < 0 ? -1 : 1;
+    }
+    return 1;
+}
+
 /* dispatch(env) -> work item or None: what the progress engine's leader does with a
  * received message (see RpcAgent.dispatch) */
 static PyObject *Core_dispatch(Core *self, PyObject *env)
@@ -1435,12 +1519,13 @@ static PyObject *Core_dispatch(Core *self, PyObject *env)
         return NULL;
     int in_world = src >= 0 && src < ((Counters *)self->o[O_COUNTERS])->size;
     if (kind == RESULT && in_world) {
-        int done = complete_plain(self, env, flags, (long)src);
-        if (done < 0)
-            return NULL;
-        if (done)
-            Py_RETURN_NONE;
-        return PyObject_CallOneArg(self->o[O_PY_COMPLETE], env);
+        int with_future = 0;
+        int done = complete_plain(self, env, flags, (long)src, &with_future);
+        if (done == 0)
+            return PyObject_CallOneArg(self->o[O_PY_COMPLETE], env);
+        if (done > 0 && with_future)
+            done = drain_results(self);
+        return wake(self, done) < 0 ? NULL : Py_NewRef(Py_None);
     }
     if (kind == CALL && context_id == 0 && in_world) {
         ServeWork *work = PyObject_GC_New(ServeWork, ServeWorkType);

@@ -42,6 +42,8 @@ class RpcFuture(torch.futures.Future):
     user_callbacks = False
 
     def __init__(self, engine: ProgressEngine | None = None) -> None:
+        # the compiled call path makes its futures the same way, without this frame
+        # (new_future in mpidag/agent/fastpath.c): change both together
         _init_future(self, _NO_DEVICES)  # torch.futures.Future() less its devices' frame
         self.engine = engine
 

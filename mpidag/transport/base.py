@@ -193,6 +193,13 @@ class FramedTransport(Transport):
                         payload=bytes(env.payload), tensors=tensors, src=self.rank)
 
     # ---------------------------------------------------------- receiving
+    def requeue(self, env: Envelope) -> None:
+        """Put back a message that :meth:`poll` gave: the next poll (or ``poll_wait``)
+        returns it first. For the leader that took it, and no one else (the agent's
+        compiled path polls for the answers that follow one, and puts back the first
+        message it does not handle)."""
+        self._loopback.appendleft(env)
+
     def poll(self) -> Envelope | None:
         if self._loopback:
             return self._loopback.popleft()
