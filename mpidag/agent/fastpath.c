@@ -10,8 +10,10 @@
  * bytes on the wire, the same message counters and the same errors:
  *
  *   Core.send_call(...)   the caller: request id, call record, deadline, frame 0, send;
- *   Core.dispatch(env)    the leader: a RESULT completes its call record here; a CALL
- *                         becomes a work item (a ServeWork) that runs the function and
+ *   Core.rpc(...)         rpc_sync's and rpc_async's caller side for common arguments;
+ *   Core.dispatch(env)    the leader: a RESULT completes its call record here (and the
+ *                         answers of rpc_async waiting behind it, see drain_results); a
+ *                         CALL becomes a work item (a ServeWork) that runs the function and
  *                         sends the answer; anything else goes to the agent's Python;
  *   Counters              the per-peer message counts of graceful shutdown, changed
  *                         atomically under the GIL by C and Python alike.
