@@ -71,22 +71,13 @@ class TwoRanks:
             self.runtimes = list(pool.map(
                 lambda r: Runtime.connect(world.transports[r], options=options, config=config),
                 range(2)))
-        self.transports = world.transports
+        self.world, self.transports = world, world.transports
         self.agents = [runtime.agent for runtime in self.runtimes]
         self.contexts = self.runtimes[0].autograd.container
 
     def drain(self) -> None:
         """Deliver and serve every queued message, on both ranks, until none is left."""
-        progressed = True
-        while progressed:
-            progressed = False
-            for transport, agent in zip(self.transports[::-1], self.agents[::-1], strict=True):
-                env = transport.poll()
-                if env is not None:
-                    progressed = True
-                    work = agent.dispatch(env)
-                    if work is not None:
-                        work()
+        self.world.deliver_all([agent.dispatch for agent in self.agents])
 
     def call(self, func: Callable, args: tuple) -> None:
         """One ``rpc_sync``-shaped call from rank 0 to rank 1 (no future, as rpc_sync)."""

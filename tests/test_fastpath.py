@@ -76,22 +76,12 @@ class HandDriven:
         config = Config(gc_freeze=False)
         self.runtimes = on_every_rank(2, lambda r: Runtime.connect(
             world.transports[r], options=options, config=config))
-        self.transports = world.transports
+        self.world, self.transports = world, world.transports
         self.agents = [runtime.agent for runtime in self.runtimes]
 
     def call(self, func, *args, **kwargs):
         record = self.agents[0].calls.send_call(1, func, args, kwargs, TIMEOUT, True, False)
-        progressed = True
-        while progressed:
-            progressed = False
-            for transport, agent in zip(self.transports[::-1], self.agents[::-1],
-                                        strict=True):
-                env = transport.poll()
-                if env is not None:
-                    progressed = True
-                    work = agent.dispatch(env)
-                    if work is not None:
-                        work()
+        self.world.deliver_all([agent.dispatch for agent in self.agents])
         assert record.done
         if record.error is not None:
             raise record.error
@@ -106,7 +96,7 @@ def test_plain_calls_take_the_compiled_path_on_both_ends():
     ranks = HandDriven()
     try:
         assert ranks.agents[0].core is not None and ranks.agents[1].core is not None
-        assert fastpath.status().startswith("compiled call path")
+        assert ranks.agents[0].call_path.startswith("compiled call path")
         for func in (rf.add, rf.noop, rf.identity):  # the first calls make the references
             ranks.call(func, *([1, 2][:func.__code__.co_argcount]))
         with PythonCalls() as python:
@@ -260,7 +250,7 @@ def test_without_the_compiled_path_the_agent_counts_in_python():
         runtime.serve()
     try:
         assert runtimes[0].agent.core is None
-        assert fastpath.status() == "Python call path: MPIDAG_COMPILED=0"
+        assert runtimes[0].agent.call_path == "Python call path: MPIDAG_COMPILED=0"
         assert isinstance(runtimes[0].agent.sender.counters, fastpath.PythonCounters)
         assert call(runtimes[0], 1, rf.add, 2, 3) == 5
     finally:
@@ -404,5 +394,23 @@ def test_waiting_answers_are_completed_in_one_dispatch_and_the_rest_keeps_its_or
         assert caller.dispatch(ranks.transports[0].poll()) is None  # the next burst
         assert [f.wait() for f in futures[11:]] == [i + 100 for i in range(5)]
         assert ranks.transports[0].poll() is None and len(caller.calls) == 0
+    finally:
+        ranks.close()
+
+
+def test_a_build_that_fills_other_slots_is_not_used(monkeypatch):
+    """The C path makes Envelope and PendingCall objects through their slots: a build whose
+    list of slots differs from the classes' (sources changed without a rebuild) must not
+    be used, and the status says why."""
+    from mpidag.agent import compiled
+    module = fastpath.compiled_module()
+    assert compiled.slots_drift(module) == ""
+    monkeypatch.setattr(module, "PENDING_CALL_FIELDS", module.PENDING_CALL_FIELDS[:-1])
+    assert compiled.slots_drift(module) == "PendingCall"
+    ranks = HandDriven()
+    try:
+        assert ranks.agents[0].core is None
+        assert "fills other slots than PendingCall" in ranks.agents[0].call_path
+        assert ranks.call(rf.add, 2, 3) == 5  # the Python path
     finally:
         ranks.close()

@@ -122,9 +122,10 @@ class RpcAgent:
                                      self.plugins, self.engine)
         self.calls.profiled = self.server.profiled = self._register_profiled_handlers()
         #: the compiled path of plain calls (``None``: every call takes the Python path);
-        #: its dispatch hands what is not plain to the Python one, :meth:`dispatch`
-        self.core = make_core(self.calls, self.server, transport, self.dispatch,
-                              config.compiled)
+        #: its dispatch hands what is not plain to the Python one, :meth:`dispatch`;
+        #: ``call_path`` says which path this agent takes, and why
+        self.core, self.call_path = make_core(self.calls, self.server, transport,
+                                              self.dispatch, config.compiled)
         if self.core is not None:
             self.calls.core = self.core
             self.dispatch = self.core.dispatch  # type: ignore[method-assign]

@@ -6,6 +6,8 @@ Example::
     >>> core = runtime.agent.core        # make_core(...) at the agent's start, or None
     >>> core is None or callable(core.dispatch)
     True
+    >>> runtime.agent.call_path.split(" (")[0]
+    'compiled call path'
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from mpidag.errors import WorkerFailedError
 from mpidag.transport import frames
 from mpidag.transport.base import FramedTransport
 
-__all__ = ["make_core"]
+__all__ = ["make_core", "slots_drift"]
 
 
 def _set_result() -> Any:
@@ -36,9 +38,25 @@ def _set_result() -> Any:
     return RpcFuture.set_result
 
 
+def slots_drift(module: Any) -> str:
+    """The classes whose slots are not the ones the C module fills (it makes ``Envelope`` and
+    ``PendingCall`` objects through their slots, without ``__init__``); ``""`` when none.
+
+    Example::
+
+        >>> slots_drift(fastpath.compiled_module()) if fastpath.compiled_module() else ""
+        ''
+    """
+    drifted = [cls.__name__ for cls, fields in ((frames.Envelope, module.ENVELOPE_FIELDS),
+                                                (PendingCall, module.PENDING_CALL_FIELDS))
+               if set(cls.__slots__) != set(fields)]
+    return " and ".join(drifted)
+
+
 def make_core(calls: OutgoingCalls, server: Server, transport: Any,
-              python_dispatch: Any, compiled: bool = True) -> Any:
-    """The compiled plain-call path of an agent's parts, or ``None`` (see the module's doc).
+              python_dispatch: Any, compiled: bool = True) -> tuple[Any, str]:
+    """``(core, why)``: the compiled plain-call path of an agent's parts, or ``None`` (see
+    the module's doc), and which path the agent takes and why (the agent's ``call_path``).
 
     ``python_dispatch(env)``: the agent's Python dispatch, for every message the C path
     leaves to Python. The sender's counters must be the C ones
@@ -46,18 +64,18 @@ def make_core(calls: OutgoingCalls, server: Server, transport: Any,
     """
     module = fastpath.compiled_module()
     if not compiled:
-        fastpath.set_status("Python call path: MPIDAG_COMPILED=0")
-        return None
+        return None, "Python call path: MPIDAG_COMPILED=0"
     if module is None:
-        fastpath.set_status(fastpath.problem())
-        return None
+        return None, fastpath.problem()
     sender, codec, ids = calls.sender, calls.codec, calls.ids
     if not isinstance(sender.counters, module.Counters):
-        fastpath.set_status("Python call path: the sender counts in Python")
-        return None
+        return None, "Python call path: the sender counts in Python"
     if not isinstance(transport, FramedTransport):
-        fastpath.set_status("Python call path: the transport does not send frames")
-        return None
+        return None, "Python call path: the transport does not send frames"
+    drift = slots_drift(module)
+    if drift:
+        return None, (f"Python call path: {module.__file__} fills other slots than {drift}; "
+                      f"rebuild it with 'python -m mpidag.transport.wire_build'")
     core = module.Core(
         calls=calls, pending=calls.table, peers_failed=calls.peers.failed,
         prefixes=codec.prefixes, targets=codec.targets, id_counter=ids.counter,
@@ -79,7 +97,6 @@ def make_core(calls: OutgoingCalls, server: Server, transport: Any,
         strided=torch.strided,
         lone_tensor=frames.LONE_TENSOR_PAYLOAD, inline_limit=frames.INLINE_LIMIT,
     )
-    fastpath.set_status(f"compiled call path ({module.__file__})")
-    return core
+    return core, f"compiled call path ({module.__file__})"
 
 

@@ -394,31 +394,28 @@ static int can_send(Core *self, long dst)
 /* 1 when t may travel by the plain path: exactly torch.Tensor, strided, on the CPU,
  * contiguous; its bytes are added to *inline_bytes (16-aligned, as frame 0 packs them).
  * 0: not such a tensor; -1: error */
+/* 1 when obj.name (obj.name() with call) is expected, 0 when not, -1 on error */
+static int attr_is(PyObject *obj, PyObject *name, int call, PyObject *expected)
+{
+    PyObject *value = call ? PyObject_CallMethodNoArgs(obj, name) : PyObject_GetAttr(obj, name);
+    if (value == NULL)
+        return -1;
+    int is = value == expected;
+    Py_DECREF(value);
+    return is;
+}
+
 static int plain_tensor(Core *self, PyObject *t, Py_ssize_t *inline_bytes)
 {
     if (Py_TYPE(t) != (PyTypeObject *)self->o[O_TENSOR_TYPE])
         return 0;
-    PyObject *layout = PyObject_GetAttr(t, self->s_layout);
-    if (layout == NULL)
-        return -1;
-    int strided = layout == self->o[O_STRIDED];
-    Py_DECREF(layout);
-    if (!strided)
-        return 0;
-    PyObject *cpu = PyObject_GetAttr(t, self->s_is_cpu);
-    if (cpu == NULL)
-        return -1;
-    int on_cpu = cpu == Py_True;
-    Py_DECREF(cpu);
-    if (!on_cpu)
-        return 0;
-    PyObject *contiguous = PyObject_CallMethodNoArgs(t, self->s_is_contiguous);
-    if (contiguous == NULL)
-        return -1;
-    int is_contiguous = contiguous == Py_True;
-    Py_DECREF(contiguous);
-    if (!is_contiguous)
-        return 0;
+    int ok = attr_is(t, self->s_layout, 0, self->o[O_STRIDED]);
+    if (ok == 1)
+        ok = attr_is(t, self->s_is_cpu, 0, Py_True);
+    if (ok == 1)
+        ok = attr_is(t, self->s_is_contiguous, 1, Py_True);
+    if (ok != 1)
+        return ok;
     PyObject *nbytes = PyObject_GetAttr(t, self->s_nbytes);
     if (nbytes == NULL)
         return -1;
@@ -1585,6 +1582,25 @@ static struct PyModuleDef fastpath_module = {
     module_methods,
 };
 
+/* module.name = the tuple of the C strings names (the slots this module fills) */
+static int add_names(PyObject *module, const char *name, const char **names, int n)
+{
+    PyObject *tuple = PyTuple_New(n);
+    if (tuple == NULL)
+        return -1;
+    for (int i = 0; i < n; i++) {
+        PyObject *s = PyUnicode_FromString(names[i]);
+        if (s == NULL) {
+            Py_DECREF(tuple);
+            return -1;
+        }
+        PyTuple_SET_ITEM(tuple, i, s);
+    }
+    int rc = PyModule_AddObjectRef(module, name, tuple);
+    Py_DECREF(tuple);
+    return rc;
+}
+
 PyMODINIT_FUNC PyInit__mpidag_fastpath(void)
 {
     if (PyType_Ready(&CountersType) < 0 || PyType_Ready(&CoreType) < 0)
@@ -1604,7 +1620,9 @@ PyMODINIT_FUNC PyInit__mpidag_fastpath(void)
         PyModule_AddIntConstant(module, "FLAG_FUNCTION_REF", FLAG_FUNCTION_REF) < 0 ||
         PyModule_AddObjectRef(module, "Counters", (PyObject *)&CountersType) < 0 ||
         PyModule_AddObjectRef(module, "Core", (PyObject *)&CoreType) < 0 ||
-        PyModule_AddObjectRef(module, "ServeWork", (PyObject *)ServeWorkType) < 0) {
+        PyModule_AddObjectRef(module, "ServeWork", (PyObject *)ServeWorkType) < 0 ||
+        add_names(module, "ENVELOPE_FIELDS", ENV_FIELDS, N_ENV) < 0 ||
+        add_names(module, "PENDING_CALL_FIELDS", PC_FIELDS, N_PC) < 0) {
         Py_DECREF(module);
         return NULL;
     }

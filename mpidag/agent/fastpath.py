@@ -15,7 +15,7 @@ code, which also raises every error a user sees.
 
 :func:`mpidag.agent.compiled.make_core` gives the ``Core`` of an agent's parts, or ``None``
 (the Python path) when ``MPIDAG_COMPILED=0`` asks for it, when the module is not built, or
-when it was built from other sources; :func:`status` says which and why.
+when it was built from other sources; the agent's ``call_path`` says which and why.
 
 Example::
 
@@ -33,30 +33,10 @@ from typing import Any
 
 from mpidag.agent import messages
 
-__all__ = ["FASTPATH_VERSION", "PythonCounters", "compiled_module", "make_counters", "status"]
+__all__ = ["FASTPATH_VERSION", "PythonCounters", "compiled_module", "make_counters", "problem"]
 
 #: the ``VERSION`` of ``fastpath.c`` this code calls (a build from older sources is not used)
 FASTPATH_VERSION = 1
-
-_status = "not asked for yet"
-
-
-def status() -> str:
-    """Which call path the last agent made took, and why.
-
-    Example::
-
-        >>> isinstance(status(), str)
-        True
-    """
-    return _status
-
-
-def set_status(text: str) -> None:
-    """Say which call path an agent took (:func:`mpidag.agent.compiled.make_core`)."""
-    global _status
-    _status = text
-
 
 def _load() -> tuple[Any, str]:
     try:

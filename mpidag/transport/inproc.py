@@ -30,6 +30,7 @@ import torch
 from mpidag._backoff import Backoff
 from mpidag.errors import RPCError
 from mpidag.transport.base import FramedTransport
+from mpidag.transport.frames import Envelope
 
 __all__ = ["InProcAbort", "InProcTransport", "InProcWorld"]
 
@@ -68,6 +69,29 @@ class InProcWorld:
         self.readers: dict[int, int] = collections.defaultdict(int)
         self.aborted: int | None = None
         self.transports = [InProcTransport(self, rank) for rank in range(size)]
+
+    def deliver_all(self, dispatch: list[Callable[[Envelope], Callable[[], None] | None]]
+                    ) -> None:
+        """Deliver every queued message in the calling thread, highest rank first, until
+        none is left: ``dispatch[r]`` is rank ``r``'s dispatcher (its agent's), and a work
+        item it returns runs at once. For harnesses that carry calls through the real agents
+        with no engine threads (``benchmarks/inproc_cost.py``, ``tests/test_fastpath.py``).
+
+        Example::
+
+            >>> world = InProcWorld(1)
+            >>> world.deliver_all([print])      # nothing queued: returns at once
+        """
+        progressed = True
+        while progressed:
+            progressed = False
+            for transport in self.transports[::-1]:
+                env = transport.poll()
+                if env is not None:
+                    progressed = True
+                    work = dispatch[transport.rank](env)
+                    if work is not None:
+                        work()
 
     def contribute(self, number: int, rank: int, value: Any) -> None:
         with self.changed:
