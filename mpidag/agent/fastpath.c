@@ -1146,6 +1146,17 @@ static PyObject *resolve(Core *self, const char *buf, Py_ssize_t end)
     return Py_NewRef(func);
 }
 
+/* getattr(obj, name, None) without making an AttributeError: 1 found (*value a new
+ * reference), 0 not there (*value NULL), -1 error */
+static int lookup_attr(PyObject *obj, PyObject *name, PyObject **value)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    return PyObject_GetOptionalAttr(obj, name, value);
+#else
+    return _PyObject_LookupAttr(obj, name, value);
+#endif
+}
+
 /* whether func answers with a future (handlers.is_asynchronous); -1 on error */
 static int is_asynchronous(Core *self, PyObject *func)
 {
@@ -1157,12 +1168,9 @@ static int is_asynchronous(Core *self, PyObject *func)
         Py_DECREF(a);
         return truth;
     }
-    PyObject *wrapped = PyObject_GetAttr(func, self->s_wrapped_async);
-    if (wrapped == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
-            return -1;
-        PyErr_Clear();
-    }
+    PyObject *wrapped; /* no AttributeError made for a function without it (0.3 us) */
+    if (lookup_attr(func, self->s_wrapped_async, &wrapped) < 0)
+        return -1;
     int is = wrapped != NULL && wrapped != Py_None;
     Py_XDECREF(wrapped);
     return is;

@@ -245,6 +245,7 @@ class ProgressEngine:
             self.thread_started()
         lock = self._lock
         finished = False  # this thread just ran a work item (counted in _running_work)
+        backoff = self._new_backoff()  # this thread's, reset at each leadership
         while True:
             with lock:
                 if finished:
@@ -266,7 +267,7 @@ class ProgressEngine:
                     self._pool_cv.wait()
                     self._idle -= 1
             if work is None:
-                work = self._lead_as_pool()  # returns work counted in _running_work
+                work = self._lead_as_pool(backoff=backoff)  # work counted in _running_work
                 if work is None:
                     continue
             _run(work)
@@ -275,13 +276,19 @@ class ProgressEngine:
             # large received tensors return their buffers to the receive cache on release
             del work
 
-    def _lead_as_pool(self, sentinel: bool = False) -> Work | None:
+    def _lead_as_pool(self, sentinel: bool = False, backoff: Backoff | None = None
+                      ) -> Work | None:
         """Lead until a request arrives (returned, leadership vacated) or a user waits.
 
         ``sentinel``: the sentinel leads because every pool thread is busy: it runs no
         request itself (it queues them) and hands over as soon as a pool thread is idle.
+        ``backoff``: the pool thread's own, reset here (as a new one: 0.3 us less each
+        request a pool leader serves), else a new one.
         """
-        backoff = self._new_backoff()
+        if backoff is None:
+            backoff = self._new_backoff()
+        else:
+            backoff.reset()
         poll_step, dispatch = self._poll_step, self._dispatch
         wait = 0.0  # a window of poll_wait while the backoff would spin
         while True:
