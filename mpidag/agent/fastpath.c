@@ -690,6 +690,11 @@ static PyObject *call_payload(Core *self, PyObject *func, PyObject *args, PyObje
         return NULL;
     PyObject *ref = PyTuple_GET_ITEM(prefix, 0);
     if (!is_plain(args)) {
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); i++) { /* before allocating: */
+            PyTypeObject *type = Py_TYPE(PyTuple_GET_ITEM(args, i)); /* the Python path */
+            if (!is_plain_type(type) && type != (PyTypeObject *)self->o[O_TENSOR_TYPE])
+                return NULL; /* sends anything else, and would redo this work */
+        }
         *flags = (int)flag | FLAG_TENSOR_SLOTS;
         return slotted_payload(self, ref, args, kwargs, tensors);
     }

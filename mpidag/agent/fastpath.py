@@ -27,11 +27,11 @@ Example::
 
 from __future__ import annotations
 
-import importlib
 import threading
 from typing import Any
 
 from mpidag.agent import messages
+from mpidag.transport.wire import import_built
 
 __all__ = ["FASTPATH_VERSION", "PythonCounters", "compiled_module", "make_counters", "problem"]
 
@@ -39,16 +39,9 @@ __all__ = ["FASTPATH_VERSION", "PythonCounters", "compiled_module", "make_counte
 FASTPATH_VERSION = 1
 
 def _load() -> tuple[Any, str]:
-    try:
-        module = importlib.import_module("_mpidag_fastpath")
-    except ImportError as exc:
-        return None, (f"Python call path: the compiled one is not built ({exc}); build it "
-                      f"with 'python -m mpidag.transport.wire_build'")
-    if getattr(module, "VERSION", 0) != FASTPATH_VERSION:
-        return None, (f"Python call path: {module.__file__} was built from other sources "
-                      f"(version {getattr(module, 'VERSION', 0)}, this mpidag needs "
-                      f"{FASTPATH_VERSION}); rebuild it with "
-                      f"'python -m mpidag.transport.wire_build'")
+    module, why = import_built("_mpidag_fastpath", FASTPATH_VERSION, "Python call path")
+    if module is None:
+        return None, why
     ours = (module.CALL, module.RESULT, module.FLAG_HANDLER, module.FLAG_FUNCTION_REF,
             module.FLAG_PLAIN, module.FLAG_TENSOR_SLOTS)
     theirs = (messages.CALL, messages.RESULT, messages.FLAG_HANDLER,

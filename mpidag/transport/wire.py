@@ -28,7 +28,7 @@ import importlib
 import logging
 from typing import Any
 
-__all__ = ["WIRE_VERSION", "open_wire", "status"]
+__all__ = ["WIRE_VERSION", "import_built", "open_wire", "status"]
 
 #: the ``VERSION`` of ``wire.c`` this code calls (a build from older sources lacks a
 #: method: rebuild it)
@@ -50,17 +50,34 @@ def status() -> str:
     return _status
 
 
-def _load(MPI: Any) -> tuple[Any, str]:
+def import_built(name: str, version: int, instead: str) -> tuple[Any, str]:
+    """``(module, "")``: the compiled module ``name`` built by ``wire_build`` from this
+    mpidag's sources (its ``VERSION`` is ``version``); else ``(None, why)``, ``why`` starting
+    with ``instead``, the Python path that runs then (not built, or built from other sources:
+    a ``git pull`` without ``setup.sh``).
+
+    Example::
+
+        >>> import_built("_mpidag_no_such_module", 1, "Python path")[1].split(":")[0]
+        'Python path'
+    """
     try:
-        module = importlib.import_module("_mpidag_wire")
+        module = importlib.import_module(name)
     except ImportError as exc:
-        return None, (f"Python frame-0 path: the compiled one is not built ({exc}); build it "
-                      f"with 'python -m mpidag.transport.wire_build'")
-    if getattr(module, "VERSION", 1) != WIRE_VERSION:
-        return None, (f"Python frame-0 path: {module.__file__} was built from other sources "
-                      f"(version {getattr(module, 'VERSION', 1)}, this mpidag needs "
-                      f"{WIRE_VERSION}); rebuild it with "
+        return None, (f"{instead}: the compiled one is not built ({exc}); build it with "
                       f"'python -m mpidag.transport.wire_build'")
+    built = getattr(module, "VERSION", 1)
+    if built != version:
+        return None, (f"{instead}: {module.__file__} was built from other sources (version "
+                      f"{built}, this mpidag needs {version}); rebuild it with "
+                      f"'python -m mpidag.transport.wire_build'")
+    return module, ""
+
+
+def _load(MPI: Any) -> tuple[Any, str]:
+    module, why = import_built("_mpidag_wire", WIRE_VERSION, "Python frame-0 path")
+    if module is None:
+        return None, why
     ours = module.library_version().splitlines()[0].strip()
     theirs = MPI.Get_library_version().splitlines()[0].strip()
     if ours != theirs:
