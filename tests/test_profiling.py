@@ -107,6 +107,9 @@ def test_rpc_sync_remote_and_to_here_keys(world):
                            torch.full((2,), 2.0))
         handle = rrefs.remote(1, torch.add, (torch.ones(2), 1), {}, TIMEOUT)
         assert torch.equal(handle.to_here(), torch.full((2,), 2.0))
+        # the owner may answer to_here() before the creation: the remote's range ends with
+        # the creation's answer, so wait for it inside the profile (torch's RRef._get_future)
+        handle._get_future().wait()
     names = {e.name for e in prof.function_events}
     assert "rpc_sync#aten::mul(worker0 -> worker2)" in names
     assert "rpc_remote#aten::add(worker0 -> worker1)" in names
