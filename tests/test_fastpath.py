@@ -414,3 +414,71 @@ def test_a_build_that_fills_other_slots_is_not_used(monkeypatch):
         assert ranks.call(rf.add, 2, 3) == 5  # the Python path
     finally:
         ranks.close()
+
+
+def test_the_leader_step_polls_dispatches_and_says_what_it_did():
+    """``Core.step(wait)``, the progress engine's leader step: ``False`` when nothing
+    arrived, the work item of a call, ``None`` for an answer it completed; messages to the
+    rank itself (the loopback queue) and messages with frames after frame 0 (a tensor too
+    large to travel inline, finished by ``transport.receive_rest``) come through it too."""
+    ranks = HandDriven()
+    try:
+        caller, callee = ranks.agents
+        assert callee.core.step(0.0) is False and caller.core.step(0.0) is False
+        big = torch.arange(float(1 << 16))  # 256 KiB: its own frame
+        for dst, func, args in ((1, rf.add, (2, 3)), (1, rf.identity, (big,)),
+                                (0, rf.add, (4, 5))):
+            record = caller.calls.send_call(dst, func, args, {}, TIMEOUT, True, False)
+            server = ranks.agents[dst].core
+            work = server.step(0.0)
+            assert callable(work), work
+            work()
+            if dst == 1:
+                assert server.step(0.0) is False  # nothing else arrived
+            assert caller.core.step(0.0) is None and record.done, (dst, func)
+            expected = big if func is rf.identity else sum(args)
+            assert torch.equal(torch.as_tensor(record.value), torch.as_tensor(expected))
+        assert caller.core.step(0.0) is False and len(caller.calls) == 0
+    finally:
+        ranks.close()
+
+
+def test_a_failing_step_names_the_message_and_loses_none_after_a_failing_hook(monkeypatch):
+    """A dispatch error leaves ``step`` as "dispatch of a message of kind K from rank R
+    failed", raised from the error itself; an after-poll hook that fails raises before the
+    poll, so the waiting message is taken by the next step, not lost."""
+    import collections
+
+    from mpidag.transport.frames import Envelope
+    ranks = HandDriven()
+    try:
+        caller, callee = ranks.agents
+
+        def refuse(env):
+            raise ValueError("no such context")
+
+        monkeypatch.setattr(callee.server, "accept_call", refuse)
+        # a call inside an autograd context (context_id != 0) is dispatched by Python
+        ranks.transports[0].send(1, Envelope(kind=CALL, request_id=7, context_id=5), [])
+        with pytest.raises(RuntimeError, match=r"message of kind 1 from rank 0 failed") as err:
+            callee.core.step(0.0)
+        assert isinstance(err.value.__cause__, ValueError)
+        assert callee.core.step(0.0) is False
+
+        queue = collections.deque([None])
+        failures = []
+
+        def tick():
+            queue.clear()
+            failures.append(1)
+            raise RuntimeError("the hook failed")
+
+        callee.add_hooks(tick=tick, tick_queue=queue)
+        record = caller.calls.send_call(1, rf.add, (1, 2), {}, TIMEOUT, True, False)
+        with pytest.raises(RuntimeError, match="the hook failed"):
+            callee.core.step(0.0)
+        work = callee.core.step(0.0)  # the call, still there
+        work()
+        assert caller.core.step(0.0) is None and record.value == 3 and failures == [1]
+    finally:
+        ranks.close()

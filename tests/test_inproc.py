@@ -590,3 +590,33 @@ def test_a_leader_waiting_outside_python_is_interrupted_when_a_user_thread_wants
     finally:
         engine.stop(timeout=30)
     assert not any(t.is_alive() for t in engine._threads)
+
+
+def test_a_failing_leader_step_is_logged_and_the_leader_goes_on(caplog):
+    """A step given with ``set_step`` (the agent's compiled one) that raises is logged, its
+    hook runs, and the leader keeps stepping: a leader that died left the rank deaf."""
+    import threading
+
+    from mpidag.transport.progress import ProgressEngine
+
+    failures = [3]
+    hooks = []
+    done = threading.Event()
+
+    def step(wait):
+        if failures[0]:
+            failures[0] -= 1
+            raise RuntimeError("dispatch of a message of kind 1 from rank 0 failed")
+        done.set()
+        return False
+
+    engine = ProgressEngine(lambda: None, lambda env: None, lambda: hooks.append(1),
+                            num_threads=1)
+    engine.set_step(step)
+    engine.start()
+    try:
+        assert done.wait(10), "the leader stopped after its step failed"
+    finally:
+        engine.stop()
+    assert failures == [0] and len(hooks) >= 3
+    assert caplog.text.count("the progress leader's step failed") == 3

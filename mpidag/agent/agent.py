@@ -125,11 +125,11 @@ class RpcAgent:
         #: its dispatch hands what is not plain to the Python one, :meth:`dispatch`;
         #: ``call_path`` says which path this agent takes, and why
         self.core, self.call_path = make_core(self.calls, self.server, transport,
-                                              self.dispatch, config.compiled)
+                                              self.dispatch, self._tick, config.compiled)
         if self.core is not None:
             self.calls.core = self.core
             self.dispatch = self.core.dispatch  # type: ignore[method-assign]
-            self.engine.set_dispatch(self.core.dispatch)
+            self.engine.set_step(self.core.step)
         #: a rank that shuts down without the others (graceful=False) says so to them
         self._left = self.register_handler("agent.left", self._peer_left, mode="control")
 

@@ -54,13 +54,14 @@ def slots_drift(module: Any) -> str:
 
 
 def make_core(calls: OutgoingCalls, server: Server, transport: Any,
-              python_dispatch: Any, compiled: bool = True) -> tuple[Any, str]:
+              python_dispatch: Any, on_idle: Any, compiled: bool = True) -> tuple[Any, str]:
     """``(core, why)``: the compiled plain-call path of an agent's parts, or ``None`` (see
     the module's doc), and which path the agent takes and why (the agent's ``call_path``).
 
     ``python_dispatch(env)``: the agent's Python dispatch, for every message the C path
-    leaves to Python. The sender's counters must be the C ones
-    (:func:`mpidag.agent.fastpath.make_counters`).
+    leaves to Python; ``on_idle()``: the leader's after-poll hook (the core's ``step`` is the
+    progress engine's leader step, see ``ProgressEngine.set_step``). The sender's counters
+    must be the C ones (:func:`mpidag.agent.fastpath.make_counters`).
     """
     module = fastpath.compiled_module()
     if not compiled:
@@ -96,6 +97,9 @@ def make_core(calls: OutgoingCalls, server: Server, transport: Any,
         peers_left=calls.peers.left, call_profiling=call_profiling, tensor_type=torch.Tensor,
         strided=torch.strided,
         lone_tensor=frames.LONE_TENSOR_PAYLOAD, inline_limit=frames.INLINE_LIMIT,
+        loopback=transport.loopback, probe_frame0=transport.probe_frame0,
+        decode_header=frames.decode_header, receive_rest=transport.receive_rest,
+        poll_wait=transport.poll_wait, on_idle=on_idle,
     )
     return core, f"compiled call path ({module.__file__})"
 

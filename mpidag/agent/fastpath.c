@@ -15,6 +15,10 @@
  *                         answers of rpc_async waiting behind it, see drain_results); a
  *                         CALL becomes a work item (a ServeWork) that runs the function and
  *                         sends the answer; anything else goes to the agent's Python;
+ *   Core.step(wait)       the progress engine's leader step (ProgressEngine.set_step): the
+ *                         after-poll hook, one poll (the transport's loopback queue, its
+ *                         frame-0 probe and the C frame-0 decoder, without the Python of
+ *                         poll), then dispatch; False when nothing arrived;
  *   Counters              the per-peer message counts of graceful shutdown, changed
  *                         atomically under the GIL by C and Python alike.
  *
@@ -39,7 +43,7 @@
 #include <math.h>
 #include <time.h>
 
-#define VERSION 1
+#define VERSION 2
 
 /* the protocol's constants (messages.py); Core.__init__ checks them against Python's */
 #define CALL 1
@@ -242,6 +246,12 @@ enum {
     O_TENSOR_TYPE,      /* torch.Tensor */
     O_STRIDED,          /* torch.strided */
     O_LONE_TENSOR,      /* frames' payload of a result that is one tensor (bytes) */
+    O_LOOPBACK,         /* transport.loopback: the deque poll() empties first */
+    O_PROBE,            /* transport.probe_frame0(seconds) -> (src, frame0) | None, or None */
+    O_DECODE_HEADER,    /* frames.decode_header(frame0, src) -> (env, header | None) */
+    O_RECEIVE_REST,     /* transport.receive_rest(env, header, frame0, src) */
+    O_POLL_WAIT,        /* transport.poll_wait(seconds), or None */
+    O_ON_IDLE,          /* the leader's after-poll hook (RpcAgent's tick) */
     N_OBJECTS
 };
 static const char *OBJECT_NAMES[N_OBJECTS] = {
@@ -252,7 +262,8 @@ static const char *OBJECT_NAMES[N_OBJECTS] = {
     "observing", "dumps", "loads", "handler_type", "envelope", "pending_call",
     "py_dispatch", "py_complete", "py_serve", "py_reply_value", "py_fail",
     "failed_error", "worker_failed_error", "by_name", "peers_left", "call_profiling",
-    "tensor_type", "strided", "lone_tensor"};
+    "tensor_type", "strided", "lone_tensor", "loopback", "probe_frame0", "decode_header",
+    "receive_rest", "poll_wait", "on_idle"};
 
 typedef struct {
     PyObject_HEAD
@@ -268,7 +279,7 @@ typedef struct {
     PyObject *s_open, *s_default_timeout, *s_send_hook, *s_send_frame0, *s_encode,
         *s_observer, *s_active, *s_user_callbacks, *s_asynchronous, *s_wrapped_async,
         *s_layout, *s_is_cpu, *s_is_contiguous,
-        *s_nbytes, *s_cpu, *s_id, *s_engine;
+        *s_nbytes, *s_cpu, *s_id, *s_engine, *s_popleft;
 } Core;
 
 static PyTypeObject *ServeWorkType;
@@ -556,6 +567,7 @@ static int Core_init(Core *self, PyObject *args, PyObject *kwds)
     NAME(s_wrapped_async, "_wrapped_async_rpc_function")
     NAME(s_layout, "layout") NAME(s_is_cpu, "is_cpu") NAME(s_is_contiguous, "is_contiguous")
     NAME(s_nbytes, "nbytes") NAME(s_cpu, "cpu") NAME(s_id, "id") NAME(s_engine, "engine")
+    NAME(s_popleft, "popleft")
 #undef NAME
     return 0;
 }
@@ -589,7 +601,8 @@ static void Core_dealloc(Core *self)
                          self->s_send_frame0, self->s_encode, self->s_observer,
                          self->s_active, self->s_user_callbacks, self->s_asynchronous,
                          self->s_wrapped_async, self->s_layout, self->s_is_cpu, self->s_is_contiguous,
-                         self->s_nbytes, self->s_cpu, self->s_id, self->s_engine};
+                         self->s_nbytes, self->s_cpu, self->s_id, self->s_engine,
+                         self->s_popleft};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         Py_XDECREF(names[i]);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -1466,6 +1479,63 @@ static int wake(Core *self, int done)
     return type != NULL || done < 0 ? -1 : 0;
 }
 
+/* The next message (a new reference), Py_None, or NULL with an error: what the transport's
+ * poll_wait(seconds) (poll() for 0) returns. Where the transport publishes its frame-0
+ * probe this is done here: its loopback queue first, then the probe, the C decoder of
+ * frame 0, and transport.receive_rest only for a message with more than frame 0. */
+static PyObject *receive(Core *self, double seconds)
+{
+    PyObject *probe = self->o[O_PROBE];
+    if (probe == Py_None) {
+        if (seconds > 0 && self->o[O_POLL_WAIT] != Py_None) {
+            PyObject *wait = PyFloat_FromDouble(seconds);
+            if (wait == NULL)
+                return NULL;
+            PyObject *env = PyObject_CallOneArg(self->o[O_POLL_WAIT], wait);
+            Py_DECREF(wait);
+            return env;
+        }
+        return PyObject_CallNoArgs(self->o[O_POLL]);
+    }
+    Py_ssize_t queued = PyObject_Length(self->o[O_LOOPBACK]);
+    if (queued < 0)
+        return NULL;
+    if (queued > 0) /* (the GIL is held from the length to the pop) */
+        return PyObject_CallMethodNoArgs(self->o[O_LOOPBACK], self->s_popleft);
+    PyObject *wait = PyFloat_FromDouble(seconds);
+    if (wait == NULL)
+        return NULL;
+    PyObject *got = PyObject_CallOneArg(probe, wait);
+    Py_DECREF(wait);
+    if (got == NULL || got == Py_None)
+        return got;
+    if (!PyTuple_CheckExact(got) || PyTuple_GET_SIZE(got) != 2) {
+        Py_DECREF(got);
+        PyErr_SetString(PyExc_TypeError, "probe_frame0 must return (source, frame0) or None");
+        return NULL;
+    }
+    PyObject *argv[4] = {NULL, PyTuple_GET_ITEM(got, 1), PyTuple_GET_ITEM(got, 0), NULL};
+    PyObject *decoded = PyObject_Vectorcall(self->o[O_DECODE_HEADER], argv + 1,
+                                            2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (decoded == NULL) {
+        Py_DECREF(got);
+        return NULL;
+    }
+    PyObject *env = NULL;
+    if (!PyTuple_CheckExact(decoded) || PyTuple_GET_SIZE(decoded) != 2) {
+        PyErr_SetString(PyExc_TypeError, "decode_header must return (envelope, header)");
+    } else if (PyTuple_GET_ITEM(decoded, 1) == Py_None) {
+        env = Py_NewRef(PyTuple_GET_ITEM(decoded, 0));
+    } else {
+        PyObject *rest[4] = {PyTuple_GET_ITEM(decoded, 0), PyTuple_GET_ITEM(decoded, 1),
+                             PyTuple_GET_ITEM(got, 1), PyTuple_GET_ITEM(got, 0)};
+        env = PyObject_Vectorcall(self->o[O_RECEIVE_REST], rest, 4, NULL);
+    }
+    Py_DECREF(decoded);
+    Py_DECREF(got);
+    return env;
+}
+
 /* The answers of rpc_async calls come in bursts: after completing one, the leader takes
  * those already waiting in the transport (at most DRAIN_MAX) and completes the plain ones
  * here, without a turn of the engine's loop each; the first message it does not complete
@@ -1475,7 +1545,7 @@ static int wake(Core *self, int done)
 static int drain_results(Core *self)
 {
     for (int i = 0; i < DRAIN_MAX; i++) {
-        PyObject *env = PyObject_CallNoArgs(self->o[O_POLL]);
+        PyObject *env = receive(self, 0.0);
         if (env == NULL)
             return -1;
         if (env == Py_None) {
@@ -1551,6 +1621,80 @@ static PyObject *Core_dispatch(Core *self, PyObject *env)
     return PyObject_CallOneArg(self->o[O_PY_DISPATCH], env);
 }
 
+/* The raised exception, normalised with its traceback (a new reference), the error cleared */
+static PyObject *take_error(void)
+{
+    PyObject *type, *exc, *tb;
+    PyErr_Fetch(&type, &exc, &tb);
+    PyErr_NormalizeException(&type, &exc, &tb);
+    if (tb != NULL && exc != NULL)
+        PyException_SetTraceback(exc, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return exc;
+}
+
+/* A dispatch error names the message it was about ("... from rank 1 failed"), raised from
+ * the error itself (its cause). */
+static void name_failed_message(int ok, long long kind, long long src)
+{
+    PyObject *cause = take_error();
+    if (ok)
+        PyErr_Format(PyExc_RuntimeError, "dispatch of a message of kind %lld from rank %lld "
+                     "failed", kind, src);
+    else
+        PyErr_SetString(PyExc_RuntimeError, "dispatch of a message failed");
+    if (cause == NULL)
+        return;
+    PyObject *error = take_error();
+    PyException_SetCause(error, Py_NewRef(cause));
+    PyException_SetContext(error, cause);
+    PyErr_SetObject((PyObject *)Py_TYPE(error), error);
+    Py_DECREF(error);
+}
+
+/* step(wait) -> False, None or a work item: one step of the progress engine's leader
+ * (ProgressEngine.set_step): the after-poll hook, one poll (waiting up to ``wait`` seconds
+ * where the transport can), the dispatch of what arrived. False: nothing arrived; None:
+ * the message was handled here. */
+static PyObject *Core_step(Core *self, PyObject *arg)
+{
+    READY(self)
+    double seconds = PyFloat_AsDouble(arg);
+    if (seconds == -1.0 && PyErr_Occurred())
+        return NULL;
+    PyObject *r = PyObject_CallNoArgs(self->o[O_ON_IDLE]);
+    if (r == NULL)
+        return NULL;
+    Py_DECREF(r);
+    PyObject *env = receive(self, seconds);
+    if (env == NULL)
+        return NULL;
+    if (env == Py_None) {
+        Py_DECREF(env);
+        Py_RETURN_FALSE;
+    }
+    PyObject *work = Core_dispatch(self, env);
+    if (work == NULL) {
+        int ok = 1;
+        long long kind = -1, src = -1;
+        if (Py_TYPE(env) == (PyTypeObject *)self->o[O_ENVELOPE]) {
+            PyObject *type, *exc, *tb;
+            PyErr_Fetch(&type, &exc, &tb);
+            kind = slot_ll(self->env_slots[ENV_KIND], env, &ok);
+            src = slot_ll(self->env_slots[ENV_SRC], env, &ok);
+            if (!ok)
+                PyErr_Clear();
+            PyErr_Restore(type, exc, tb);
+        } else {
+            ok = 0;
+        }
+        name_failed_message(ok, kind, src);
+    }
+    Py_DECREF(env);
+    return work;
+}
+
 static PyMethodDef Core_methods[] = {
     {"send_call", (PyCFunction)(void (*)(void))Core_send_call, METH_FASTCALL,
      "send_call(dst, func, args, kwargs, timeout, record, with_future): send a plain CALL "
@@ -1558,6 +1702,9 @@ static PyMethodDef Core_methods[] = {
     {"rpc", (PyCFunction)(void (*)(void))Core_rpc, METH_FASTCALL,
      "rpc(to, func, args, kwargs, timeout, with_future): rpc_sync's (PendingCall) or "
      "rpc_async's (RpcFuture) caller side for a plain call of common arguments, else None"},
+    {"step", (PyCFunction)Core_step, METH_O,
+     "step(wait): the progress leader's step (hook, poll, dispatch): False when nothing "
+     "arrived, None when the message was handled, else the work item to run"},
     {"dispatch", (PyCFunction)Core_dispatch, METH_O,
      "dispatch(env): complete a plain RESULT here, make a CALL's work item, else the "
      "agent's Python dispatch"},

@@ -117,7 +117,14 @@ class FramedTransport(Transport):
         self.size = size
         self._n_data_tags = n_data_tags  # data tags are 1..n_data_tags
         self._tag_counter = itertools.count()
-        self._loopback: collections.deque[Envelope] = collections.deque()
+        #: messages to this rank itself, failed peers' notices and requeued messages, which
+        #: :meth:`poll` returns before probing the wire (a leader pops them; anyone appends)
+        self.loopback: collections.deque[Envelope] = collections.deque()
+        #: ``probe_frame0(seconds)``: the next frame 0 as ``(source, frame)``, waiting up to
+        #: ``seconds`` (0: one probe), or ``None``; published where a leader may call it
+        #: without the transport's lock (the agent's compiled step polls through it, then
+        #: :func:`frames.decode_header` and :meth:`receive_rest`), else ``None``
+        self.probe_frame0: Callable[[float], tuple[int, bytearray] | None] | None = None
         #: ranks found to have failed (fault-tolerant jobs); messages to them raise
         self.failed: set[int] = set()
         self.recv_cache = ReceiveBufferCache(recv_cache_bytes)
@@ -151,14 +158,14 @@ class FramedTransport(Transport):
         """Note a failed peer: later sends to it raise, and poll() reports it once."""
         if rank not in self.failed and rank != self.rank:
             self.failed.add(rank)
-            self._loopback.append(Envelope(kind=PEER_FAILED, src=rank))
+            self.loopback.append(Envelope(kind=PEER_FAILED, src=rank))
             self.interrupt_wait()  # a poll_wait under way sees it at once
 
     def send_now(self, dst: int, env: Envelope, devices: list[str]) -> None:
         if self.failed and dst in self.failed:  # (the agent names the worker)
             raise WorkerFailedError(f"rank {dst} failed", dst)
         if dst == self.rank:
-            self._loopback.append(self._loopback_copy(env, devices))
+            self.loopback.append(self._loopback_copy(env, devices))
             self.interrupt_wait()  # a poll_wait under way sees it at once
             return
         needs_tag = env.tensors or len(env.payload) > frames.PAYLOAD_FRAME_LIMIT
@@ -198,11 +205,11 @@ class FramedTransport(Transport):
         returns it first. For the leader that took it, and no one else (the agent's
         compiled path polls for the answers that follow one, and puts back the first
         message it does not handle)."""
-        self._loopback.appendleft(env)
+        self.loopback.appendleft(env)
 
     def poll(self) -> Envelope | None:
-        if self._loopback:
-            return self._loopback.popleft()
+        if self.loopback:
+            return self.loopback.popleft()
         got = self._probe()
         if got is None:
             return None
@@ -215,6 +222,13 @@ class FramedTransport(Transport):
         env, header = frames.decode_header(frame0, src)
         if header is None:
             return env
+        return self.receive_rest(env, header, frame0, src)
+
+    def receive_rest(self, env: Envelope, header: frames.Header, frame0: bytearray,
+                     src: int) -> Envelope | None:
+        """Finish a message whose frame 0 says more follows (``frames.decode_header`` gave
+        ``header``): receive its payload frame and tensors from ``src`` into ``env``; returns
+        ``env``, or ``None`` when the sender failed meanwhile (the message is dropped)."""
         try:
             if header.payload_separate:
                 payload = bytearray(header.payload_length)

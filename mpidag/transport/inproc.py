@@ -119,6 +119,7 @@ class InProcTransport(FramedTransport):
         super().__init__(rank, world.size, (1 << 20) - 1, recv_cache_bytes)
         self.world = world
         self._collectives = 0
+        self.probe_frame0 = self._probe_now  # (lock-free: a deque per rank)
 
     def _check(self) -> None:
         if self.world.aborted is not None:
@@ -141,6 +142,11 @@ class InProcTransport(FramedTransport):
             return self.world.inboxes[self.rank].popleft()
         except IndexError:
             return None
+
+    def _probe_now(self, seconds: float) -> tuple[int, bytearray] | None:
+        """:attr:`probe_frame0`: never waits (this transport has no ``poll_wait``, so a
+        leader asks for no wait)."""
+        return self._probe()
 
     def _recv_frame(self, src: int, tag: int, buffer: Any) -> None:
         key = (self.rank, src, tag)

@@ -363,6 +363,7 @@ class MPITransport(FramedTransport):
             self._probe_wait = self._wire_probe_ft if ft else self.wire.probe_wait
             self.poll_wait = self._poll_wait
             self.interrupt_wait = self.wire.interrupt
+            self.probe_frame0 = self._probe_wait
 
     # ------------------------------------------------------- moving bytes
     def send_frame0(self, dst: int, frame0: bytes | bytearray) -> None:
@@ -439,8 +440,8 @@ class MPITransport(FramedTransport):
             return None
 
     def _poll_wait(self, seconds: float) -> Envelope | None:
-        if self._loopback:
-            return self._loopback.popleft()
+        if self.loopback:
+            return self.loopback.popleft()
         got = self._probe_wait(seconds)
         return None if got is None else self._open(got)
 

@@ -156,6 +156,8 @@ class ProgressEngine:
         self._interrupt = interrupt if interrupt is not None else _nothing
         self._dispatch = dispatch
         self._on_idle = on_idle
+        #: a leader's step: poll, hook, dispatch (see set_step)
+        self._step: Callable[[float], Work | None | bool] = self._python_step
         self._spin = spin
         self._min_sleep = min_sleep
         self._max_sleep = max_sleep
@@ -186,10 +188,14 @@ class ProgressEngine:
             for i in range(num_threads)
         ] + [sentinel]
 
-    def set_dispatch(self, dispatch: Callable[[Envelope], Work | None]) -> None:
-        """Replace the dispatcher given to ``__init__`` (before :meth:`start`: the agent
-        gives its compiled one once its parts exist)."""
-        self._dispatch = dispatch
+    def set_step(self, step: Callable[[float], Work | None | bool]) -> None:
+        """Replace the leader's step (before :meth:`start`: the agent gives its compiled one
+        once its parts exist). ``step(wait)`` does what :meth:`_python_step` does: run the
+        after-poll hook, poll once (``wait``: through ``poll_wait``, up to that many
+        seconds), dispatch what arrived; it returns ``False`` when nothing arrived, ``None``
+        when the message was handled, else the work item to run. An error it raises is
+        logged (the message, if one arrived, is lost with it)."""
+        self._step = step
 
     @property
     def pool_size(self) -> int:
@@ -289,7 +295,7 @@ class ProgressEngine:
             backoff = self._new_backoff()
         else:
             backoff.reset()
-        poll_step, dispatch = self._poll_step, self._dispatch
+        step = self._step
         wait = 0.0  # a window of poll_wait while the backoff would spin
         while True:
             if self._waiters or self._stopping or (sentinel and self._idle):
@@ -304,8 +310,11 @@ class ProgressEngine:
                         self._vacate_locked(lazy=True)
                 if work is not None:
                     return work
-            env = poll_step(wait)
-            if env is None:
+            try:
+                work = step(wait)
+            except Exception:
+                work = self._step_failed()
+            if work is False:
                 computing = self._computing()
                 backoff.idle(computing)
                 # the spinning phase in poll_wait's windows (the yielding one stays here)
@@ -313,8 +322,6 @@ class ProgressEngine:
                     backoff.idle_seconds() < PURE_SPIN else 0.0
                 continue
             backoff.reset()
-            work = _dispatch_safely(dispatch, env)
-            env = None
             if work is None:
                 continue
             if sentinel:
@@ -325,6 +332,23 @@ class ProgressEngine:
                 self._running_work += 1
                 self._vacate_locked(lazy=True)
             return work
+
+    def _python_step(self, wait: float) -> Work | None | bool:
+        """The leader's step in Python (see :meth:`set_step`): poll, hook, dispatch."""
+        env = self._poll_step(wait)
+        if env is None:
+            return False
+        return _dispatch_safely(self._dispatch, env)
+
+    def _step_failed(self) -> bool:
+        """Log the error a step raised (its hook runs again: it may not have run); as if
+        nothing arrived."""
+        log.exception("the progress leader's step failed")
+        try:
+            self._on_idle()
+        except Exception:
+            log.exception("the leader's after-poll hook failed")
+        return False
 
     def _poll_step(self, wait: float = 0.0) -> Envelope | None:
         """One step of a leader, whoever leads (a pool thread, the sentinel, a waiting user
@@ -523,15 +547,18 @@ class ProgressEngine:
                     self._pass_on_vacancy_locked()
 
     def _lead_as_user(self, done: Callable[[], bool], deadline: float | None) -> bool:
-        poll_step, dispatch = self._poll_step, self._dispatch
+        step = self._step
         # a reply mostly arrives within PURE_SPIN: until then poll in a tight loop, and make
         # the Backoff (0.5 us) only for a longer wait
         backoff: Backoff | None = None
         spin_until = 0.0
         wait = 0.0  # windows of poll_wait while spinning
         while not done():
-            env = poll_step(wait)
-            if env is None:
+            try:
+                work = step(wait)
+            except Exception:
+                work = self._step_failed()
+            if work is False:
                 if deadline is not None and time.monotonic() >= deadline:
                     return False
                 if self._stopping:
@@ -554,8 +581,6 @@ class ProgressEngine:
             wait = 0.0
             if backoff is not None:
                 backoff.reset()
-            work = _dispatch_safely(dispatch, env)
-            env = None
             if work is not None:
                 self.submit(work)
                 work = None
