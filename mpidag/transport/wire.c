@@ -6,8 +6,11 @@
  *   send(dst, frame)  MPI_Isend of a frame 0, left in flight (its buffer held) if the
  *                     first MPI_Test does not complete it;
  *   complete_sends()  tests the oldest sends in order and releases the finished ones.
- * The GIL is released around every MPI call, as mpi4py does, so a thread polling here never
- * holds up the serving threads, and a thread blocked inside MPI never holds the GIL.
+ * The GIL is released around every MPI call that may wait (a probe that waits, a frame
+ * larger than SHORT_FRAME), so a thread polling here never holds up the serving threads; the
+ * short local steps (one probe, a test, the send or receipt of a small frame) keep it, which
+ * saves two GIL hand-offs a message when other threads want it (MPI never takes the GIL,
+ * so this cannot deadlock: at worst another thread waits for MPI's own lock a moment).
  * The table of sends in flight is touched only with the GIL held; probe() and
  * complete_sends() are called by one thread at a time (the progress leader).
  * An MPI error raises mpi4py's MPI.Exception(error code), which the transport handles as it
