@@ -6,8 +6,8 @@ in every process)::
     python -m mpidag.run -n 2 benchmarks/profile_message_path.py [--calls 3000]
 
 Rank 0 calls rank 1; for every call the script stamps, without changing mpidag itself
-(it wraps the MPI transport's ``send_frame0``/``_probe``/``_probe_wait`` and the called
-function):
+(it wraps the MPI transport's ``send_frame0``, ``_probe``, ``_probe_wait`` and
+``probe_frame0``, and the called function):
 
     T0 caller enters rpc_sync / to_here          T3 callee's reply leaves (MPI_Send done)
     T1 request leaves the caller (MPI_Send done)  T4 caller's leader has the reply frame
@@ -81,6 +81,9 @@ def instrument(transport) -> None:
     probe_wait = getattr(transport, "_probe_wait", None)  # the compiled path's waiting poll
     if probe_wait is not None:
         transport._probe_wait = lambda seconds: stamp_received(probe_wait(seconds))
+    probe_frame0 = transport.probe_frame0  # the agent's compiled leader step polls here
+    if probe_frame0 is not None:
+        transport.probe_frame0 = lambda seconds: stamp_received(probe_frame0(seconds))
 
     send_frame, recv_frame = transport._send_frame, transport._recv_frame
 

@@ -97,7 +97,7 @@ def make_core(calls: OutgoingCalls, server: Server, transport: Any,
         peers_left=calls.peers.left, call_profiling=call_profiling, tensor_type=torch.Tensor,
         strided=torch.strided,
         lone_tensor=frames.LONE_TENSOR_PAYLOAD, inline_limit=frames.INLINE_LIMIT,
-        loopback=transport.loopback, probe_frame0=transport.probe_frame0,
+        loopback=transport.loopback,
         decode_header=frames.decode_header, receive_rest=transport.receive_rest,
         poll_wait=transport.poll_wait, on_idle=on_idle,
     )

@@ -247,7 +247,6 @@ enum {
     O_STRIDED,          /* torch.strided */
     O_LONE_TENSOR,      /* frames' payload of a result that is one tensor (bytes) */
     O_LOOPBACK,         /* transport.loopback: the deque poll() empties first */
-    O_PROBE,            /* transport.probe_frame0(seconds) -> (src, frame0) | None, or None */
     O_DECODE_HEADER,    /* frames.decode_header(frame0, src) -> (env, header | None) */
     O_RECEIVE_REST,     /* transport.receive_rest(env, header, frame0, src) */
     O_POLL_WAIT,        /* transport.poll_wait(seconds), or None */
@@ -262,7 +261,7 @@ static const char *OBJECT_NAMES[N_OBJECTS] = {
     "observing", "dumps", "loads", "handler_type", "envelope", "pending_call",
     "py_dispatch", "py_complete", "py_serve", "py_reply_value", "py_fail",
     "failed_error", "worker_failed_error", "by_name", "peers_left", "call_profiling",
-    "tensor_type", "strided", "lone_tensor", "loopback", "probe_frame0", "decode_header",
+    "tensor_type", "strided", "lone_tensor", "loopback", "decode_header",
     "receive_rest", "poll_wait", "on_idle"};
 
 typedef struct {
@@ -279,7 +278,7 @@ typedef struct {
     PyObject *s_open, *s_default_timeout, *s_send_hook, *s_send_frame0, *s_encode,
         *s_observer, *s_active, *s_user_callbacks, *s_asynchronous, *s_wrapped_async,
         *s_layout, *s_is_cpu, *s_is_contiguous,
-        *s_nbytes, *s_cpu, *s_id, *s_engine, *s_popleft;
+        *s_nbytes, *s_cpu, *s_id, *s_engine, *s_popleft, *s_probe_frame0;
 } Core;
 
 static PyTypeObject *ServeWorkType;
@@ -567,7 +566,7 @@ static int Core_init(Core *self, PyObject *args, PyObject *kwds)
     NAME(s_wrapped_async, "_wrapped_async_rpc_function")
     NAME(s_layout, "layout") NAME(s_is_cpu, "is_cpu") NAME(s_is_contiguous, "is_contiguous")
     NAME(s_nbytes, "nbytes") NAME(s_cpu, "cpu") NAME(s_id, "id") NAME(s_engine, "engine")
-    NAME(s_popleft, "popleft")
+    NAME(s_popleft, "popleft") NAME(s_probe_frame0, "probe_frame0")
 #undef NAME
     return 0;
 }
@@ -602,7 +601,7 @@ static void Core_dealloc(Core *self)
                          self->s_active, self->s_user_callbacks, self->s_asynchronous,
                          self->s_wrapped_async, self->s_layout, self->s_is_cpu, self->s_is_contiguous,
                          self->s_nbytes, self->s_cpu, self->s_id, self->s_engine,
-                         self->s_popleft};
+                         self->s_popleft, self->s_probe_frame0};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         Py_XDECREF(names[i]);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -1485,8 +1484,12 @@ static int wake(Core *self, int done)
  * frame 0, and transport.receive_rest only for a message with more than frame 0. */
 static PyObject *receive(Core *self, double seconds)
 {
-    PyObject *probe = self->o[O_PROBE];
+    /* (looked up each time, as send_frame0 is: a profiler or a test may wrap it) */
+    PyObject *probe = PyObject_GetAttr(self->o[O_TRANSPORT], self->s_probe_frame0);
+    if (probe == NULL)
+        return NULL;
     if (probe == Py_None) {
+        Py_DECREF(probe);
         if (seconds > 0 && self->o[O_POLL_WAIT] != Py_None) {
             PyObject *wait = PyFloat_FromDouble(seconds);
             if (wait == NULL)
@@ -1498,15 +1501,19 @@ static PyObject *receive(Core *self, double seconds)
         return PyObject_CallNoArgs(self->o[O_POLL]);
     }
     Py_ssize_t queued = PyObject_Length(self->o[O_LOOPBACK]);
-    if (queued < 0)
-        return NULL;
-    if (queued > 0) /* (the GIL is held from the length to the pop) */
-        return PyObject_CallMethodNoArgs(self->o[O_LOOPBACK], self->s_popleft);
+    if (queued != 0) { /* (the GIL is held from the length to the pop) */
+        Py_DECREF(probe);
+        return queued < 0 ? NULL : PyObject_CallMethodNoArgs(self->o[O_LOOPBACK],
+                                                             self->s_popleft);
+    }
     PyObject *wait = PyFloat_FromDouble(seconds);
-    if (wait == NULL)
+    if (wait == NULL) {
+        Py_DECREF(probe);
         return NULL;
+    }
     PyObject *got = PyObject_CallOneArg(probe, wait);
     Py_DECREF(wait);
+    Py_DECREF(probe);
     if (got == NULL || got == Py_None)
         return got;
     if (!PyTuple_CheckExact(got) || PyTuple_GET_SIZE(got) != 2) {
