@@ -6,11 +6,8 @@
  *   send(dst, frame)  MPI_Isend of a frame 0, left in flight (its buffer held) if the
  *                     first MPI_Test does not complete it;
  *   complete_sends()  tests the oldest sends in order and releases the finished ones.
- * The GIL is released around every MPI call that may wait (a probe that waits, a frame
- * larger than SHORT_FRAME), so a thread polling here never holds up the serving threads; the
- * short local steps (one probe, a test, the send or receipt of a small frame) keep it, which
- * saves two GIL hand-offs a message when other threads want it (MPI never takes the GIL,
- * so this cannot deadlock: at worst another thread waits for MPI's own lock a moment).
+ * The GIL is released around every MPI call, as mpi4py does, so a thread polling here never
+ * holds up the serving threads, and a thread blocked inside MPI never holds the GIL.
  * The table of sends in flight is touched only with the GIL held; probe() and
  * complete_sends() are called by one thread at a time (the progress leader).
  * An MPI error raises mpi4py's MPI.Exception(error code), which the transport handles as it
@@ -24,11 +21,6 @@
 #include <mpi.h>
 #include <stdint.h>
 #include <time.h>
-
-/* A frame 0 of at most this many bytes travels eagerly in every MPI we run on (Open MPI's
- * shared memory sends 4 KiB eagerly): sending, testing, probing once and receiving it are
- * short local steps, done with the GIL held. */
-#define SHORT_FRAME 4096
 
 typedef struct {
     MPI_Request request;
@@ -96,8 +88,10 @@ static int complete(Wire *self)
     while (self->count > 0) {
         InFlight *oldest = &self->sends[self->head];
         MPI_Request request = oldest->request;
-        int done = 0;
-        int ierr = MPI_Test(&request, &done, MPI_STATUS_IGNORE); /* (short: GIL kept) */
+        int done = 0, ierr;
+        Py_BEGIN_ALLOW_THREADS
+        ierr = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+        Py_END_ALLOW_THREADS
         oldest = &self->sends[self->head]; /* the ring may have grown meanwhile */
         oldest->request = request;
         if (ierr == MPI_SUCCESS && !done)
@@ -137,16 +131,6 @@ static int push(Wire *self, MPI_Request request, Py_buffer *view)
     return 0;
 }
 
-static int isend_and_test(Wire *self, Py_buffer *view, int dst, MPI_Request *request,
-                          int *done)
-{
-    int ierr = MPI_Isend(view->buf, (int)view->len, MPI_BYTE, dst, self->tag, self->comm,
-                         request);
-    if (ierr == MPI_SUCCESS)
-        ierr = MPI_Test(request, done, MPI_STATUS_IGNORE);
-    return ierr;
-}
-
 static PyObject *Wire_send(Wire *self, PyObject *const *args, Py_ssize_t nargs)
 {
     CHECK_OPEN(self)
@@ -171,13 +155,11 @@ static PyObject *Wire_send(Wire *self, PyObject *const *args, Py_ssize_t nargs)
     }
     MPI_Request request;
     int done = 0, ierr;
-    if (view.len <= SHORT_FRAME) {
-        ierr = isend_and_test(self, &view, (int)dst, &request, &done);
-    } else {
-        Py_BEGIN_ALLOW_THREADS
-        ierr = isend_and_test(self, &view, (int)dst, &request, &done);
-        Py_END_ALLOW_THREADS
-    }
+    Py_BEGIN_ALLOW_THREADS
+    ierr = MPI_Isend(view.buf, (int)view.len, MPI_BYTE, (int)dst, self->tag, self->comm, &request);
+    if (ierr == MPI_SUCCESS)
+        ierr = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+    Py_END_ALLOW_THREADS
     if (ierr != MPI_SUCCESS) {
         PyBuffer_Release(&view);
         return raise_mpi(self, ierr);
@@ -208,21 +190,18 @@ static PyObject *receive(Wire *self, double seconds)
     int flag = 0, ierr, count = 0;
     MPI_Message message;
     MPI_Status status;
-    if (seconds > 0) {
-        Py_BEGIN_ALLOW_THREADS
-        double until = now_s() + seconds;
-        for (;;) {
-            ierr = MPI_Improbe(MPI_ANY_SOURCE, self->tag, self->comm, &flag, &message,
-                               &status);
-            if (ierr != MPI_SUCCESS || flag || self->interrupted || now_s() >= until)
-                break;
-        }
-        Py_END_ALLOW_THREADS
-    } else { /* one probe: short, the GIL kept */
+    Py_BEGIN_ALLOW_THREADS
+    double until = seconds > 0 ? now_s() + seconds : 0.0;
+    for (;;) {
         ierr = MPI_Improbe(MPI_ANY_SOURCE, self->tag, self->comm, &flag, &message, &status);
+        if (ierr != MPI_SUCCESS || flag || until == 0.0 || self->interrupted)
+            break;
+        if (now_s() >= until)
+            break;
     }
     if (ierr == MPI_SUCCESS && flag)
         ierr = MPI_Get_count(&status, MPI_BYTE, &count);
+    Py_END_ALLOW_THREADS
     self->interrupted = 0;
     if (ierr != MPI_SUCCESS)
         return raise_mpi(self, ierr);
@@ -233,13 +212,9 @@ static PyObject *receive(Wire *self, double seconds)
     if (frame == NULL)
         return NULL; /* (the message stays matched and unreceived: out of memory) */
     char *buf = PyByteArray_AS_STRING(frame);
-    if (count <= SHORT_FRAME) {
-        ierr = MPI_Mrecv(buf, count, MPI_BYTE, &message, MPI_STATUS_IGNORE);
-    } else {
-        Py_BEGIN_ALLOW_THREADS
-        ierr = MPI_Mrecv(buf, count, MPI_BYTE, &message, MPI_STATUS_IGNORE);
-        Py_END_ALLOW_THREADS
-    }
+    Py_BEGIN_ALLOW_THREADS
+    ierr = MPI_Mrecv(buf, count, MPI_BYTE, &message, MPI_STATUS_IGNORE);
+    Py_END_ALLOW_THREADS
     if (ierr != MPI_SUCCESS) {
         Py_DECREF(frame);
         return raise_mpi(self, ierr);
