@@ -6,10 +6,8 @@
  *   send(dst, frame)  MPI_Isend of a frame 0, left in flight (its buffer held) if the
  *                     first MPI_Test does not complete it;
  *   complete_sends()  tests the oldest sends in order and releases the finished ones.
- * The GIL is released around every MPI call that may wait or run MPI's progress (probes,
- * tests of sends in flight, frames above SHORT_FRAME), so a thread polling here never holds
- * up the serving threads; the send and the receipt of a small frame keep it (MPI never
- * takes the GIL, so this cannot deadlock).
+ * The GIL is released around every MPI call, as mpi4py does, so a thread polling here never
+ * holds up the serving threads, and a thread blocked inside MPI never holds the GIL.
  * The table of sends in flight is touched only with the GIL held; probe() and
  * complete_sends() are called by one thread at a time (the progress leader).
  * An MPI error raises mpi4py's MPI.Exception(error code), which the transport handles as it
@@ -23,14 +21,6 @@
 #include <mpi.h>
 #include <stdint.h>
 #include <time.h>
-
-/* A frame 0 of at most this many bytes travels eagerly in the MPIs we run on (Open MPI's
- * shared memory sends 4 KiB eagerly): its send completes at once and its receipt, once
- * probed, is a copy, so both keep the GIL (two hand-offs less a message). Probes and
- * tests of sends in flight release it: they may run MPI's progress, which yields the core
- * when it finds nothing (mpi_yield_when_idle), and with the GIL held no other thread of
- * the rank could use that moment. */
-#define SHORT_FRAME 4096
 
 typedef struct {
     MPI_Request request;
@@ -141,16 +131,6 @@ static int push(Wire *self, MPI_Request request, Py_buffer *view)
     return 0;
 }
 
-static int isend_and_test(Wire *self, Py_buffer *view, int dst, MPI_Request *request,
-                          int *done)
-{
-    int ierr = MPI_Isend(view->buf, (int)view->len, MPI_BYTE, dst, self->tag, self->comm,
-                         request);
-    if (ierr == MPI_SUCCESS)
-        ierr = MPI_Test(request, done, MPI_STATUS_IGNORE);
-    return ierr;
-}
-
 static PyObject *Wire_send(Wire *self, PyObject *const *args, Py_ssize_t nargs)
 {
     CHECK_OPEN(self)
@@ -175,13 +155,11 @@ static PyObject *Wire_send(Wire *self, PyObject *const *args, Py_ssize_t nargs)
     }
     MPI_Request request;
     int done = 0, ierr;
-    if (view.len <= SHORT_FRAME) { /* sent eagerly: MPI_Test finds it complete at once */
-        ierr = isend_and_test(self, &view, (int)dst, &request, &done);
-    } else {
-        Py_BEGIN_ALLOW_THREADS
-        ierr = isend_and_test(self, &view, (int)dst, &request, &done);
-        Py_END_ALLOW_THREADS
-    }
+    Py_BEGIN_ALLOW_THREADS
+    ierr = MPI_Isend(view.buf, (int)view.len, MPI_BYTE, (int)dst, self->tag, self->comm, &request);
+    if (ierr == MPI_SUCCESS)
+        ierr = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+    Py_END_ALLOW_THREADS
     if (ierr != MPI_SUCCESS) {
         PyBuffer_Release(&view);
         return raise_mpi(self, ierr);
@@ -234,13 +212,9 @@ static PyObject *receive(Wire *self, double seconds)
     if (frame == NULL)
         return NULL; /* (the message stays matched and unreceived: out of memory) */
     char *buf = PyByteArray_AS_STRING(frame);
-    if (count <= SHORT_FRAME) { /* matched and already here: a copy */
-        ierr = MPI_Mrecv(buf, count, MPI_BYTE, &message, MPI_STATUS_IGNORE);
-    } else {
-        Py_BEGIN_ALLOW_THREADS
-        ierr = MPI_Mrecv(buf, count, MPI_BYTE, &message, MPI_STATUS_IGNORE);
-        Py_END_ALLOW_THREADS
-    }
+    Py_BEGIN_ALLOW_THREADS
+    ierr = MPI_Mrecv(buf, count, MPI_BYTE, &message, MPI_STATUS_IGNORE);
+    Py_END_ALLOW_THREADS
     if (ierr != MPI_SUCCESS) {
         Py_DECREF(frame);
         return raise_mpi(self, ierr);
