@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,7 +55,8 @@ def slots_drift(module: Any) -> str:
 
 
 def make_core(calls: OutgoingCalls, server: Server, transport: Any,
-              python_dispatch: Any, on_idle: Any, compiled: bool = True) -> tuple[Any, str]:
+              python_dispatch: Callable[[Any], Any], on_idle: Callable[[], None],
+              compiled: bool = True) -> tuple[Any, str]:
     """``(core, why)``: the compiled plain-call path of an agent's parts, or ``None`` (see
     the module's doc), and which path the agent takes and why (the agent's ``call_path``).
 

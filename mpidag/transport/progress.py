@@ -190,11 +190,18 @@ class ProgressEngine:
 
     def set_step(self, step: Callable[[float], Work | None | bool]) -> None:
         """Replace the leader's step (before :meth:`start`: the agent gives its compiled one
-        once its parts exist). ``step(wait)`` does what :meth:`_python_step` does: run the
-        after-poll hook, poll once (``wait``: through ``poll_wait``, up to that many
-        seconds), dispatch what arrived; it returns ``False`` when nothing arrived, ``None``
-        when the message was handled, else the work item to run. An error it raises is
-        logged (the message, if one arrived, is lost with it)."""
+        once its parts exist). ``step(wait)`` does what :meth:`_python_step` does: poll once
+        (``wait``: through ``poll_wait``, up to that many seconds), run the after-poll hook
+        and dispatch what arrived; it returns ``False`` when nothing arrived, ``None`` when
+        the message was handled, else the work item to run. An error it raises is logged
+        and the leader goes on (the compiled step runs the hook before its poll, so a
+        failing hook loses no message; a failing dispatch names the message it lost).
+
+        Example::
+
+            >>> engine = ProgressEngine(lambda: None, lambda env: None, lambda: None, 1)
+            >>> engine.set_step(lambda wait: False)  # nothing ever arrives (the agent: Core.step)
+        """
         self._step = step
 
     @property
