@@ -11,7 +11,10 @@ dispatch, :meth:`Server.serve_call <mpidag.agent.serving.Server.serve_call>` and
 the same ``PendingCall`` and ``Envelope`` objects, the same bytes on the wire (the header
 flag :data:`~mpidag.agent.messages.FLAG_PLAIN` says the pickle holds plain values only),
 the same message counters, the same errors. Anything else goes untouched to the Python
-code, which also raises every error a user sees.
+code, which also raises every error a user sees. Its ``step(wait)`` is also the progress
+engine's leader step (:meth:`ProgressEngine.set_step
+<mpidag.transport.progress.ProgressEngine.set_step>`): the after-poll hook, one poll through
+the transport's published probe and the C frame-0 decoder, and the dispatch, in one call.
 
 :func:`mpidag.agent.compiled.make_core` gives the ``Core`` of an agent's parts, or ``None``
 (the Python path) when ``MPIDAG_COMPILED=0`` asks for it, when the module is not built, or
