@@ -1478,6 +1478,25 @@ static int wake(Core *self, int done)
     return type != NULL || done < 0 ? -1 : 0;
 }
 
+/* The header fields the leader decides by, read from an Envelope's slots: its kind, flags,
+ * context id and source, and whether that source is a rank of the world (a received
+ * message; not the loopback notice of a failed peer's). 0, or -1 with an error set. */
+typedef struct {
+    long long kind, flags, context_id, src;
+    int from_peer;
+} Header;
+
+static int read_header(Core *self, PyObject *env, Header *h)
+{
+    int ok = 1;
+    h->kind = slot_ll(self->env_slots[ENV_KIND], env, &ok);
+    h->flags = slot_ll(self->env_slots[ENV_FLAGS], env, &ok);
+    h->context_id = slot_ll(self->env_slots[ENV_CONTEXT_ID], env, &ok);
+    h->src = slot_ll(self->env_slots[ENV_SRC], env, &ok);
+    h->from_peer = h->src >= 0 && h->src < ((Counters *)self->o[O_COUNTERS])->size;
+    return ok ? 0 : -1;
+}
+
 /* The next message (a new reference), Py_None, or NULL with an error: what the transport's
  * poll_wait(seconds) (poll() for 0) returns. Where the transport publishes its frame-0
  * probe this is done here: its loopback queue first, then the probe, the C decoder of
@@ -1521,7 +1540,7 @@ static PyObject *receive(Core *self, double seconds)
         PyErr_SetString(PyExc_TypeError, "probe_frame0 must return (source, frame0) or None");
         return NULL;
     }
-    PyObject *argv[4] = {NULL, PyTuple_GET_ITEM(got, 1), PyTuple_GET_ITEM(got, 0), NULL};
+    PyObject *argv[3] = {NULL, PyTuple_GET_ITEM(got, 1), PyTuple_GET_ITEM(got, 0)};
     PyObject *decoded = PyObject_Vectorcall(self->o[O_DECODE_HEADER], argv + 1,
                                             2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     if (decoded == NULL) {
@@ -1559,17 +1578,13 @@ static int drain_results(Core *self)
             Py_DECREF(env);
             return 1;
         }
-        int done = 0, ok = 1, with_future = 0;
+        int done = 0, with_future = 0;
+        Header h;
         if (Py_TYPE(env) == (PyTypeObject *)self->o[O_ENVELOPE]) {
-            long long kind = slot_ll(self->env_slots[ENV_KIND], env, &ok);
-            long long flags = slot_ll(self->env_slots[ENV_FLAGS], env, &ok);
-            long long src = slot_ll(self->env_slots[ENV_SRC], env, &ok);
-            if (!ok) {
+            if (read_header(self, env, &h) < 0)
                 done = -1;
-            } else if (kind == RESULT && src >= 0 &&
-                       src < ((Counters *)self->o[O_COUNTERS])->size) {
-                done = complete_plain(self, env, flags, (long)src, &with_future);
-            }
+            else if (h.kind == RESULT && h.from_peer)
+                done = complete_plain(self, env, h.flags, (long)h.src, &with_future);
         }
         if (done > 0) {
             Py_DECREF(env);
@@ -1599,24 +1614,19 @@ static PyObject *Core_dispatch(Core *self, PyObject *env)
     READY(self)
     if (Py_TYPE(env) != (PyTypeObject *)self->o[O_ENVELOPE])
         return PyObject_CallOneArg(self->o[O_PY_DISPATCH], env);
-    int ok = 1;
-    long long kind = slot_ll(self->env_slots[ENV_KIND], env, &ok);
-    long long flags = slot_ll(self->env_slots[ENV_FLAGS], env, &ok);
-    long long context_id = slot_ll(self->env_slots[ENV_CONTEXT_ID], env, &ok);
-    long long src = slot_ll(self->env_slots[ENV_SRC], env, &ok);
-    if (!ok)
+    Header h;
+    if (read_header(self, env, &h) < 0)
         return NULL;
-    int in_world = src >= 0 && src < ((Counters *)self->o[O_COUNTERS])->size;
-    if (kind == RESULT && in_world) {
+    if (h.kind == RESULT && h.from_peer) {
         int with_future = 0;
-        int done = complete_plain(self, env, flags, (long)src, &with_future);
+        int done = complete_plain(self, env, h.flags, (long)h.src, &with_future);
         if (done == 0)
             return PyObject_CallOneArg(self->o[O_PY_COMPLETE], env);
         if (done > 0 && with_future)
             done = drain_results(self);
         return wake(self, done) < 0 ? NULL : Py_NewRef(Py_None);
     }
-    if (kind == CALL && context_id == 0 && in_world) {
+    if (h.kind == CALL && h.context_id == 0 && h.from_peer) {
         ServeWork *work = PyObject_GC_New(ServeWork, ServeWorkType);
         if (work == NULL)
             return NULL;
@@ -1683,20 +1693,17 @@ static PyObject *Core_step(Core *self, PyObject *arg)
     }
     PyObject *work = Core_dispatch(self, env);
     if (work == NULL) {
-        int ok = 1;
-        long long kind = -1, src = -1;
+        int ok = 0;
+        Header h = {0};
         if (Py_TYPE(env) == (PyTypeObject *)self->o[O_ENVELOPE]) {
             PyObject *type, *exc, *tb;
             PyErr_Fetch(&type, &exc, &tb);
-            kind = slot_ll(self->env_slots[ENV_KIND], env, &ok);
-            src = slot_ll(self->env_slots[ENV_SRC], env, &ok);
+            ok = read_header(self, env, &h) == 0;
             if (!ok)
                 PyErr_Clear();
             PyErr_Restore(type, exc, tb);
-        } else {
-            ok = 0;
         }
-        name_failed_message(ok, kind, src);
+        name_failed_message(ok, h.kind, h.src);
     }
     Py_DECREF(env);
     return work;
