@@ -68,12 +68,12 @@ class HandDriven:
     """Two ranks of an in-process world with no threads: each call is carried through the
     real agents by this thread (as benchmarks/inproc_cost.py does)."""
 
-    def __init__(self) -> None:
+    def __init__(self, compiled: bool = True) -> None:
         from mpidag.agent.options import MPIRpcBackendOptions
         from mpidag.transport.inproc import InProcWorld
         world = InProcWorld(2)
         options = MPIRpcBackendOptions(num_worker_threads=1, rpc_timeout=TIMEOUT)
-        config = Config(gc_freeze=False)
+        config = Config(gc_freeze=False, compiled=compiled)
         self.runtimes = on_every_rank(2, lambda r: Runtime.connect(
             world.transports[r], options=options, config=config))
         self.world, self.transports = world, world.transports
@@ -137,6 +137,126 @@ def test_plain_calls_take_the_compiled_path_on_both_ends():
             with pytest.raises(ValueError, match="again"):
                 ranks.call(rf.raise_value_error, "again")
         assert python.seen["serve_call"] == 1  # (the first call: its reference)
+    finally:
+        ranks.close()
+
+
+def _recorded_call(ranks: HandDriven, a: torch.Tensor, b: torch.Tensor,
+                   grad_of_result: bool = True) -> dict:
+    """One call of ``rf.add(a, b)`` in a new context on rank 0, carried by hand; what both
+    ranks recorded, and the gradients a distributed backward pass would send back (each
+    recv function's own graph, run locally on its rank)."""
+    contexts = [runtime.autograd.container for runtime in ranks.runtimes]
+    ctx = contexts[0].new_context()
+    previous = contexts[0].enter(ctx)
+    try:
+        result = ranks.call(rf.add, a, b)
+    finally:
+        contexts[0].leave(previous)
+    there = contexts[1].contexts[ctx.context_id]
+    seen = {
+        "result": result.detach().tolist(),
+        "result_grad_fn": type(result.grad_fn).__name__ if result.grad_fn else None,
+        "sends": [(s.peer, len(s.edges), [e.node.name() for e in s.edges])
+                  for s in ctx.sends.values()],
+        "recvs": [(r.peer, r.n_outputs, r.what) for r in ctx.recvs.values()],
+        "sends_there": [(s.peer, len(s.edges), s.what) for s in there.sends.values()],
+        "recvs_there": [(r.peer, r.n_outputs, r.what) for r in there.recvs.values()],
+        "workers": (ctx._known_worker_ids(), there._known_worker_ids()),
+        "ids_pair": ({m for m in ctx.sends} == {m for m in there.recvs},
+                     {m for m in there.sends} == {m for m in ctx.recvs}),
+    }
+    if grad_of_result:
+        # the callee's send function reaches the recv node of the arguments: its gradient
+        # there is what rank 1 would send back for a and b
+        send_there = next(iter(there.sends.values()))
+        recv_node = send_there.edges[0].node.next_functions[0][0]
+        grads = torch.autograd.grad([send_there.edges[0]], [
+            torch.autograd.graph.GradientEdge(recv_node, 0),
+            torch.autograd.graph.GradientEdge(recv_node, 1)],
+            [torch.full_like(result, 3.0)], allow_unused=True)
+        seen["callee_grads"] = [g.tolist() for g in grads]
+    return seen
+
+
+def _release_all(ranks: HandDriven) -> tuple[bool, bool]:
+    """Release rank 0's contexts (a message to rank 1 each); whether any is left there."""
+    contexts = [runtime.autograd.container for runtime in ranks.runtimes]
+    for ctx in list(contexts[0].contexts.values()):
+        contexts[0].release(ctx)
+    ranks.world.deliver_all([agent.dispatch for agent in ranks.agents])
+    return bool(contexts[0].contexts), bool(contexts[1].contexts)
+
+
+def test_calls_in_an_autograd_context_take_the_compiled_path_and_record_what_python_does():
+    compiled, python_path = HandDriven(), HandDriven(compiled=False)
+    try:
+        assert python_path.agents[0].core is None
+        a, b = torch.rand(3, 3, requires_grad=True), torch.rand(3, 3, requires_grad=True)
+        an = torch.rand(3, 3)
+        for ranks in (compiled, python_path):  # the function's reference is made first
+            ranks.call(rf.add, an, an)
+        with PythonCalls() as python:
+            with_grad = _recorded_call(compiled, a, b)
+            without_grad = _recorded_call(compiled, an, an, grad_of_result=False)
+        assert python.seen == {}, python.seen
+        assert with_grad == _recorded_call(python_path, a, b)
+        assert without_grad == _recorded_call(python_path, an, an, grad_of_result=False)
+        assert _release_all(compiled) == _release_all(python_path) == (False, False)
+        assert with_grad["result"] == (a.detach() + b.detach()).tolist()
+        assert with_grad["result_grad_fn"] == "torch::distributed::autograd::RecvRpcBackward"
+        assert with_grad["sends"] == [(1, 2, ["torch::autograd::AccumulateGrad"] * 2)]
+        assert with_grad["recvs"] == [(1, 1, "the result of tests.rpc_funcs.add "
+                                             "from worker1")]
+        assert with_grad["recvs_there"] == [(0, 2, "the arguments of tests.rpc_funcs.add "
+                                                   "from worker0")]
+        assert with_grad["ids_pair"] == (True, True)
+        assert with_grad["callee_grads"] == [[[3.0] * 3] * 3] * 2
+        assert without_grad["sends"] == without_grad["recvs"] == []
+        assert without_grad["workers"] == ({1}, {0})
+    finally:
+        compiled.close()
+        python_path.close()
+
+
+def test_a_failing_recording_in_a_context_is_the_calls_error_on_the_compiled_path(
+        monkeypatch):
+    ranks = HandDriven()
+    try:
+        a = torch.ones(2, requires_grad=True)
+        ranks.call(rf.identity, torch.ones(2))
+        contexts = [runtime.autograd.container for runtime in ranks.runtimes]
+        original = type(contexts[1]).record_recv
+        failing = {"rank": 1}
+
+        def record_recv(self, *args):
+            if self is contexts[failing["rank"]]:
+                raise RuntimeError("recording broke")
+            return original(self, *args)
+
+        monkeypatch.setattr(type(contexts[1]), "record_recv", record_recv)
+        # the callee's failure: the Python server answers with the error, which the caller's
+        # Python completes; the caller's: the C path completes the call with its error
+        python_answers = {"serve_call": 1, "dispatch": 1, "complete": 1}
+        for rank, error, seen in ((1, "recording broke", python_answers),
+                                  (0, "could not unpickle the result of "
+                                      "tests.rpc_funcs.identity from worker1: recording "
+                                      "broke", {})):
+            failing["rank"] = rank
+            ctx = contexts[0].new_context()
+            previous = contexts[0].enter(ctx)
+            try:
+                with PythonCalls() as python, pytest.raises(Exception, match=error):
+                    ranks.call(rf.identity, a)
+            finally:
+                contexts[0].leave(previous)
+            assert ranks.agents[0].calls.table == {}
+            assert python.seen == seen
+            contexts[0].release(ctx)
+            ranks.world.deliver_all([agent.dispatch for agent in ranks.agents])
+        sent, processed = ranks.agents[0].sender.counters.totals(set())
+        sent1, processed1 = ranks.agents[1].sender.counters.totals(set())
+        assert (sent, processed) == (processed1, sent1)  # every message handled
     finally:
         ranks.close()
 

@@ -241,8 +241,7 @@ class OutgoingCalls:
         observer = self.plugins.observer
         if record and observer.active:
             context_id, message_id = observer.outgoing(
-                dst, tensors, lambda: f"the arguments of {describe(func, args)} sent to "
-                                      f"{self.peers.name(dst)}")
+                dst, tensors, lambda: self.arguments_sent(func, args, dst))
         request_id = self.ids.next()
         future = RpcFuture(self.engine) if with_future else None
         now = time.monotonic()
@@ -258,6 +257,16 @@ class OutgoingCalls:
         if message_id:
             observer.sent(context_id, message_id)  # while the callee works
         return call
+
+    def arguments_sent(self, func: Callable, args: tuple, dst: int) -> str:
+        """The name of a call's arguments as sent (what a send function records).
+
+        Example::
+
+            >>> runtime.agent.calls.arguments_sent(torch.add, (), 1)
+            'the arguments of torch.add sent to worker1'
+        """
+        return f"the arguments of {describe(func, args)} sent to {self.peers.name(dst)}"
 
     def notify(self, dst: int, func: Callable, args: tuple = (),
                kwargs: dict | None = None) -> None:
@@ -331,14 +340,10 @@ class OutgoingCalls:
             if env.kind == RESULT:
                 try:
                     if env.message_id:
-                        self.plugins.observer.received(
-                            env, lambda: f"the result of {call.what} from "
-                                         f"{self.peers.name(src)}")
+                        self._observe_result(env, call)
                     value = loads(env.payload, env.tensors, self.sender.codecs)
                 except Exception as exc:
-                    error = SerializationError(
-                        f"could not unpickle the result of {call.what} from "
-                        f"{self.peers.name(src)}: {exc}")
+                    error = self._result_error(call, src, exc)
             else:
                 error = unpack_exception(bytes(env.payload))
                 if self._ft and isinstance(error, WorkerFailedError) and \
@@ -360,6 +365,41 @@ class OutgoingCalls:
         finally:
             if src >= 0:
                 self.sender.mark_processed(src)
+
+    def record_result(self, env: Envelope, call: PendingCall) -> bool:
+        """Record the recv function of ``call``'s result ``env`` (it carries tensors that
+        require grad: the observer's ``received`` replaces ``env.tensors``). The compiled
+        path calls this once it completes the call itself; ``False``: the recording failed,
+        and the call has failed with an error that says so (taken from the table, the
+        message counted as handled).
+
+        Example (what the compiled path does with such a result ``env``):
+
+        .. code-block:: python
+
+            call = calls.table[env.request_id]
+            if calls.record_result(env, call):
+                value = env.tensors[0]  # the recv function's output: a lone tensor result
+        """
+        try:
+            self._observe_result(env, call)
+            return True
+        except Exception as exc:
+            error = self._result_error(call, env.src, exc)
+        try:
+            if self._pending.pop(env.request_id, None) is not None:
+                self._settle(call, None, error)
+        finally:
+            self.sender.mark_processed(env.src)
+        return False
+
+    def _observe_result(self, env: Envelope, call: PendingCall) -> None:
+        self.plugins.observer.received(
+            env, lambda: f"the result of {call.what} from {self.peers.name(env.src)}")
+
+    def _result_error(self, call: PendingCall, src: int, exc: Exception) -> SerializationError:
+        return SerializationError(f"could not unpickle the result of {call.what} from "
+                                  f"{self.peers.name(src)}: {exc}")
 
     def _settle(self, call: PendingCall, value: Any, error: BaseException | None) -> None:
         """Give ``call`` its answer (running its future's callbacks) and wake waiters."""

@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import pickle
 from collections.abc import Callable
 from typing import Any
@@ -101,7 +102,10 @@ def make_core(calls: OutgoingCalls, server: Server, transport: Any,
         lone_tensor=frames.LONE_TENSOR_PAYLOAD, inline_limit=frames.INLINE_LIMIT,
         loopback=transport.loopback,
         decode_header=frames.decode_header, receive_rest=transport.receive_rest,
-        poll_wait=transport.poll_wait, on_idle=on_idle,
+        poll_wait=transport.poll_wait, on_idle=on_idle, partial=functools.partial,
+        what_sent=calls.arguments_sent, what_from=server.arguments_from,
+        what_served=server.arguments_served, what_result=server.result_sent,
+        record_result=calls.record_result, py_unsendable=server.reply_unsendable,
     )
     return core, f"compiled call path ({module.__file__})"
 

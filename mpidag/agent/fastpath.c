@@ -3,7 +3,9 @@
  * A *plain* call names a module-level function or a handler that the caller's codec has
  * already given a reference (see encoding.py), carries no keyword arguments and only
  * plain values (None, bool, int, float, str, bytes, complex; a tuple of at most 8), and
- * returns a plain value; it is made outside an autograd context and outside any profiler.
+ * returns a plain value; it is made outside any profiler. Inside a distributed autograd
+ * context it is recorded here too: the agent's call observer is called where the Python
+ * path calls it (see "the call observer" below).
  * Most of a training job's small control calls, and every no-op benchmark, are plain.
  * For them this module does in C what the Python of calls.py, serving.py, sending.py and
  * the transport's send_now does, with the same objects (PendingCall, Envelope), the same
@@ -22,8 +24,8 @@
  *   Counters              the per-peer message counts of graceful shutdown, changed
  *                         atomically under the GIL by C and Python alike.
  *
- * Anything that is not plain (tensors, kwargs, a new function, an autograd context, a
- * profiler, a test's send hook, a failed peer, a message to this rank) goes, untouched,
+ * Anything that is not plain (kwargs, a new function, a profiler, a test's send hook, a
+ * failed peer, a message to this rank) goes, untouched,
  * to the Python code it would have taken, which also raises every error the user sees.
  * A flag bit of the header (FLAG_PLAIN) says that the pickle after the function
  * reference (or the result's) holds plain values only, so the receiver may unpickle it
@@ -43,7 +45,7 @@
 #include <math.h>
 #include <time.h>
 
-#define VERSION 2
+#define VERSION 3
 
 /* the protocol's constants (messages.py); Core.__init__ checks them against Python's */
 #define CALL 1
@@ -251,6 +253,13 @@ enum {
     O_RECEIVE_REST,     /* transport.receive_rest(env, header, frame0, src) */
     O_POLL_WAIT,        /* transport.poll_wait(seconds), or None */
     O_ON_IDLE,          /* the leader's after-poll hook (RpcAgent's tick) */
+    O_PARTIAL,          /* functools.partial: the lazy names of recorded messages */
+    O_WHAT_SENT,        /* OutgoingCalls.arguments_sent(func, args, dst) -> str */
+    O_WHAT_FROM,        /* Server.arguments_from(src) -> str */
+    O_WHAT_SERVED,      /* Server.arguments_served(func, args, src) -> str */
+    O_WHAT_RESULT,      /* Server.result_sent((func, args), dst) -> str */
+    O_RECORD_RESULT,    /* OutgoingCalls.record_result(env, call) -> bool */
+    O_PY_UNSENDABLE,    /* Server.reply_unsendable(env, value, exc) */
     N_OBJECTS
 };
 static const char *OBJECT_NAMES[N_OBJECTS] = {
@@ -262,7 +271,8 @@ static const char *OBJECT_NAMES[N_OBJECTS] = {
     "py_dispatch", "py_complete", "py_serve", "py_reply_value", "py_fail",
     "failed_error", "worker_failed_error", "by_name", "peers_left", "call_profiling",
     "tensor_type", "strided", "lone_tensor", "loopback", "decode_header",
-    "receive_rest", "poll_wait", "on_idle"};
+    "receive_rest", "poll_wait", "on_idle", "partial", "what_sent", "what_from",
+    "what_served", "what_result", "record_result", "py_unsendable"};
 
 typedef struct {
     PyObject_HEAD
@@ -278,7 +288,8 @@ typedef struct {
     PyObject *s_open, *s_default_timeout, *s_send_hook, *s_send_frame0, *s_encode,
         *s_observer, *s_active, *s_user_callbacks, *s_asynchronous, *s_wrapped_async,
         *s_layout, *s_is_cpu, *s_is_contiguous,
-        *s_nbytes, *s_cpu, *s_id, *s_engine, *s_popleft, *s_probe_frame0;
+        *s_nbytes, *s_cpu, *s_id, *s_engine, *s_popleft, *s_probe_frame0,
+        *s_outgoing, *s_received, *s_serving, *s_served, *s_replying, *s_sent;
 } Core;
 
 static PyTypeObject *ServeWorkType;
@@ -353,9 +364,23 @@ static double monotonic_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* The raised exception, normalised with its traceback (a new reference), the error cleared */
+static PyObject *take_error(void)
+{
+    PyObject *type, *exc, *tb;
+    PyErr_Fetch(&type, &exc, &tb);
+    PyErr_NormalizeException(&type, &exc, &tb);
+    if (tb != NULL && exc != NULL)
+        PyException_SetTraceback(exc, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return exc;
+}
+
 /* an Envelope made through its slots (no __init__); steals payload and tensors (NULL:
  * none); NULL on error */
 static PyObject *make_envelope(Core *self, int kind, PyObject *request_id, int flags,
+                               long long context_id, long long message_id,
                                PyObject *payload, PyObject *tensors)
 {
     PyTypeObject *type = (PyTypeObject *)self->o[O_ENVELOPE];
@@ -366,8 +391,8 @@ static PyObject *make_envelope(Core *self, int kind, PyObject *request_id, int f
         return NULL;
     }
     PyObject *values[N_ENV] = {PyLong_FromLong(kind), Py_NewRef(request_id),
-                               PyLong_FromLong(flags), PyLong_FromLong(0), PyLong_FromLong(0),
-                               payload, tensors != NULL ? tensors : PyList_New(0),
+                               PyLong_FromLong(flags), PyLong_FromLongLong(context_id),
+                               PyLong_FromLongLong(message_id), payload, tensors != NULL ? tensors : PyList_New(0),
                                PyLong_FromLong(-1)};
     int rc = 0;
     for (int i = 0; i < N_ENV; i++)
@@ -567,6 +592,8 @@ static int Core_init(Core *self, PyObject *args, PyObject *kwds)
     NAME(s_layout, "layout") NAME(s_is_cpu, "is_cpu") NAME(s_is_contiguous, "is_contiguous")
     NAME(s_nbytes, "nbytes") NAME(s_cpu, "cpu") NAME(s_id, "id") NAME(s_engine, "engine")
     NAME(s_popleft, "popleft") NAME(s_probe_frame0, "probe_frame0")
+    NAME(s_outgoing, "outgoing") NAME(s_received, "received") NAME(s_serving, "serving")
+    NAME(s_served, "served") NAME(s_replying, "replying") NAME(s_sent, "sent")
 #undef NAME
     return 0;
 }
@@ -601,7 +628,9 @@ static void Core_dealloc(Core *self)
                          self->s_active, self->s_user_callbacks, self->s_asynchronous,
                          self->s_wrapped_async, self->s_layout, self->s_is_cpu, self->s_is_contiguous,
                          self->s_nbytes, self->s_cpu, self->s_id, self->s_engine,
-                         self->s_popleft, self->s_probe_frame0};
+                         self->s_popleft, self->s_probe_frame0, self->s_outgoing,
+                         self->s_received, self->s_serving, self->s_served,
+                         self->s_replying, self->s_sent};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         Py_XDECREF(names[i]);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -612,6 +641,110 @@ static void Core_dealloc(Core *self)
         PyErr_SetString(PyExc_RuntimeError, "Core is not initialised (or was cleared)");   \
         return NULL;                                                                       \
     }
+
+/* ------------------------------------------------ the call observer (autograd) */
+/* A call in a distributed autograd context takes this path too: the agent's call observer
+ * (plugins.observer, the context container) is called here where the Python path calls it
+ * (outgoing/sent on the caller, received at dispatch and serving/served around the
+ * function on the callee, replying/sent for a result with tensors, and the result's
+ * received through OutgoingCalls.record_result), with the same arguments; the names of the
+ * recorded messages are lazy (functools.partial of the agent's naming methods). */
+
+/* partial(self.o[what], *parts, rank): the lazy name of a recorded message, or NULL */
+static PyObject *lazy_name(Core *self, int what, PyObject *const *parts, int n, long rank)
+{
+    PyObject *argv[4];
+    PyObject *r = PyLong_FromLong(rank);
+    if (r == NULL)
+        return NULL;
+    argv[0] = self->o[what];
+    for (int i = 0; i < n; i++)
+        argv[1 + i] = parts[i];
+    argv[1 + n] = r;
+    PyObject *name = PyObject_Vectorcall(self->o[O_PARTIAL], argv, (size_t)n + 2, NULL);
+    Py_DECREF(r);
+    return name;
+}
+
+/* observer.method(*argv) (argv[0] is left free for the observer), or NULL */
+static PyObject *call_observer(Core *self, PyObject *name, PyObject **argv, Py_ssize_t n)
+{
+    PyObject *observer = PyObject_GetAttr(self->o[O_PLUGINS], self->s_observer);
+    if (observer == NULL)
+        return NULL;
+    argv[0] = observer;
+    PyObject *r = PyObject_VectorcallMethod(name, argv, (size_t)n + 1, NULL);
+    Py_DECREF(observer);
+    return r;
+}
+
+/* observer.outgoing(dst, tensors, name): the header's ids of a call; 0, or -1 */
+static int observe_outgoing(Core *self, long dst, PyObject *func, PyObject *args,
+                            PyObject *tensors, long long *context_id, long long *message_id)
+{
+    PyObject *parts[2] = {func, args};
+    PyObject *rank = PyLong_FromLong(dst), *name = lazy_name(self, O_WHAT_SENT, parts, 2, dst);
+    PyObject *list = tensors != NULL ? Py_NewRef(tensors) : PyList_New(0);
+    PyObject *ids = NULL;
+    if (rank != NULL && name != NULL && list != NULL) {
+        PyObject *argv[4] = {NULL, rank, list, name};
+        ids = call_observer(self, self->s_outgoing, argv, 3);
+    }
+    Py_XDECREF(rank);
+    Py_XDECREF(name);
+    Py_XDECREF(list);
+    if (ids == NULL)
+        return -1;
+    int rc = -1;
+    if (PyTuple_Check(ids) && PyTuple_GET_SIZE(ids) == 2) {
+        *context_id = PyLong_AsLongLong(PyTuple_GET_ITEM(ids, 0));
+        *message_id = PyLong_AsLongLong(PyTuple_GET_ITEM(ids, 1));
+        rc = PyErr_Occurred() ? -1 : 0;
+    } else {
+        PyErr_SetString(PyExc_TypeError, "the call observer's outgoing() must return "
+                                         "(context_id, message_id)");
+    }
+    Py_DECREF(ids);
+    return rc;
+}
+
+/* observer.sent(context_id, message_id): 0, or -1 */
+static int observe_sent(Core *self, long long context_id, long long message_id)
+{
+    PyObject *c = PyLong_FromLongLong(context_id), *m = PyLong_FromLongLong(message_id);
+    PyObject *r = NULL;
+    if (c != NULL && m != NULL) {
+        PyObject *argv[3] = {NULL, c, m};
+        r = call_observer(self, self->s_sent, argv, 2);
+    }
+    Py_XDECREF(c);
+    Py_XDECREF(m);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+/* observer.received(env, name) of a CALL at dispatch, as Server.accept_call records it:
+ * (state, None), or (None, the error) for the call's answer; NULL on a failure to say so */
+static PyObject *observe_call(Core *self, PyObject *env, long src)
+{
+    PyObject *name = lazy_name(self, O_WHAT_FROM, NULL, 0, src);
+    if (name == NULL)
+        return NULL;
+    PyObject *argv[3] = {NULL, env, name};
+    PyObject *state = call_observer(self, self->s_received, argv, 2);
+    Py_DECREF(name);
+    if (state == NULL) {
+        PyObject *exc = take_error();
+        if (exc == NULL)
+            return NULL;
+        PyObject *received = PyTuple_Pack(2, Py_None, exc);
+        Py_DECREF(exc);
+        return received;
+    }
+    PyObject *received = PyTuple_Pack(2, state, Py_None);
+    Py_DECREF(state);
+    return received;
+}
 
 /* ------------------------------------------------------------------ the caller */
 
@@ -721,7 +854,8 @@ static PyObject *call_payload(Core *self, PyObject *func, PyObject *args, PyObje
     return payload;
 }
 
-/* 1: the agent is open and may record; 0: leave the call to Python; -1: error */
+/* 1: the agent is open; 2: open, and the call observer records calls (a rank with an
+ * autograd context: see observe_outgoing); 0: leave the call to Python; -1: error */
 static int may_send_plain(Core *self, long dst, int record)
 {
     PyObject *open = PyObject_GetAttr(self->o[O_CALLS], self->s_open);
@@ -744,8 +878,12 @@ static int may_send_plain(Core *self, long dst, int record)
             return -1;
         int truth = PyObject_IsTrue(active);
         Py_DECREF(active);
-        if (truth != 0)
-            return truth < 0 ? -1 : 0;
+        if (truth < 0)
+            return -1;
+        if (truth) {
+            int can = can_send(self, dst);
+            return can == 1 ? 2 : can;
+        }
     }
     return can_send(self, dst);
 }
@@ -891,6 +1029,13 @@ static PyObject *Core_send_call(Core *self, PyObject *const *argv, Py_ssize_t na
         Py_XDECREF(tensors);
         Py_RETURN_NONE; /* a payload frame of its own: the Python path */
     }
+    long long context_id = 0, message_id = 0; /* outside an autograd context: none */
+    if (ok == 2 && observe_outgoing(self, dst, func, args, tensors, &context_id,
+                                    &message_id) < 0) {
+        Py_DECREF(payload);
+        Py_XDECREF(tensors);
+        return NULL;
+    }
     PyObject *count = PyIter_Next(self->o[O_ID_COUNTER]);
     if (count == NULL) {
         Py_DECREF(payload);
@@ -923,7 +1068,8 @@ static PyObject *Core_send_call(Core *self, PyObject *const *argv, Py_ssize_t na
     call = new_pending_call(self, request_id, future, dst, now, seconds, deadline, func, args);
     if (call == NULL || PyDict_SetItem(self->o[O_PENDING], request_id, call) < 0)
         goto fail;
-    env = make_envelope(self, CALL, request_id, flags, payload, tensors);
+    env = make_envelope(self, CALL, request_id, flags, context_id, message_id, payload,
+                        tensors);
     payload = tensors = NULL; /* (stolen) */
     if (env == NULL) {
         PyDict_DelItem(self->o[O_PENDING], request_id);
@@ -939,6 +1085,8 @@ static PyObject *Core_send_call(Core *self, PyObject *const *argv, Py_ssize_t na
     Py_DECREF(future);
     Py_DECREF(seconds);
     Py_DECREF(deadline);
+    if (message_id && observe_sent(self, context_id, message_id) < 0)
+        Py_CLEAR(call); /* (sent: as in Python, the error reaches the caller) */
     return call;
 fail:
     Py_XDECREF(payload);
@@ -1037,8 +1185,9 @@ static int complete_plain(Core *self, PyObject *env, long long flags, long src,
                           int *with_future)
 {
     int ok = 1;
-    if (slot_ll(self->env_slots[ENV_MESSAGE_ID], env, &ok) != 0)
-        return ok ? 0 : -1;
+    long long message_id = slot_ll(self->env_slots[ENV_MESSAGE_ID], env, &ok);
+    if (!ok)
+        return -1;
     PyObject *tensors = slot_get(self->env_slots[ENV_TENSORS], env);
     if (tensors == NULL)
         return -1;
@@ -1092,6 +1241,24 @@ static int complete_plain(Core *self, PyObject *env, long long flags, long src,
         if (has != 0) {
             result = has < 0 ? -1 : 0; /* completed off the leader: Python */
             goto done;
+        }
+    }
+    if (message_id) { /* the result's tensors require grad: its recv function */
+        PyObject *record_args[2] = {env, call};
+        PyObject *r = PyObject_Vectorcall(self->o[O_RECORD_RESULT], record_args, 2, NULL);
+        int recorded = r == NULL ? -1 : PyObject_IsTrue(r);
+        Py_XDECREF(r);
+        if (recorded <= 0) { /* False: the call failed with the recording's error */
+            result = recorded < 0 ? -1 : 1;
+            goto done;
+        }
+        if (lone != NULL) { /* the recv function's output replaced the received tensor */
+            PyObject *recorded_tensors = slot_get(self->env_slots[ENV_TENSORS], env);
+            if (recorded_tensors == NULL)
+                goto done;
+            if (PyList_Check(recorded_tensors) && PyList_GET_SIZE(recorded_tensors) == 1)
+                Py_SETREF(lone, Py_NewRef(PyList_GET_ITEM(recorded_tensors, 0)));
+            Py_DECREF(recorded_tensors);
         }
     }
     if (lone != NULL) {
@@ -1193,10 +1360,38 @@ static int is_asynchronous(Core *self, PyObject *func)
     return is;
 }
 
+/* observer.replying(context_id, dst, [value], name): the message id of a result in an
+ * autograd context (0: none of its tensors requires grad), or -1 with an error set */
+static long long observe_replying(Core *self, long long context_id, long dst,
+                                  PyObject *func, PyObject *args, PyObject *tensors)
+{
+    PyObject *call = PyTuple_Pack(2, func, args);
+    PyObject *name = call != NULL ? lazy_name(self, O_WHAT_RESULT, &call, 1, dst) : NULL;
+    PyObject *c = PyLong_FromLongLong(context_id), *rank = PyLong_FromLong(dst);
+    PyObject *id = NULL;
+    if (name != NULL && c != NULL && rank != NULL) {
+        PyObject *argv[5] = {NULL, c, rank, tensors, name};
+        id = call_observer(self, self->s_replying, argv, 4);
+    }
+    Py_XDECREF(call);
+    Py_XDECREF(name);
+    Py_XDECREF(c);
+    Py_XDECREF(rank);
+    if (id == NULL)
+        return -1;
+    long long message_id = PyLong_AsLongLong(id);
+    Py_DECREF(id);
+    if (message_id < 0 && !PyErr_Occurred())
+        PyErr_SetString(PyExc_ValueError, "the call observer's replying() gave a negative id");
+    return PyErr_Occurred() ? -1 : message_id;
+}
+
 /* The answer of a served plain call: RESULT, counted as sent and the request as handled;
- * a value that is not plain, or a send the plain path cannot make, goes to Python. */
-static int answer(Core *self, PyObject *request, long src, PyObject *func, PyObject *args,
-                  PyObject *value)
+ * a value that is not plain, or a send the plain path cannot make, goes to Python. In an
+ * autograd context (context_id) a lone tensor result is recorded as Server.reply_value
+ * records it. */
+static int answer(Core *self, PyObject *request, long src, long long context_id,
+                  PyObject *func, PyObject *args, PyObject *value)
 {
     Py_ssize_t inline_bytes = 0;
     int plain = is_plain(value);
@@ -1230,13 +1425,30 @@ static int answer(Core *self, PyObject *request, long src, PyObject *func, PyObj
         if (payload == NULL)
             return -1;
     }
+    long long message_id = 0;
+    if (lone && context_id) {
+        message_id = observe_replying(self, context_id, src, func, args, tensors);
+        if (message_id < 0) { /* the error is the answer, as in Python */
+            Py_DECREF(payload);
+            Py_DECREF(tensors);
+            PyObject *exc = take_error();
+            if (exc == NULL)
+                return -1;
+            PyObject *r = PyObject_CallFunctionObjArgs(self->o[O_PY_UNSENDABLE], request,
+                                                       value, exc, NULL);
+            Py_DECREF(exc);
+            Py_XDECREF(r);
+            return r == NULL ? -1 : 0;
+        }
+    }
     PyObject *request_id = slot_get(self->env_slots[ENV_REQUEST_ID], request);
     if (request_id == NULL) {
         Py_DECREF(payload);
         Py_XDECREF(tensors);
         return -1;
     }
-    PyObject *reply = make_envelope(self, RESULT, request_id, lone ? 0 : FLAG_PLAIN, payload,
+    PyObject *reply = make_envelope(self, RESULT, request_id, lone ? 0 : FLAG_PLAIN,
+                                    message_id ? context_id : 0, message_id, payload,
                                     tensors);
     Py_DECREF(request_id);
     if (reply == NULL)
@@ -1248,8 +1460,10 @@ static int answer(Core *self, PyObject *request, long src, PyObject *func, PyObj
     Py_DECREF(reply);
     if (rc < 0 && PyErr_ExceptionMatches(self->o[O_WORKER_FAILED])) {
         PyErr_Clear(); /* the caller died meanwhile: nobody to answer */
-        rc = 0;
+        return 0;
     }
+    if (rc == 0 && message_id)
+        rc = observe_sent(self, context_id, message_id);
     return rc;
 }
 
@@ -1279,14 +1493,65 @@ static PyObject *fill_slots(PyObject *holes, PyObject *slots, PyObject *tensors)
     return args;
 }
 
-/* Serve a CALL: 1 served, 0 not plain (Python serves it; nothing was consumed), -1 error */
-static int serve_plain(Core *self, PyObject *env)
+/* func(*args, **kwargs) served in autograd context state (the observer's serving/served
+ * around it, as Server._serve_observed_call does; state NULL: no context): the value, or
+ * NULL with the error the caller gets */
+static PyObject *run_observed(Core *self, PyObject *env, long src, PyObject *state,
+                              PyObject *func, PyObject *args, PyObject *kwargs)
+{
+    if (state == NULL)
+        return PyObject_Call(func, args, kwargs);
+    PyObject *parts[2] = {func, args};
+    PyObject *name = lazy_name(self, O_WHAT_SERVED, parts, 2, src);
+    PyObject *message_id = name != NULL ? slot_get(self->env_slots[ENV_MESSAGE_ID], env)
+                                        : NULL;
+    PyObject *token = NULL;
+    if (message_id != NULL) {
+        PyObject *argv[4] = {NULL, state, message_id, name};
+        token = call_observer(self, self->s_serving, argv, 3);
+    }
+    Py_XDECREF(name);
+    Py_XDECREF(message_id);
+    if (token == NULL)
+        return NULL;
+    PyObject *value = PyObject_Call(func, args, kwargs);
+    PyObject *type, *exc, *tb;
+    PyErr_Fetch(&type, &exc, &tb);
+    PyObject *argv[2] = {NULL, token};
+    PyObject *r = call_observer(self, self->s_served, argv, 1);
+    Py_DECREF(token);
+    if (r == NULL) { /* its error replaces the function's outcome, as a finally block's */
+        Py_XDECREF(type);
+        Py_XDECREF(exc);
+        Py_XDECREF(tb);
+        Py_CLEAR(value);
+        return NULL;
+    }
+    Py_DECREF(r);
+    PyErr_Restore(type, exc, tb);
+    return value;
+}
+
+/* Serve a CALL: 1 served, 0 not plain (Python serves it; nothing was consumed), -1 error.
+ * received: what the call observer recorded at dispatch (see observe_call), NULL outside
+ * an autograd context. */
+static int serve_plain(Core *self, PyObject *env, PyObject *received)
 {
     int ok = 1;
     long long flags = slot_ll(self->env_slots[ENV_FLAGS], env, &ok);
     long src = (long)slot_ll(self->env_slots[ENV_SRC], env, &ok);
+    long long context_id = slot_ll(self->env_slots[ENV_CONTEXT_ID], env, &ok);
     if (!ok)
         return -1;
+    PyObject *state = NULL; /* the autograd context to serve in (borrowed) */
+    if (received != NULL) {
+        if (!PyTuple_CheckExact(received) || PyTuple_GET_SIZE(received) != 2 ||
+            PyTuple_GET_ITEM(received, 1) != Py_None)
+            return 0; /* the recording failed: Python answers with its error */
+        state = PyTuple_GET_ITEM(received, 0);
+        if (state == Py_None)
+            state = NULL; /* a released context: served outside it */
+    }
     if (!(flags & (FLAG_HANDLER | FLAG_FUNCTION_REF)) || src < 0 ||
         src >= ((Counters *)self->o[O_COUNTERS])->size)
         return 0;
@@ -1372,7 +1637,8 @@ static int serve_plain(Core *self, PyObject *env)
     PyBuffer_Release(&view);
     view.obj = NULL;
     result = 1;
-    value = PyObject_Call(func, args, PyDict_GET_SIZE(kwargs) ? kwargs : NULL);
+    value = run_observed(self, env, src, state, func, args,
+                         PyDict_GET_SIZE(kwargs) ? kwargs : NULL);
     if (value == NULL) { /* the caller gets the exception, with its type */
         PyObject *type, *exc, *tb;
         PyErr_Fetch(&type, &exc, &tb);
@@ -1389,7 +1655,7 @@ static int serve_plain(Core *self, PyObject *env)
         Py_XDECREF(r);
         goto done;
     }
-    if (answer(self, env, src, func, args, value) < 0)
+    if (answer(self, env, src, context_id, func, args, value) < 0)
         result = -1;
 done:
     if (view.obj != NULL)
@@ -1409,12 +1675,14 @@ typedef struct {
     PyObject_HEAD
     Core *core;
     PyObject *env;
+    PyObject *received; /* observe_call's (state, error) in an autograd context, or NULL */
 } ServeWork;
 
 static int ServeWork_traverse(ServeWork *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->core);
     Py_VISIT(self->env);
+    Py_VISIT(self->received);
     return 0;
 }
 
@@ -1422,6 +1690,7 @@ static int ServeWork_clear(ServeWork *self)
 {
     Py_CLEAR(self->core);
     Py_CLEAR(self->env);
+    Py_CLEAR(self->received);
     return 0;
 }
 
@@ -1438,11 +1707,13 @@ static PyObject *ServeWork_call(ServeWork *self, PyObject *Py_UNUSED(args),
 {
     Core *core = self->core;
     READY(core)
-    int served = serve_plain(core, self->env);
+    int served = serve_plain(core, self->env, self->received);
     if (served < 0)
         return NULL;
-    if (served == 0)
-        return PyObject_CallOneArg(core->o[O_PY_SERVE], self->env);
+    if (served == 0) {
+        PyObject *argv[2] = {self->env, self->received};
+        return PyObject_Vectorcall(core->o[O_PY_SERVE], argv, self->received ? 2 : 1, NULL);
+    }
     Py_RETURN_NONE;
 }
 
@@ -1626,29 +1897,26 @@ static PyObject *Core_dispatch(Core *self, PyObject *env)
             done = drain_results(self);
         return wake(self, done) < 0 ? NULL : Py_NewRef(Py_None);
     }
-    if (h.kind == CALL && h.context_id == 0 && h.from_peer) {
+    if (h.kind == CALL && h.from_peer) {
+        PyObject *received = NULL;
+        if (h.context_id) { /* recorded now, in arrival order (see Server.accept_call) */
+            if (!(h.flags & (FLAG_HANDLER | FLAG_FUNCTION_REF)))
+                return PyObject_CallOneArg(self->o[O_PY_DISPATCH], env);
+            if ((received = observe_call(self, env, (long)h.src)) == NULL)
+                return NULL;
+        }
         ServeWork *work = PyObject_GC_New(ServeWork, ServeWorkType);
-        if (work == NULL)
+        if (work == NULL) {
+            Py_XDECREF(received);
             return NULL;
+        }
         work->core = (Core *)Py_NewRef(self);
         work->env = Py_NewRef(env);
+        work->received = received;
         PyObject_GC_Track(work);
         return (PyObject *)work;
     }
     return PyObject_CallOneArg(self->o[O_PY_DISPATCH], env);
-}
-
-/* The raised exception, normalised with its traceback (a new reference), the error cleared */
-static PyObject *take_error(void)
-{
-    PyObject *type, *exc, *tb;
-    PyErr_Fetch(&type, &exc, &tb);
-    PyErr_NormalizeException(&type, &exc, &tb);
-    if (tb != NULL && exc != NULL)
-        PyException_SetTraceback(exc, tb);
-    Py_XDECREF(type);
-    Py_XDECREF(tb);
-    return exc;
 }
 
 /* A dispatch error names the message it was about ("... from rank 1 failed"), raised from

@@ -3,14 +3,20 @@ message counters that C and Python share.
 
 A *plain* call names a module-level function or handler whose reference the caller's codec
 already made, has no keyword arguments, carries and returns only plain values (see
-:func:`mpidag.transport.frames.is_plain`), and is made outside an autograd context and any
-profiler. For those the compiled :class:`Core` does, in C, what
+:func:`mpidag.transport.frames.is_plain`, and dense contiguous CPU tensors small enough for
+frame 0), and is made outside any profiler. For those the compiled :class:`Core` does, in C, what
 :meth:`OutgoingCalls.send_call <mpidag.agent.calls.OutgoingCalls.send_call>`, the agent's
 dispatch, :meth:`Server.serve_call <mpidag.agent.serving.Server.serve_call>` and
 :meth:`OutgoingCalls.complete <mpidag.agent.calls.OutgoingCalls.complete>` do in Python:
 the same ``PendingCall`` and ``Envelope`` objects, the same bytes on the wire (the header
 flag :data:`~mpidag.agent.messages.FLAG_PLAIN` says the pickle holds plain values only),
-the same message counters, the same errors. Anything else goes untouched to the Python
+the same message counters, the same errors. Inside a distributed autograd context it calls
+the agent's call observer where the Python path does (``outgoing``/``sent`` on the caller,
+``received`` at dispatch and ``serving``/``served`` around the function on the callee,
+``replying``/``sent`` for a result with tensors, and
+:meth:`OutgoingCalls.record_result <mpidag.agent.calls.OutgoingCalls.record_result>` for
+that result on the caller), so a call records the same send and recv functions on either
+path. Anything else goes untouched to the Python
 code, which also raises every error a user sees. Its ``step(wait)`` is also the progress
 engine's leader step (:meth:`ProgressEngine.set_step
 <mpidag.transport.progress.ProgressEngine.set_step>`): the after-poll hook, one poll through
@@ -39,7 +45,7 @@ from mpidag.transport.wire import import_built
 __all__ = ["FASTPATH_VERSION", "PythonCounters", "compiled_module", "make_counters", "problem"]
 
 #: the ``VERSION`` of ``fastpath.c`` this code calls (a build from older sources is not used)
-FASTPATH_VERSION = 2
+FASTPATH_VERSION = 3
 
 def _load() -> tuple[Any, str]:
     module, why = import_built("_mpidag_fastpath", FASTPATH_VERSION, "Python call path")

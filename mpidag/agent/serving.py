@@ -96,10 +96,10 @@ class Server:
         """
         if not env.context_id:
             return lambda: self.serve_call(env)
-        src_name = self.peers.name(env.src)
+        src = env.src
         try:
             received: tuple[Any, BaseException | None] = (self.plugins.observer.received(
-                env, lambda: f"the arguments of a call from {src_name}"), None)
+                env, lambda: self.arguments_from(src)), None)
         except BaseException as exc:  # noqa: BLE001 - answered by the work item
             received = (None, exc)
         return lambda: self.serve_call(env, received)
@@ -173,8 +173,8 @@ class Server:
             if state is None:
                 result = run(*args, **kwargs)
             else:
-                token = observer.serving(state, env.message_id, lambda: (
-                    f"the arguments of {describe(func, args)} from {src_name}"))
+                token = observer.serving(state, env.message_id,
+                                         lambda: self.arguments_served(func, args, env.src))
                 try:
                     result = run(*args, **kwargs)
                 finally:
@@ -234,9 +234,7 @@ class Server:
             message_id = 0
             if env.context_id and tensors:
                 message_id = observer.replying(
-                    env.context_id, env.src, tensors,
-                    lambda: f"the result of {describe(*call) if call else 'a call'} sent to "
-                            f"{self.peers.name(env.src)}")
+                    env.context_id, env.src, tensors, lambda: self.result_sent(call, env.src))
             reply = Envelope(kind=RESULT, request_id=env.request_id,
                              flags=0 if tensors or not is_plain(value) else FLAG_PLAIN,
                              payload=payload, tensors=tensors,
@@ -244,15 +242,52 @@ class Server:
                              message_id=message_id)
             devices = self.sender.devices_for(env.src, tensors, reply=True)
         except Exception as exc:
-            self._reply_error(env, SerializationError(
-                f"the return value ({type(value).__name__}) could not be sent back from "
-                f"{self.peers.where()}: {exc}"))
+            self.reply_unsendable(env, value, exc)
             return
         if not self.sender.send_answer(env, reply, devices):
             log.debug("the answer to rank %d is dropped: it failed", env.src)
             return
         if message_id:
             observer.sent(env.context_id, message_id)
+
+    def reply_unsendable(self, env: Envelope, value: Any, exc: Exception) -> None:
+        """Answer the call ``env`` with the error that its return value ``value`` could
+        not be sent (``exc`` says why); the compiled path calls this too."""
+        self._reply_error(env, SerializationError(
+            f"the return value ({type(value).__name__}) could not be sent back from "
+            f"{self.peers.where()}: {exc}"))
+
+    # ------------------------------------------------- names of recorded messages
+    def arguments_from(self, src: int) -> str:
+        """The name of a received call's arguments before they are unpickled.
+
+        Example::
+
+            >>> runtime.agent.server.arguments_from(1)
+            'the arguments of a call from worker1'
+        """
+        return f"the arguments of a call from {self.peers.name(src)}"
+
+    def arguments_served(self, func: Callable, args: tuple, src: int) -> str:
+        """The name of a served call's arguments (a recv function's, once unpickled).
+
+        Example::
+
+            >>> runtime.agent.server.arguments_served(torch.add, (), 1)
+            'the arguments of torch.add from worker1'
+        """
+        return f"the arguments of {describe(func, args)} from {self.peers.name(src)}"
+
+    def result_sent(self, call: tuple | None, dst: int) -> str:
+        """The name of a call's result sent back to ``dst`` (``call``: its ``(func, args)``).
+
+        Example::
+
+            >>> runtime.agent.server.result_sent((torch.add, ()), 0)
+            'the result of torch.add sent to worker0'
+        """
+        return f"the result of {describe(*call) if call else 'a call'} sent to " \
+               f"{self.peers.name(dst)}"
 
     def _reply_error(self, env: Envelope, exc: BaseException) -> None:
         payload = pack_exception(exc, self.peers.where())
