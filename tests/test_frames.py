@@ -66,6 +66,48 @@ def test_the_c_codec_writes_and_reads_the_very_bytes_of_the_python_one(codec, in
     assert header_c == header_py
 
 
+#: the indices of :func:`messages` whose tensors all travel inside frame 0
+COMPLETE_IN_FRAME_0 = {0, 1, 3, 6, 7, 8}
+
+
+@pytest.mark.parametrize("index", range(len(messages())))
+def test_decode_message_finishes_messages_all_in_frame_0_in_c_as_in_python(codec, index):
+    env = messages()[index]
+    frame0, _ = frames.encode_python(env, ["cpu"] * len(env.tensors), 5)
+    decoders = [frames.decode_message_python]
+    if codec != "python":
+        decoders.append(frames.compiled_codec().decode_message)
+    results = [decoder(bytearray(frame0), 2) for decoder in decoders]
+    _, full = frames.decode_header_python(bytearray(frame0))
+    complete = full is None or not (full.payload_separate or full.sparse) and all(
+        spec.inline_offset >= 0 and spec.nbytes and spec.device == "cpu" for spec in full.specs)
+    assert complete == (index in COMPLETE_IN_FRAME_0)
+    for out, header in results:
+        assert (header is None) == complete, index
+        assert bytes(out.payload) == bytes(frames.decode_header_python(bytearray(frame0))[0]
+                                           .payload)
+        assert out.src == 2
+        if complete:  # the very values, grad flags, shapes and dtypes, as views of frame 0
+            assert [(t.tolist(), t.requires_grad, t.dtype, t.shape) for t in out.tensors] == \
+                [(t.tolist(), t.requires_grad, t.dtype, t.shape) for t in env.tensors]
+        else:  # what follows frame 0 is still for receive_rest to read
+            assert header == frames.decode_header_python(bytearray(frame0))[1]
+    if len(results) == 2:
+        (env_py, header_py), (env_c, header_c) = results
+        assert header_py == header_c
+        assert [(t.tolist(), t.requires_grad, t.dtype) for t in env_py.tensors] == \
+            [(t.tolist(), t.requires_grad, t.dtype) for t in env_c.tensors]
+
+
+def test_inline_tensors_of_a_decoded_message_are_views_of_its_frame_0(codec):
+    env = Envelope(kind=1, payload=b"x", tensors=[torch.arange(4.0), torch.ones(2, 3)])
+    frame0 = bytearray(frames.encode(env, ["cpu", "cpu"], 1)[0])
+    out, header = frames.decode_message(frame0)
+    assert header is None
+    out.tensors[0][0] = 42.0  # the bytes of frame 0 (no copy made)
+    assert frames.decode_message(frame0)[0].tensors[0].tolist() == [42.0, 1.0, 2.0, 3.0]
+
+
 def test_the_c_codec_refuses_what_python_refuses_with_the_same_errors(codec):
     with pytest.raises(Exception, match="ubyte format") as info:
         frames.encode(Envelope(kind=300), [], 0)

@@ -19,8 +19,9 @@
  *                         sends the answer; anything else goes to the agent's Python;
  *   Core.step(wait)       the progress engine's leader step (ProgressEngine.set_step): the
  *                         after-poll hook, one poll (the transport's loopback queue, its
- *                         frame-0 probe and the C frame-0 decoder, without the Python of
- *                         poll), then dispatch; False when nothing arrived;
+ *                         frame-0 probe and the C frame-0 decoder, which also makes the
+ *                         tensors inline in frame 0, without the Python of poll), then
+ *                         dispatch; False when nothing arrived;
  *   Counters              the per-peer message counts of graceful shutdown, changed
  *                         atomically under the GIL by C and Python alike.
  *
@@ -249,7 +250,7 @@ enum {
     O_STRIDED,          /* torch.strided */
     O_LONE_TENSOR,      /* frames' payload of a result that is one tensor (bytes) */
     O_LOOPBACK,         /* transport.loopback: the deque poll() empties first */
-    O_DECODE_HEADER,    /* frames.decode_header(frame0, src) -> (env, header | None) */
+    O_DECODE_MESSAGE,   /* frames.decode_message(frame0, src) -> (env, header | None) */
     O_RECEIVE_REST,     /* transport.receive_rest(env, header, frame0, src) */
     O_POLL_WAIT,        /* transport.poll_wait(seconds), or None */
     O_ON_IDLE,          /* the leader's after-poll hook (RpcAgent's tick) */
@@ -270,7 +271,7 @@ static const char *OBJECT_NAMES[N_OBJECTS] = {
     "observing", "dumps", "loads", "handler_type", "envelope", "pending_call",
     "py_dispatch", "py_complete", "py_serve", "py_reply_value", "py_fail",
     "failed_error", "worker_failed_error", "by_name", "peers_left", "call_profiling",
-    "tensor_type", "strided", "lone_tensor", "loopback", "decode_header",
+    "tensor_type", "strided", "lone_tensor", "loopback", "decode_message",
     "receive_rest", "poll_wait", "on_idle", "partial", "what_sent", "what_from",
     "what_served", "what_result", "record_result", "py_unsendable"};
 
@@ -1812,7 +1813,7 @@ static PyObject *receive(Core *self, double seconds)
         return NULL;
     }
     PyObject *argv[3] = {NULL, PyTuple_GET_ITEM(got, 1), PyTuple_GET_ITEM(got, 0)};
-    PyObject *decoded = PyObject_Vectorcall(self->o[O_DECODE_HEADER], argv + 1,
+    PyObject *decoded = PyObject_Vectorcall(self->o[O_DECODE_MESSAGE], argv + 1,
                                             2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     if (decoded == NULL) {
         Py_DECREF(got);
@@ -1820,7 +1821,7 @@ static PyObject *receive(Core *self, double seconds)
     }
     PyObject *env = NULL;
     if (!PyTuple_CheckExact(decoded) || PyTuple_GET_SIZE(decoded) != 2) {
-        PyErr_SetString(PyExc_TypeError, "decode_header must return (envelope, header)");
+        PyErr_SetString(PyExc_TypeError, "decode_message must return (envelope, header)");
     } else if (PyTuple_GET_ITEM(decoded, 1) == Py_None) {
         env = Py_NewRef(PyTuple_GET_ITEM(decoded, 0));
     } else {

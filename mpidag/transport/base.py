@@ -123,7 +123,7 @@ class FramedTransport(Transport):
         #: ``probe_frame0(seconds)``: the next frame 0 as ``(source, frame)``, waiting up to
         #: ``seconds`` (0: one probe), or ``None``; published where a leader may call it
         #: without the transport's lock (the agent's compiled step polls through it, then
-        #: :func:`frames.decode_header` and :meth:`receive_rest`), else ``None``
+        #: :func:`frames.decode_message` and :meth:`receive_rest`), else ``None``
         self.probe_frame0: Callable[[float], tuple[int, bytearray] | None] | None = None
         #: ranks found to have failed (fault-tolerant jobs); messages to them raise
         self.failed: set[int] = set()
@@ -219,14 +219,14 @@ class FramedTransport(Transport):
         """The message whose frame 0 ``got`` (source, frame) is: its frames after frame 0
         received, its tensors made (``None``: its sender failed meanwhile)."""
         src, frame0 = got
-        env, header = frames.decode_header(frame0, src)
+        env, header = frames.decode_message(frame0, src)
         if header is None:
             return env
         return self.receive_rest(env, header, frame0, src)
 
     def receive_rest(self, env: Envelope, header: frames.Header, frame0: bytearray,
                      src: int) -> Envelope | None:
-        """Finish a message whose frame 0 says more follows (``frames.decode_header`` gave
+        """Finish a message whose frame 0 says more follows (``frames.decode_message`` gave
         ``header``): receive its payload frame and tensors from ``src`` into ``env``; returns
         ``env``, or ``None`` when the sender failed meanwhile (the message is dropped)."""
         try:

@@ -1,7 +1,7 @@
 /* _mpidag_frames: frame 0's encoder and decoder in C (see mpidag/transport/frames.py).
  *
- * encode(env, devices, data_tag) and decode_header(frame) give exactly what the Python
- * functions of frames.py give, for the messages that make up the hot path: a payload inside
+ * encode(env, devices, data_tag), decode_header(frame) and decode_message(frame) give
+ * exactly what the Python functions of frames.py give, for the messages that make up the hot path: a payload inside
  * frame 0 and dense CPU tensors (inline, empty or in frames of their own). Anything else (a
  * payload frame, sparse COO tensors, a CUDA or non-contiguous tensor to inline, a dtype or
  * device not seen before) is handed to the Python function, which also raises the errors.
@@ -35,13 +35,17 @@ static struct {
     PyObject *device_name;                         /* (type, index) -> "cuda:1" */
     PyObject *device_codes;                        /* dict: "cpu" -> (0, -1) */
     PyObject *strided;                             /* torch.strided */
-    PyObject *encode_py, *decode_py;               /* the Python functions */
+    PyObject *encode_py, *decode_py, *decode_message_py; /* the Python functions */
+    PyObject *frombuffer;                          /* torch.frombuffer */
+    PyObject *grad_dtypes;                         /* list: wire code -> may require grad */
+    PyObject *frombuffer_kwnames;                  /* ("dtype", "count", "offset") */
     PyObject *cpu;                                 /* "cpu" */
     Py_ssize_t inline_limit, payload_frame_limit;
     /* attribute names */
     PyObject *s_tensors, *s_payload, *s_kind, *s_flags, *s_request_id, *s_context_id,
         *s_message_id, *s_layout, *s_nbytes, *s_dtype, *s_is_cpu, *s_shape,
-        *s_requires_grad, *s_is_contiguous, *s_is_conj, *s_is_neg, *s_data_ptr;
+        *s_requires_grad, *s_is_contiguous, *s_is_conj, *s_is_neg, *s_data_ptr, *s_view,
+        *s_requires_grad_;
 } S;
 
 static const char *ENV_FIELDS[8] = {"kind", "request_id", "flags", "context_id",
@@ -108,16 +112,21 @@ static PyObject *configure(PyObject *Py_UNUSED(module), PyObject *args, PyObject
 {
     static char *kwlist[] = {"envelope", "header", "spec", "dtypes", "dtype_codes",
                              "device_name", "device_codes", "strided", "encode", "decode",
-                             "inline_limit", "payload_frame_limit", NULL};
-    PyObject *o[10];
+                             "decode_message", "frombuffer", "grad_dtypes", "inline_limit",
+                             "payload_frame_limit", NULL};
+    PyObject *o[13];
     Py_ssize_t inline_limit, payload_frame_limit;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!O!O!OO!OOOnn", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!O!O!OO!OOOOOO!nn", kwlist,
                                      &PyType_Type, &o[0], &PyType_Type, &o[1],
                                      &PyType_Type, &o[2], &PyList_Type, &o[3],
                                      &PyDict_Type, &o[4], &o[5], &PyDict_Type, &o[6],
-                                     &o[7], &o[8], &o[9], &inline_limit,
-                                     &payload_frame_limit))
+                                     &o[7], &o[8], &o[9], &o[10], &o[11], &PyList_Type,
+                                     &o[12], &inline_limit, &payload_frame_limit))
         return NULL;
+    if (PyList_GET_SIZE(o[12]) != PyList_GET_SIZE(o[3])) {
+        PyErr_SetString(PyExc_ValueError, "configure: one grad_dtypes entry per dtype");
+        return NULL;
+    }
     for (int i = 0; i < 8; i++)
         if ((S.env_slots[i] = slot_descr(o[0], ENV_FIELDS[i])) == NULL)
             return NULL;
@@ -127,11 +136,15 @@ static PyObject *configure(PyObject *Py_UNUSED(module), PyObject *args, PyObject
         if ((S.spec_slots[i] = slot_descr(o[2], SPEC_FIELDS[i])) == NULL)
             return NULL;
     }
-    PyObject **dst[10] = {&S.envelope, &S.header, &S.spec, &S.dtypes, &S.dtype_codes,
+    PyObject **dst[13] = {&S.envelope, &S.header, &S.spec, &S.dtypes, &S.dtype_codes,
                           &S.device_name, &S.device_codes, &S.strided, &S.encode_py,
-                          &S.decode_py};
-    for (int i = 0; i < 10; i++)
+                          &S.decode_py, &S.decode_message_py, &S.frombuffer,
+                          &S.grad_dtypes};
+    for (int i = 0; i < 13; i++)
         Py_XSETREF(*dst[i], Py_NewRef(o[i]));
+    Py_XSETREF(S.frombuffer_kwnames, Py_BuildValue("(sss)", "dtype", "count", "offset"));
+    if (S.frombuffer_kwnames == NULL)
+        return NULL;
     S.inline_limit = inline_limit;
     S.payload_frame_limit = payload_frame_limit;
 #define NAME(field, text) if ((S.field = PyUnicode_InternFromString(text)) == NULL) return NULL
@@ -142,6 +155,7 @@ static PyObject *configure(PyObject *Py_UNUSED(module), PyObject *args, PyObject
     NAME(s_is_cpu, "is_cpu"); NAME(s_shape, "shape"); NAME(s_requires_grad, "requires_grad");
     NAME(s_is_contiguous, "is_contiguous"); NAME(s_is_conj, "is_conj");
     NAME(s_is_neg, "is_neg"); NAME(s_data_ptr, "data_ptr"); NAME(cpu, "cpu");
+    NAME(s_view, "view"); NAME(s_requires_grad_, "requires_grad_");
 #undef NAME
     S.ready = 1;
     Py_RETURN_NONE;
@@ -432,11 +446,66 @@ static PyObject *bad_frame(const char *what)
     return NULL;
 }
 
-static PyObject *decode_header(PyObject *Py_UNUSED(module), PyObject *const *args,
-                               Py_ssize_t nargs)
+/* one tensor spec as frame 0 has it (see TensorSpec.unpack_from) */
+typedef struct {
+    int code, ndim, sflags, dev_type, dev_index;
+    int64_t inline_offset, nbytes;
+    const char *dims; /* ndim int64 */
+} RawSpec;
+
+/* The tensor of an inline CPU spec as a view of frame 0's bytes (frames.inline_tensor and
+ * finish_tensor): torch.frombuffer, .view(shape) unless 1-D, requires_grad_ where its flag
+ * says so and its dtype can. */
+static PyObject *inline_tensor(PyObject *frame, Py_ssize_t inline_start, const RawSpec *r)
+{
+    int64_t count = 1;
+    for (int d = 0; d < r->ndim; d++)
+        count *= get_i64(r->dims + 8 * d);
+    PyObject *c = PyLong_FromLongLong(count);
+    PyObject *offset = PyLong_FromLongLong(inline_start + r->inline_offset);
+    PyObject *t = NULL;
+    if (c != NULL && offset != NULL) {
+        PyObject *argv[4] = {frame, PyList_GET_ITEM(S.dtypes, r->code), c, offset};
+        t = PyObject_Vectorcall(S.frombuffer, argv, 1, S.frombuffer_kwnames);
+    }
+    Py_XDECREF(c);
+    Py_XDECREF(offset);
+    if (t != NULL && r->ndim != 1) {
+        PyObject *shape = PyTuple_New(r->ndim);
+        for (int d = 0; shape != NULL && d < r->ndim; d++) {
+            PyObject *size = PyLong_FromLongLong(get_i64(r->dims + 8 * d));
+            if (size == NULL)
+                Py_CLEAR(shape);
+            else
+                PyTuple_SET_ITEM(shape, d, size);
+        }
+        PyObject *viewed = NULL;
+        if (shape != NULL) {
+            PyObject *argv[2] = {t, shape};
+            viewed = PyObject_VectorcallMethod(S.s_view, argv, 2, NULL);
+            Py_DECREF(shape);
+        }
+        Py_SETREF(t, viewed);
+    }
+    if (t != NULL && (r->sflags & REQUIRES_GRAD) &&
+        PyList_GET_ITEM(S.grad_dtypes, r->code) == Py_True) {
+        PyObject *argv[2] = {t, Py_True};
+        PyObject *done = PyObject_VectorcallMethod(S.s_requires_grad_, argv, 2, NULL);
+        if (done == NULL)
+            Py_CLEAR(t);
+        Py_XDECREF(done);
+    }
+    return t;
+}
+
+/* decode_header(frame, src) and decode_message(frame, src): make_tensors says whether a
+ * message whose tensors all lie inline in frame 0, for the CPU, is finished here (its
+ * tensors made, no Header: the message is complete) */
+static PyObject *decode(PyObject *const *args, Py_ssize_t nargs, int make_tensors)
 {
     if (nargs < 1 || nargs > 2) {
-        PyErr_SetString(PyExc_TypeError, "decode_header(frame, src=-1)");
+        PyErr_SetString(PyExc_TypeError, make_tensors ? "decode_message(frame, src=-1)"
+                                                      : "decode_header(frame, src=-1)");
         return NULL;
     }
     PyObject *frame = args[0];
@@ -449,6 +518,7 @@ static PyObject *decode_header(PyObject *Py_UNUSED(module), PyObject *const *arg
     const char *p = buf.buf;
     Py_ssize_t len = buf.len;
     PyObject *result = NULL, *view = NULL, *payload = NULL, *env = NULL, *specs = NULL;
+    RawSpec *raw = NULL;
     if (len < HEADER_SIZE) {
         bad_frame("shorter than its header");
         goto done;
@@ -456,8 +526,9 @@ static PyObject *decode_header(PyObject *Py_UNUSED(module), PyObject *const *arg
     int wire = (unsigned char)p[2];
     int n_tensors = get_u16(p + 3);
     if (wire & (WIRE_PAYLOAD_FRAME | WIRE_SPARSE)) {
-        result = nargs > 1 ? PyObject_CallFunctionObjArgs(S.decode_py, frame, args[1], NULL)
-                           : PyObject_CallOneArg(S.decode_py, frame);
+        PyObject *fallback = make_tensors ? S.decode_message_py : S.decode_py;
+        result = nargs > 1 ? PyObject_CallFunctionObjArgs(fallback, frame, args[1], NULL)
+                           : PyObject_CallOneArg(fallback, frame);
         goto done;
     }
     uint32_t data_tag = get_u32(p + 5);
@@ -488,30 +559,72 @@ static PyObject *decode_header(PyObject *Py_UNUSED(module), PyObject *const *arg
         result = PyTuple_Pack(2, env, Py_None);
         goto done;
     }
-    specs = PyList_New(n_tensors);
-    if (specs == NULL)
+    raw = PyMem_Malloc(sizeof(RawSpec) * (size_t)n_tensors);
+    if (raw == NULL) {
+        PyErr_NoMemory();
         goto done;
+    }
     Py_ssize_t pos = HEADER_SIZE + payload_len, end = pos + specs_len;
     Py_ssize_t dtype_count = PyList_GET_SIZE(S.dtypes);
+    int all_inline = make_tensors; /* every tensor inline in frame 0, for the CPU */
     for (int i = 0; i < n_tensors; i++) {
         if (pos + SPEC_FIXED > end) {
             bad_frame("fewer tensor specs than tensors");
             goto done;
         }
         const char *q = p + pos;
-        int code = (unsigned char)q[0], ndim = (unsigned char)q[1], sflags = (unsigned char)q[2];
-        int dev_type = (unsigned char)q[3];
+        RawSpec *r = &raw[i];
+        r->code = (unsigned char)q[0];
+        r->ndim = (unsigned char)q[1];
+        r->sflags = (unsigned char)q[2];
+        r->dev_type = (unsigned char)q[3];
         int16_t dev_index;
         memcpy(&dev_index, q + 4, 2);
-        if (code >= dtype_count || pos + SPEC_FIXED + 8 * ndim > end) {
+        r->dev_index = dev_index;
+        r->inline_offset = get_i64(q + 6);
+        r->nbytes = get_i64(q + 14);
+        r->dims = q + SPEC_FIXED;
+        if (r->code >= dtype_count || pos + SPEC_FIXED + 8 * r->ndim > end) {
             bad_frame("a tensor spec out of range");
             goto done;
         }
-        PyObject *shape = PyTuple_New(ndim);
+        all_inline = all_inline && r->dev_type == 0 && r->dev_index == -1 &&
+                     r->inline_offset >= 0 && r->nbytes > 0 &&
+                     align16(end) + r->inline_offset + r->nbytes <= len;
+        pos += SPEC_FIXED + 8 * r->ndim;
+    }
+    if (pos != end) {
+        bad_frame("its tensor specs do not fill their length");
+        goto done;
+    }
+    if (all_inline) { /* the whole message is here: its tensors are views of frame 0 */
+        PyObject *tensors = PyList_New(n_tensors);
+        for (int i = 0; tensors != NULL && i < n_tensors; i++) {
+            PyObject *t = inline_tensor(frame, align16(end), &raw[i]);
+            if (t == NULL)
+                Py_CLEAR(tensors);
+            else
+                PyList_SET_ITEM(tensors, i, t);
+        }
+        if (tensors == NULL ||
+            Py_TYPE(S.env_slots[6])->tp_descr_set(S.env_slots[6], env, tensors) < 0) {
+            Py_XDECREF(tensors);
+            goto done;
+        }
+        Py_DECREF(tensors);
+        result = PyTuple_Pack(2, env, Py_None);
+        goto done;
+    }
+    specs = PyList_New(n_tensors);
+    if (specs == NULL)
+        goto done;
+    for (int i = 0; i < n_tensors; i++) {
+        const RawSpec *r = &raw[i];
+        PyObject *shape = PyTuple_New(r->ndim);
         if (shape == NULL)
             goto done;
-        for (int d = 0; d < ndim; d++) {
-            PyObject *size = PyLong_FromLongLong(get_i64(q + SPEC_FIXED + 8 * d));
+        for (int d = 0; d < r->ndim; d++) {
+            PyObject *size = PyLong_FromLongLong(get_i64(r->dims + 8 * d));
             if (size == NULL) {
                 Py_DECREF(shape);
                 goto done;
@@ -524,18 +637,13 @@ static PyObject *decode_header(PyObject *Py_UNUSED(module), PyObject *const *arg
             goto done;
         }
         PyList_SET_ITEM(specs, i, spec);
-        PyObject *sv[6] = {Py_NewRef(PyList_GET_ITEM(S.dtypes, code)), shape,
-                           device_name(dev_type, dev_index),
-                           PyBool_FromLong(sflags & REQUIRES_GRAD),
-                           PyLong_FromLongLong(get_i64(q + 6)),
-                           PyLong_FromLongLong(get_i64(q + 14))};
+        PyObject *sv[6] = {Py_NewRef(PyList_GET_ITEM(S.dtypes, r->code)), shape,
+                           device_name(r->dev_type, r->dev_index),
+                           PyBool_FromLong(r->sflags & REQUIRES_GRAD),
+                           PyLong_FromLongLong(r->inline_offset),
+                           PyLong_FromLongLong(r->nbytes)};
         if (all_made(sv, 6) < 0 || set_slots(spec, S.spec_slots, sv, 6) < 0)
             goto done;
-        pos += SPEC_FIXED + 8 * ndim;
-    }
-    if (pos != end) {
-        bad_frame("its tensor specs do not fill their length");
-        goto done;
     }
     PyObject *header = new_instance(S.header);
     if (header == NULL)
@@ -550,6 +658,7 @@ static PyObject *decode_header(PyObject *Py_UNUSED(module), PyObject *const *arg
     result = PyTuple_Pack(2, env, header);
     Py_DECREF(header);
 done:
+    PyMem_Free(raw);
     Py_XDECREF(specs);
     Py_XDECREF(env);
     Py_XDECREF(payload);
@@ -559,6 +668,18 @@ done:
     }
     PyBuffer_Release(&buf);
     return result;
+}
+
+static PyObject *decode_header(PyObject *Py_UNUSED(module), PyObject *const *args,
+                               Py_ssize_t nargs)
+{
+    return decode(args, nargs, 0);
+}
+
+static PyObject *decode_message(PyObject *Py_UNUSED(module), PyObject *const *args,
+                                Py_ssize_t nargs)
+{
+    return decode(args, nargs, 1);
 }
 
 static PyObject *ready(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
@@ -573,6 +694,8 @@ static PyMethodDef methods[] = {
      "encode(env, devices, data_tag) -> (frame0, separate): frames.encode in C"},
     {"decode_header", (PyCFunction)(void (*)(void))decode_header, METH_FASTCALL,
      "decode_header(frame, src=-1) -> (env, header | None): frames.decode_header in C"},
+    {"decode_message", (PyCFunction)(void (*)(void))decode_message, METH_FASTCALL,
+     "decode_message(frame, src=-1) -> (env, header | None): frames.decode_message in C"},
     {"ready", ready, METH_NOARGS, "whether configure() was called"},
     {NULL, NULL, 0, NULL},
 };
@@ -586,7 +709,7 @@ PyMODINIT_FUNC PyInit__mpidag_frames(void)
 {
     PyObject *module = PyModule_Create(&frames_module);
     /* what frames.py expects (CODEC_VERSION): a build from older sources is not used */
-    if (module != NULL && PyModule_AddIntConstant(module, "VERSION", 2) < 0)
+    if (module != NULL && PyModule_AddIntConstant(module, "VERSION", 3) < 0)
         Py_CLEAR(module);
     return module;
 }

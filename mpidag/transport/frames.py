@@ -824,6 +824,31 @@ def decode_header_python(frame: bytearray | bytes, src: int = -1
     return env, Header(data_tag, specs, inline_start, payload_len, separate, sparse)
 
 
+def decode_message_python(frame: bytearray, src: int = -1) -> tuple[Envelope, Header | None]:
+    """:func:`decode_header`, and a message whose tensors all lie inline in frame 0 for
+    the CPU finished at once: its tensors made as views of frame 0 (no copy; frame 0 must
+    be the message's own buffer), and no :class:`Header` (the message is complete). What
+    the transports receive with; a header still says what follows frame 0.
+
+    Example::
+
+        >>> frame0, more = encode(Envelope(kind=1, tensors=[torch.ones(2, 2)]), ["cpu"], 0)
+        >>> env, header = decode_message(bytearray(frame0))
+        >>> header, env.tensors[0].shape
+        (None, torch.Size([2, 2]))
+    """
+    env, header = decode_header_python(frame, src)
+    if header is None or header.payload_separate or header.sparse:
+        return env, header
+    specs = header.specs
+    for spec in specs:
+        if spec.inline_offset < 0 or not spec.nbytes or spec.device != "cpu":
+            return env, header
+    start = header.inline_start
+    env.tensors = [finish_tensor(inline_tensor(frame, start, spec), spec) for spec in specs]
+    return env, None
+
+
 def inline_tensor(frame: bytearray, inline_start: int, spec: TensorSpec) -> torch.Tensor:
     """The tensor of ``spec`` as a view of frame 0's inline bytes (no copy)."""
     t = torch.frombuffer(frame, dtype=spec.dtype, count=spec.nbytes // spec.dtype.itemsize,
@@ -839,19 +864,21 @@ def finish_tensor(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- the compiled codec
-#: what :func:`encode` and :func:`decode_header` are: the C codec ``_mpidag_frames``
+#: what :func:`encode`, :func:`decode_header` and :func:`decode_message` are: the C codec
+#: ``_mpidag_frames``
 #: (``frames.c``, built per environment by ``python -m mpidag.transport.wire_build``) when it
 #: is built, else the Python functions above. The C functions give the same results and
 #: hand every message they do not cover (a payload frame, sparse or CUDA tensors, a new
 #: dtype or device) to the Python ones, which also raise the errors.
 encode = encode_python
 decode_header = decode_header_python
+decode_message = decode_message_python
 _codec: Any = None
 
 
 #: the ``VERSION`` of ``frames.c`` this module calls (a build from older sources is not
 #: used: the Python codec runs, with a warning to rebuild)
-CODEC_VERSION = 2
+CODEC_VERSION = 3
 
 
 def _load_codec() -> Any:
@@ -869,7 +896,10 @@ def _load_codec() -> Any:
     codec.configure(envelope=Envelope, header=Header, spec=TensorSpec, dtypes=DTYPES,
                     dtype_codes=DTYPE_CODE, device_name=_device_name,
                     device_codes=_device_codes, strided=_STRIDED, encode=encode_python,
-                    decode=decode_header_python, inline_limit=INLINE_LIMIT,
+                    decode=decode_header_python, decode_message=decode_message_python,
+                    frombuffer=torch.frombuffer,
+                    grad_dtypes=[dt.is_floating_point or dt.is_complex for dt in DTYPES],
+                    inline_limit=INLINE_LIMIT,
                     payload_frame_limit=PAYLOAD_FRAME_LIMIT)
     return codec
 
@@ -886,10 +916,11 @@ def use_compiled(compiled: bool) -> bool:
         >>> f.use_compiled(True) == (f.compiled_codec() is not None)
         True
     """
-    global encode, decode_header
+    global encode, decode_header, decode_message
     codec = _codec if compiled else None
     encode = codec.encode if codec is not None else encode_python
     decode_header = codec.decode_header if codec is not None else decode_header_python
+    decode_message = codec.decode_message if codec is not None else decode_message_python
     return codec is not None
 
 
