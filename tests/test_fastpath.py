@@ -46,7 +46,8 @@ class PythonCalls:
     """Counts the calls of the agent's Python functions that the C path replaces, in this
     thread (use it with :class:`HandDriven`, whose ranks run here)."""
 
-    NAMES = {"serve_call", "complete", "reply_value", "dispatch", "encode", "decode"}
+    NAMES = {"serve_call", "complete", "reply_value", "dispatch", "encode", "decode",
+             "serve_notify"}
 
     def __init__(self) -> None:
         self.seen: dict[str, int] = {}
@@ -257,6 +258,60 @@ def test_a_failing_recording_in_a_context_is_the_calls_error_on_the_compiled_pat
         sent, processed = ranks.agents[0].sender.counters.totals(set())
         sent1, processed1 = ranks.agents[1].sender.counters.totals(set())
         assert (sent, processed) == (processed1, sent1)  # every message handled
+    finally:
+        ranks.close()
+
+
+def test_plain_notifications_take_the_compiled_path_in_order_and_failures_are_logged(
+        caplog):
+    ranks = HandDriven()
+    try:
+        seen: list[tuple] = []
+        handlers = {}
+        for agent in ranks.agents:  # a handler is found by its name on the receiver
+            handlers["control"] = agent.register_handler(
+                "test.control", lambda *a: seen.append(("control", a)), mode="control")
+            handlers["notify"] = agent.register_handler(
+                "test.notify", lambda *a: seen.append(("notify", a)), mode="notify")
+            handlers["fails"] = agent.register_handler(
+                "test.fails", rf.raise_value_error, mode="control")
+        sender = ranks.agents[0]
+        for name in ("control", "notify"):  # the first of each makes its reference
+            sender.notify(1, handlers[name], (0,))
+        sender.notify(1, rf.noop, ())
+        ranks.world.deliver_all([agent.dispatch for agent in ranks.agents])
+        seen.clear()
+        x = torch.arange(3.0)
+        with PythonCalls() as python:
+            sender.notify(1, handlers["control"], (1, "a"))
+            sender.notify(1, handlers["notify"], (2, x))
+            sender.notify(1, handlers["control"], (3,))
+            sender.notify(1, rf.noop, ())  # a plain function: a NOTIFY
+            # a control message runs at its dispatch; a NOTIFY is a work item
+            env = ranks.transports[1].poll()
+            assert ranks.agents[1].dispatch(env) is None and seen == [("control", (1, "a"))]
+            work = ranks.agents[1].dispatch(ranks.transports[1].poll())
+            assert callable(work) and len(seen) == 1
+            work()
+            ranks.world.deliver_all([agent.dispatch for agent in ranks.agents])
+        assert python.seen == {}, python.seen
+        assert [kind for kind, _ in seen] == ["control", "notify", "control"]
+        assert seen[1][1][0] == 2 and torch.equal(seen[1][1][1], x)
+        with caplog.at_level("ERROR", logger="mpidag.agent.agent"):
+            sender.notify(1, handlers["fails"], ("refused",))
+            sender.notify(1, handlers["fails"], ("refused again",))
+            ranks.world.deliver_all([agent.dispatch for agent in ranks.agents])
+        failures = [r for r in caplog.records if "notification from rank 0 failed" in
+                    r.getMessage()]
+        assert [str(r.exc_info[1]) for r in failures] == ["refused", "refused again"]
+        sent, processed = sender.sender.counters.totals(set())
+        sent1, processed1 = ranks.agents[1].sender.counters.totals(set())
+        assert (sent, processed) == (processed1, sent1)  # every message handled
+        with PythonCalls() as python:  # arguments that are not plain: the Python path
+            sender.notify(1, handlers["control"], ([4],))
+            ranks.world.deliver_all([agent.dispatch for agent in ranks.agents])
+        assert python.seen.get("encode") == 1 and python.seen.get("serve_notify") == 1
+        assert seen[-1] == ("control", ([4],))
     finally:
         ranks.close()
 

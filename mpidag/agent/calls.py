@@ -271,7 +271,12 @@ class OutgoingCalls:
     def notify(self, dst: int, func: Callable, args: tuple = (),
                kwargs: dict | None = None) -> None:
         """Run ``func(*args, **kwargs)`` on ``dst`` with no answer (see
-        :meth:`mpidag.agent.agent.RpcAgent.notify`)."""
+        :meth:`mpidag.agent.agent.RpcAgent.notify`). A plain one goes by the compiled path
+        when there is one."""
+        core = self.core
+        if core is not None and not kwargs and type(args) is tuple and \
+                core.notify(dst, func, args):
+            return
         payload, tensors, flags = self.codec.encode(dst, func, args, kwargs or {})
         kind = CONTROL if isinstance(func, Handler) and func.mode == "control" else NOTIFY
         self.sender.send(dst, Envelope(kind=kind, flags=flags, payload=payload,

@@ -106,6 +106,7 @@ def make_core(calls: OutgoingCalls, server: Server, transport: Any,
         what_sent=calls.arguments_sent, what_from=server.arguments_from,
         what_served=server.arguments_served, what_result=server.result_sent,
         record_result=calls.record_result, py_unsendable=server.reply_unsendable,
+        py_serve_notify=server.serve_notify, py_notify_failed=server.notify_failed,
     )
     return core, f"compiled call path ({module.__file__})"
 

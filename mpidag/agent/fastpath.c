@@ -46,11 +46,13 @@
 #include <math.h>
 #include <time.h>
 
-#define VERSION 3
+#define VERSION 4
 
 /* the protocol's constants (messages.py); Core.__init__ checks them against Python's */
 #define CALL 1
 #define RESULT 2
+#define NOTIFY 4
+#define CONTROL 5
 #define FLAG_HANDLER 1
 #define FLAG_FUNCTION_REF 2
 #define FLAG_PLAIN 4
@@ -261,6 +263,8 @@ enum {
     O_WHAT_RESULT,      /* Server.result_sent((func, args), dst) -> str */
     O_RECORD_RESULT,    /* OutgoingCalls.record_result(env, call) -> bool */
     O_PY_UNSENDABLE,    /* Server.reply_unsendable(env, value, exc) */
+    O_PY_SERVE_NOTIFY,  /* Server.serve_notify(env): a notification's Python path */
+    O_PY_NOTIFY_FAILED, /* Server.notify_failed(env, exc): log a failed notification */
     N_OBJECTS
 };
 static const char *OBJECT_NAMES[N_OBJECTS] = {
@@ -273,7 +277,8 @@ static const char *OBJECT_NAMES[N_OBJECTS] = {
     "failed_error", "worker_failed_error", "by_name", "peers_left", "call_profiling",
     "tensor_type", "strided", "lone_tensor", "loopback", "decode_message",
     "receive_rest", "poll_wait", "on_idle", "partial", "what_sent", "what_from",
-    "what_served", "what_result", "record_result", "py_unsendable"};
+    "what_served", "what_result", "record_result", "py_unsendable", "py_serve_notify",
+    "py_notify_failed"};
 
 typedef struct {
     PyObject_HEAD
@@ -290,7 +295,8 @@ typedef struct {
         *s_observer, *s_active, *s_user_callbacks, *s_asynchronous, *s_wrapped_async,
         *s_layout, *s_is_cpu, *s_is_contiguous,
         *s_nbytes, *s_cpu, *s_id, *s_engine, *s_popleft, *s_probe_frame0,
-        *s_outgoing, *s_received, *s_serving, *s_served, *s_replying, *s_sent;
+        *s_outgoing, *s_received, *s_serving, *s_served, *s_replying, *s_sent, *s_mode,
+        *s_control;
 } Core;
 
 static PyTypeObject *ServeWorkType;
@@ -595,6 +601,7 @@ static int Core_init(Core *self, PyObject *args, PyObject *kwds)
     NAME(s_popleft, "popleft") NAME(s_probe_frame0, "probe_frame0")
     NAME(s_outgoing, "outgoing") NAME(s_received, "received") NAME(s_serving, "serving")
     NAME(s_served, "served") NAME(s_replying, "replying") NAME(s_sent, "sent")
+    NAME(s_mode, "mode") NAME(s_control, "control")
 #undef NAME
     return 0;
 }
@@ -631,7 +638,7 @@ static void Core_dealloc(Core *self)
                          self->s_nbytes, self->s_cpu, self->s_id, self->s_engine,
                          self->s_popleft, self->s_probe_frame0, self->s_outgoing,
                          self->s_received, self->s_serving, self->s_served,
-                         self->s_replying, self->s_sent};
+                         self->s_replying, self->s_sent, self->s_mode, self->s_control};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         Py_XDECREF(names[i]);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -970,13 +977,13 @@ static PyObject *new_pending_call(Core *self, PyObject *request_id, PyObject *fu
     return call;
 }
 
-/* A failed send: the call leaves the table, the message is uncounted, and a failed peer's
+/* A failed send: the call (request_id; NULL: a notification) leaves the table, the message is uncounted, and a failed peer's
  * error names the worker (as Sender.send does). Always returns NULL. */
 static PyObject *send_failed(Core *self, PyObject *request_id, long dst)
 {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
-    if (PyDict_DelItem(self->o[O_PENDING], request_id) < 0)
+    if (request_id != NULL && PyDict_DelItem(self->o[O_PENDING], request_id) < 0)
         PyErr_Clear(); /* (expired meanwhile) */
     ((Counters *)self->o[O_COUNTERS])->sent_to[dst]--;
     if (type == NULL || !PyErr_GivenExceptionMatches(type, self->o[O_WORKER_FAILED])) {
@@ -1099,6 +1106,62 @@ fail:
     Py_XDECREF(seconds);
     Py_XDECREF(deadline);
     return NULL;
+}
+
+/* notify(dst, func, args) -> True | None: OutgoingCalls.notify for a plain notification
+ * (a NOTIFY, or a CONTROL for a handler of mode "control"), sent here and counted; None: the
+ * Python path sends it (and raises the errors the user sees). */
+static PyObject *Core_notify(Core *self, PyObject *const *argv, Py_ssize_t nargs)
+{
+    READY(self)
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "notify(dst, func, args)");
+        return NULL;
+    }
+    long dst = PyLong_AsLong(argv[0]);
+    if (dst == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *func = argv[1], *args = argv[2];
+    int ok = may_send_plain(self, dst, 0);
+    if (ok <= 0)
+        return ok < 0 ? NULL : Py_NewRef(Py_None);
+    int kind = NOTIFY;
+    if (Py_TYPE(func) == (PyTypeObject *)self->o[O_HANDLER_TYPE]) {
+        PyObject *mode = PyObject_GetAttr(func, self->s_mode);
+        if (mode == NULL)
+            return NULL;
+        int control = PyUnicode_Check(mode) && PyUnicode_Compare(mode, self->s_control) == 0;
+        Py_DECREF(mode);
+        if (control)
+            kind = CONTROL;
+    }
+    int flags = 0;
+    PyObject *tensors = NULL;
+    PyObject *payload = call_payload(self, func, args, self->empty_dict, &flags, &tensors);
+    if (payload == NULL)
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    if (PyBytes_GET_SIZE(payload) > self->payload_limit) {
+        Py_DECREF(payload);
+        Py_XDECREF(tensors);
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n_tensors = tensors != NULL ? PyList_GET_SIZE(tensors) : 0;
+    PyObject *zero = PyLong_FromLong(0);
+    if (zero == NULL) {
+        Py_DECREF(payload);
+        Py_XDECREF(tensors);
+        return NULL;
+    }
+    PyObject *env = make_envelope(self, kind, zero, flags, 0, 0, payload, tensors);
+    Py_DECREF(zero);
+    if (env == NULL)
+        return NULL;
+    ((Counters *)self->o[O_COUNTERS])->sent_to[dst]++;
+    int rc = send_frame0(self, dst, env, n_tensors);
+    Py_DECREF(env);
+    if (rc < 0)
+        return send_failed(self, NULL, dst);
+    Py_RETURN_TRUE;
 }
 
 /* rpc(to, func, args, kwargs, timeout, with_future) -> PendingCall | RpcFuture | None:
@@ -1533,6 +1596,89 @@ static PyObject *run_observed(Core *self, PyObject *env, long src, PyObject *sta
     return value;
 }
 
+/* The function, arguments and keyword arguments of a plain CALL or notification env (new
+ * references): 1, 0 when it is not plain (Python decodes it; nothing was consumed), -1 on
+ * an error */
+static int unpack_plain(Core *self, PyObject *env, long long flags, PyObject **func,
+                        PyObject **args, PyObject **kwargs)
+{
+    *func = *args = *kwargs = NULL;
+    PyObject *payload = slot_get(self->env_slots[ENV_PAYLOAD], env);
+    if (payload == NULL)
+        return -1;
+    Py_buffer view;
+    if (PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE) < 0) {
+        Py_DECREF(payload);
+        return -1;
+    }
+    int result = 0;
+    PyObject *loaded = NULL, *tensors = NULL;
+    const unsigned char *buf = view.buf;
+    Py_ssize_t end = view.len >= 2 ? 2 + (buf[0] | buf[1] << 8) : view.len + 1;
+    if (end > view.len)
+        goto done; /* malformed: Python's decode says so */
+    *func = resolve(self, view.buf, end);
+    if (*func == NULL) {
+        result = PyErr_Occurred() ? -1 : 0;
+        goto done;
+    }
+    if (view.len == end) {
+        *args = PyTuple_New(0);
+        *kwargs = Py_NewRef(self->empty_dict);
+        result = *args == NULL ? -1 : 1;
+        goto done;
+    }
+    tensors = slot_get(self->env_slots[ENV_TENSORS], env);
+    if (tensors == NULL) {
+        result = -1;
+        goto done;
+    }
+    if (!PyList_Check(tensors))
+        goto done;
+    int no_tensors = PyList_GET_SIZE(tensors) == 0;
+    if (!((flags & FLAG_PLAIN) && no_tensors) && !(flags & FLAG_TENSOR_SLOTS))
+        goto done;
+    PyObject *rest = PyMemoryView_FromMemory((char *)view.buf + end, view.len - end,
+                                             PyBUF_READ);
+    if (rest == NULL) {
+        result = -1;
+        goto done;
+    }
+    loaded = PyObject_CallOneArg(self->o[O_LOADS], rest);
+    Py_DECREF(rest);
+    if (loaded == NULL) {
+        PyErr_Clear(); /* Python's decode raises the error the caller gets */
+        goto done;
+    }
+    if (!PyTuple_CheckExact(loaded) ||
+        PyTuple_GET_SIZE(loaded) != (flags & FLAG_TENSOR_SLOTS ? 3 : 2) ||
+        !PyTuple_CheckExact(PyTuple_GET_ITEM(loaded, 0)) ||
+        !PyDict_CheckExact(PyTuple_GET_ITEM(loaded, 1)))
+        goto done;
+    if (flags & FLAG_TENSOR_SLOTS) {
+        *args = fill_slots(PyTuple_GET_ITEM(loaded, 0), PyTuple_GET_ITEM(loaded, 2), tensors);
+        if (*args == NULL) {
+            result = PyErr_Occurred() ? -1 : 0;
+            goto done;
+        }
+    } else {
+        *args = Py_NewRef(PyTuple_GET_ITEM(loaded, 0));
+    }
+    *kwargs = Py_NewRef(PyTuple_GET_ITEM(loaded, 1));
+    result = 1;
+done:
+    if (result != 1) {
+        Py_CLEAR(*func);
+        Py_CLEAR(*args);
+        Py_CLEAR(*kwargs);
+    }
+    PyBuffer_Release(&view);
+    Py_DECREF(payload);
+    Py_XDECREF(loaded);
+    Py_XDECREF(tensors);
+    return result;
+}
+
 /* Serve a CALL: 1 served, 0 not plain (Python serves it; nothing was consumed), -1 error.
  * received: what the call observer recorded at dispatch (see observe_call), NULL outside
  * an autograd context. */
@@ -1563,94 +1709,22 @@ static int serve_plain(Core *self, PyObject *env, PyObject *received)
     Py_DECREF(observing);
     if (observed != 0)
         return observed < 0 ? -1 : 0;
-    PyObject *payload = slot_get(self->env_slots[ENV_PAYLOAD], env);
-    if (payload == NULL)
-        return -1;
-    Py_buffer view;
-    if (PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE) < 0) {
-        Py_DECREF(payload);
-        return -1;
-    }
-    int result = 0;
-    PyObject *func = NULL, *loaded = NULL, *args = NULL, *kwargs = NULL, *value = NULL,
-             *tensors = NULL;
-    const unsigned char *buf = view.buf;
-    Py_ssize_t end = view.len >= 2 ? 2 + (buf[0] | buf[1] << 8) : view.len + 1;
-    if (end > view.len)
-        goto done; /* malformed: Python's decode says so */
-    func = resolve(self, view.buf, end);
-    if (func == NULL) {
-        result = PyErr_Occurred() ? -1 : 0;
-        goto done;
-    }
+    PyObject *func, *args, *kwargs, *value = NULL;
+    int result = unpack_plain(self, env, flags, &func, &args, &kwargs);
+    if (result <= 0)
+        return result;
     int asynchronous = is_asynchronous(self, func);
     if (asynchronous != 0) {
         result = asynchronous < 0 ? -1 : 0;
         goto done;
     }
-    if (view.len == end) {
-        args = PyTuple_New(0);
-        kwargs = Py_NewRef(self->empty_dict);
-    } else {
-        tensors = slot_get(self->env_slots[ENV_TENSORS], env);
-        if (tensors == NULL) {
-            result = -1;
-            goto done;
-        }
-        if (!PyList_Check(tensors))
-            goto done;
-        int no_tensors = PyList_GET_SIZE(tensors) == 0;
-        if (!((flags & FLAG_PLAIN) && no_tensors) && !(flags & FLAG_TENSOR_SLOTS))
-            goto done;
-        PyObject *rest = PyMemoryView_FromMemory((char *)view.buf + end, view.len - end,
-                                                 PyBUF_READ);
-        if (rest == NULL) {
-            result = -1;
-            goto done;
-        }
-        loaded = PyObject_CallOneArg(self->o[O_LOADS], rest);
-        Py_DECREF(rest);
-        if (loaded == NULL) {
-            PyErr_Clear(); /* Python's decode raises the error the caller gets */
-            goto done;
-        }
-        if (!PyTuple_CheckExact(loaded) ||
-            PyTuple_GET_SIZE(loaded) != (flags & FLAG_TENSOR_SLOTS ? 3 : 2) ||
-            !PyTuple_CheckExact(PyTuple_GET_ITEM(loaded, 0)) ||
-            !PyDict_CheckExact(PyTuple_GET_ITEM(loaded, 1)))
-            goto done;
-        if (flags & FLAG_TENSOR_SLOTS) {
-            args = fill_slots(PyTuple_GET_ITEM(loaded, 0), PyTuple_GET_ITEM(loaded, 2),
-                              tensors);
-            if (args == NULL) {
-                result = PyErr_Occurred() ? -1 : 0;
-                goto done;
-            }
-        } else {
-            args = Py_NewRef(PyTuple_GET_ITEM(loaded, 0));
-        }
-        kwargs = Py_NewRef(PyTuple_GET_ITEM(loaded, 1));
-    }
-    if (args == NULL) {
-        result = -1;
-        goto done;
-    }
-    PyBuffer_Release(&view);
-    view.obj = NULL;
-    result = 1;
     value = run_observed(self, env, src, state, func, args,
                          PyDict_GET_SIZE(kwargs) ? kwargs : NULL);
     if (value == NULL) { /* the caller gets the exception, with its type */
-        PyObject *type, *exc, *tb;
-        PyErr_Fetch(&type, &exc, &tb);
-        PyErr_NormalizeException(&type, &exc, &tb);
-        if (tb != NULL && exc != NULL)
-            PyException_SetTraceback(exc, tb);
+        PyObject *exc = take_error();
         PyObject *r = PyObject_CallFunctionObjArgs(self->o[O_PY_FAIL], env, func,
                                                    exc ? exc : Py_None, NULL);
-        Py_XDECREF(type);
         Py_XDECREF(exc);
-        Py_XDECREF(tb);
         if (r == NULL)
             result = -1;
         Py_XDECREF(r);
@@ -1659,15 +1733,45 @@ static int serve_plain(Core *self, PyObject *env, PyObject *received)
     if (answer(self, env, src, context_id, func, args, value) < 0)
         result = -1;
 done:
-    if (view.obj != NULL)
-        PyBuffer_Release(&view);
-    Py_DECREF(payload);
-    Py_XDECREF(func);
-    Py_XDECREF(loaded);
-    Py_XDECREF(args);
-    Py_XDECREF(kwargs);
+    Py_DECREF(func);
+    Py_DECREF(args);
+    Py_DECREF(kwargs);
     Py_XDECREF(value);
-    Py_XDECREF(tensors);
+    return result;
+}
+
+/* Run a plain NOTIFY or CONTROL message (Server.serve_notify): no answer; a failure of the
+ * function is logged (Server.notify_failed) and the message counts as handled either way.
+ * 1 run, 0 not plain (Python runs it; nothing was consumed), -1 error. */
+static int notify_plain(Core *self, PyObject *env)
+{
+    int ok = 1;
+    long long flags = slot_ll(self->env_slots[ENV_FLAGS], env, &ok);
+    long src = (long)slot_ll(self->env_slots[ENV_SRC], env, &ok);
+    if (!ok)
+        return -1;
+    if (!(flags & (FLAG_HANDLER | FLAG_FUNCTION_REF)) || src < 0 ||
+        src >= ((Counters *)self->o[O_COUNTERS])->size)
+        return 0;
+    PyObject *func, *args, *kwargs;
+    int result = unpack_plain(self, env, flags, &func, &args, &kwargs);
+    if (result <= 0)
+        return result;
+    PyObject *value = PyObject_Call(func, args, PyDict_GET_SIZE(kwargs) ? kwargs : NULL);
+    if (value == NULL) {
+        PyObject *exc = take_error();
+        PyObject *r = PyObject_CallFunctionObjArgs(self->o[O_PY_NOTIFY_FAILED], env,
+                                                   exc ? exc : Py_None, NULL);
+        Py_XDECREF(exc);
+        if (r == NULL)
+            result = -1;
+        Py_XDECREF(r);
+    }
+    Py_XDECREF(value);
+    Py_DECREF(func);
+    Py_DECREF(args);
+    Py_DECREF(kwargs);
+    ((Counters *)self->o[O_COUNTERS])->processed_from[src]++;
     return result;
 }
 
@@ -1708,6 +1812,17 @@ static PyObject *ServeWork_call(ServeWork *self, PyObject *Py_UNUSED(args),
 {
     Core *core = self->core;
     READY(core)
+    int ok = 1;
+    if (slot_ll(core->env_slots[ENV_KIND], self->env, &ok) == NOTIFY && ok) {
+        int run = notify_plain(core, self->env);
+        if (run < 0)
+            return NULL;
+        if (run == 0)
+            return PyObject_CallOneArg(core->o[O_PY_SERVE_NOTIFY], self->env);
+        Py_RETURN_NONE;
+    }
+    if (!ok)
+        return NULL;
     int served = serve_plain(core, self->env, self->received);
     if (served < 0)
         return NULL;
@@ -1723,7 +1838,8 @@ static PyType_Slot serve_work_slots[] = {
     {Py_tp_traverse, ServeWork_traverse},
     {Py_tp_clear, ServeWork_clear},
     {Py_tp_call, ServeWork_call},
-    {Py_tp_doc, "The work item of an incoming CALL (served by the plain path if it can)."},
+    {Py_tp_doc, "The work item of an incoming CALL or NOTIFY (run by the plain path if it "
+                "can)."},
     {0, NULL},
 };
 
@@ -1917,6 +2033,20 @@ static PyObject *Core_dispatch(Core *self, PyObject *env)
         PyObject_GC_Track(work);
         return (PyObject *)work;
     }
+    if (h.kind == CONTROL && h.context_id == 0 && h.from_peer) { /* run now, in order */
+        int run = notify_plain(self, env);
+        if (run != 0)
+            return run < 0 ? NULL : Py_NewRef(Py_None);
+    } else if (h.kind == NOTIFY && h.context_id == 0 && h.from_peer) {
+        ServeWork *work = PyObject_GC_New(ServeWork, ServeWorkType);
+        if (work == NULL)
+            return NULL;
+        work->core = (Core *)Py_NewRef(self);
+        work->env = Py_NewRef(env);
+        work->received = NULL;
+        PyObject_GC_Track(work);
+        return (PyObject *)work;
+    }
     return PyObject_CallOneArg(self->o[O_PY_DISPATCH], env);
 }
 
@@ -1982,6 +2112,9 @@ static PyMethodDef Core_methods[] = {
     {"send_call", (PyCFunction)(void (*)(void))Core_send_call, METH_FASTCALL,
      "send_call(dst, func, args, kwargs, timeout, record, with_future): send a plain CALL "
      "and return its PendingCall, or None when the call is not plain (send it in Python)"},
+    {"notify", (PyCFunction)(void (*)(void))Core_notify, METH_FASTCALL,
+     "notify(dst, func, args): send a plain notification (NOTIFY, or CONTROL for a control "
+     "handler) and return True, or None when it is not plain (send it in Python)"},
     {"rpc", (PyCFunction)(void (*)(void))Core_rpc, METH_FASTCALL,
      "rpc(to, func, args, kwargs, timeout, with_future): rpc_sync's (PendingCall) or "
      "rpc_async's (RpcFuture) caller side for a plain call of common arguments, else None"},
@@ -2059,6 +2192,8 @@ PyMODINIT_FUNC PyInit__mpidag_fastpath(void)
         PyModule_AddIntConstant(module, "FLAG_TENSOR_SLOTS", FLAG_TENSOR_SLOTS) < 0 ||
         PyModule_AddIntConstant(module, "CALL", CALL) < 0 ||
         PyModule_AddIntConstant(module, "RESULT", RESULT) < 0 ||
+        PyModule_AddIntConstant(module, "NOTIFY", NOTIFY) < 0 ||
+        PyModule_AddIntConstant(module, "CONTROL", CONTROL) < 0 ||
         PyModule_AddIntConstant(module, "FLAG_HANDLER", FLAG_HANDLER) < 0 ||
         PyModule_AddIntConstant(module, "FLAG_FUNCTION_REF", FLAG_FUNCTION_REF) < 0 ||
         PyModule_AddObjectRef(module, "Counters", (PyObject *)&CountersType) < 0 ||

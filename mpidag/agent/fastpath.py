@@ -45,16 +45,17 @@ from mpidag.transport.wire import import_built
 __all__ = ["FASTPATH_VERSION", "PythonCounters", "compiled_module", "make_counters", "problem"]
 
 #: the ``VERSION`` of ``fastpath.c`` this code calls (a build from older sources is not used)
-FASTPATH_VERSION = 3
+FASTPATH_VERSION = 4
 
 def _load() -> tuple[Any, str]:
     module, why = import_built("_mpidag_fastpath", FASTPATH_VERSION, "Python call path")
     if module is None:
         return None, why
-    ours = (module.CALL, module.RESULT, module.FLAG_HANDLER, module.FLAG_FUNCTION_REF,
-            module.FLAG_PLAIN, module.FLAG_TENSOR_SLOTS)
-    theirs = (messages.CALL, messages.RESULT, messages.FLAG_HANDLER,
-              messages.FLAG_FUNCTION_REF, messages.FLAG_PLAIN, messages.FLAG_TENSOR_SLOTS)
+    ours = (module.CALL, module.RESULT, module.NOTIFY, module.CONTROL, module.FLAG_HANDLER,
+            module.FLAG_FUNCTION_REF, module.FLAG_PLAIN, module.FLAG_TENSOR_SLOTS)
+    theirs = (messages.CALL, messages.RESULT, messages.NOTIFY, messages.CONTROL,
+              messages.FLAG_HANDLER, messages.FLAG_FUNCTION_REF, messages.FLAG_PLAIN,
+              messages.FLAG_TENSOR_SLOTS)
     if ours != theirs:
         return None, (f"Python call path: {module.__file__} has other protocol constants "
                       f"({ours} vs {theirs}); rebuild it")

@@ -306,8 +306,13 @@ class Server:
         try:
             func, args, kwargs = self._unpack(env)
             func(*args, **kwargs)
-        except BaseException:  # noqa: BLE001 - nobody to answer: log it and go on serving
-            log.exception("notification from rank %d failed on %s", env.src,
-                          self.peers.where())
+        except BaseException as exc:  # noqa: BLE001 - nobody to answer: log it, go on serving
+            self.notify_failed(env, exc)
         finally:
             self.sender.mark_processed(env.src)
+
+    def notify_failed(self, env: Envelope, exc: BaseException) -> None:
+        """Log that the notification ``env`` failed with ``exc`` (nobody to answer; the
+        compiled path calls this too)."""
+        log.error("notification from rank %d failed on %s", env.src, self.peers.where(),
+                  exc_info=(type(exc), exc, exc.__traceback__))
