@@ -8,12 +8,14 @@ mpidag.trace merge rank*.json -o job.json``) then writes one trace in which
 * every rank is a process named after its worker (``worker0 (rank 0)``), its threads as
   they were recorded;
 * every time stamp is on rank 0's clock (a trace's ``baseTimeNanoseconds`` plus its ``ts`` is
-  the wall clock of its host; the measured offset moves it onto rank 0's);
+  the wall clock of its host; the measured offset moves it onto rank 0's; ranks on rank 0's
+  host, which share its clock, are not moved);
 * every caller's ``mpidag.rpc#f(a -> b)`` range is linked by a flow arrow to the callee's
   ``mpidag.rpc.serve#f(a -> b)`` range that served it: the serving range of the same
   function and pair of workers that starts inside the caller's range, earliest first (range
   names carry no request id, so that ``key_averages()`` groups them; on one machine the
-  clocks are the same and the match is exact).
+  clocks are the same and the match is exact; across hosts a serving range may start up to
+  the two offsets' error bounds outside its caller's range).
 
 Open the result in ``chrome://tracing`` or https://ui.perfetto.dev. Example, on every rank::
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import socket
 import sys
 import time
 from collections.abc import Iterable
@@ -49,30 +52,47 @@ def _wall_clock_ns() -> int:
     return time.time_ns()
 
 
+def _clock_identity() -> str:
+    """What names this host's clock: the running kernel's boot id (every process and
+    container of one kernel reads one ``CLOCK_REALTIME``), else the host name."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return socket.gethostname()
+
+
 def clock_offset_ns(samples: int = 8) -> int:
-    """How far rank 0's clock is ahead of this rank's, in ns (0 on rank 0).
+    """How far rank 0's clock is ahead of this rank's, in ns (0 on rank 0, and on every rank
+    of rank 0's host: they read the same clock).
 
     The sample whose round trip to rank 0 was the shortest gives the estimate: rank 0's
-    clock reading minus the midpoint of this rank's two readings around it.
+    clock reading minus the midpoint of this rank's two readings around it (its error is at
+    most half that round trip).
 
     Example::
 
         >>> mpidag.trace.clock_offset_ns()     # on worker0 (rank 0)
         0
     """
-    runtime = _runtime.current()
-    if runtime.agent.rank == 0:
-        return 0
+    return _clock_offset(samples)[0]
+
+
+def _clock_offset(samples: int) -> tuple[int, int]:
+    """``(offset, error bound)`` of this rank's clock to rank 0's, in ns."""
+    agent = _runtime.current().agent
+    if agent.rank == 0 or agent.call_sync(0, _clock_identity, (), {}, timeout=30,
+                                          record=False) == _clock_identity():
+        return 0, 0
     best: tuple[int, int] | None = None
     for _ in range(samples):
         before = _wall_clock_ns()
-        remote = runtime.agent.call_sync(0, _wall_clock_ns, (), {}, timeout=30, record=False)
+        remote = agent.call_sync(0, _wall_clock_ns, (), {}, timeout=30, record=False)
         after = _wall_clock_ns()
         sample = (after - before, remote - (before + after) // 2)
         if best is None or sample[0] < best[0]:
             best = sample
     assert best is not None
-    return best[1]
+    return best[1], (best[0] + 1) // 2
 
 
 def export_rank_trace(prof: Any, path: str | Path) -> Path:
@@ -92,9 +112,10 @@ def export_rank_trace(prof: Any, path: str | Path) -> Path:
     prof.export_chrome_trace(str(path))
     data = json.loads(path.read_text())
     agent = runtime.agent
+    offset, error = _clock_offset(8)
     data["mpidag"] = {"rank": agent.rank, "name": agent.info.name,
                       "world_size": agent.world_size,
-                      "clock_offset_ns": clock_offset_ns()}
+                      "clock_offset_ns": offset, "clock_error_ns": error}
     path.write_text(json.dumps(data))
     return path
 
@@ -148,7 +169,8 @@ def merge_traces(paths: Iterable[str | Path], out: str | Path | None = None
             if "ts" in event:
                 event["ts"] = float(event["ts"]) + shift_us
             events.append(event)
-    events.extend(_rpc_flows(events))
+    errors_us = {meta["rank"]: meta.get("clock_error_ns", 0) / 1e3 for meta, _ in ranks}
+    events.extend(_rpc_flows(events, errors_us))
     merged = {"traceEvents": events, "displayTimeUnit": "ms",
               "mpidag": {"ranks": [m for m, _ in ranks], "origin_ns": origin}}
     if out is not None:
@@ -157,8 +179,11 @@ def merge_traces(paths: Iterable[str | Path], out: str | Path | None = None
     return merged
 
 
-def _rpc_flows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Flow arrows from each caller's rpc range to the serving range that answered it."""
+def _rpc_flows(events: list[dict[str, Any]], errors_us: dict[int, float]
+               ) -> list[dict[str, Any]]:
+    """Flow arrows from each caller's rpc range to the serving range that answered it
+    (``errors_us``: each rank's clock error bound: how far outside its caller's range a
+    serving range may appear to start)."""
     callers: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     servers: list[tuple[tuple[str, str, str], dict[str, Any]]] = []
     for event in events:
@@ -176,8 +201,12 @@ def _rpc_flows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     used: set[int] = set()
     for key, serve in sorted(servers, key=lambda item: item[1]["ts"]):
         begin = serve["ts"]
-        candidates = [c for c in callers.get(key, []) if id(c) not in used
-                      and c["ts"] <= begin <= c["ts"] + c.get("dur", 0)]
+        error = errors_us.get(serve["pid"], 0.0)
+        candidates = []
+        for c in callers.get(key, []):
+            slack = error + errors_us.get(c["pid"], 0.0)
+            if id(c) not in used and c["ts"] - slack <= begin <= c["ts"] + c.get("dur", 0) + slack:
+                candidates.append(c)
         if not candidates:
             continue
         call = min(candidates, key=lambda c: c["ts"])  # the oldest call still waiting
