@@ -10,6 +10,7 @@ repeats to within a few percent on a noisy VM, unlike the two-rank benchmarks::
 
     python benchmarks/inproc_cost.py              # table: us of Python per round trip
     python benchmarks/inproc_cost.py --profile    # plus a cProfile of the 1 KiB echo
+    python benchmarks/inproc_cost.py --parts      # plus the recording's parts (below)
 
 Rows: a no-op ``rpc_sync``, a 1 KiB tensor echo, and an ``rpc_sync`` of two tensors that
 require grad inside a distributed autograd context (recording the send and recv functions
@@ -19,6 +20,12 @@ context (the difference to the row is the recording of the four functions), and 
 with and without grad in a context that stays open for 100 calls (both ranks have it: one
 context made and released per 100 calls, as for the calls after a training step's first).
 Each row is the best of 5 repetitions of 5,000-20,000 calls.
+
+``--parts`` times the distributed autograd hooks that a call in an open context with grad
+runs (each hook timed around its own body, so a hook's time includes the hooks it calls:
+``sent`` includes ``prepare_send`` and the send function's ``prepare``, ``received``
+includes ``record_recv``; ``received`` runs twice a call, for the arguments on the callee
+and for the result on the caller), one hook at a time, the best of 5 repetitions.
 """
 
 from __future__ import annotations
@@ -128,6 +135,52 @@ class TwoRanks:
             transport.close(collective=False)
 
 
+#: the hooks ``--parts`` times: (class, method name) of the recording and its callers
+PARTS = [("ContextContainer", "outgoing"), ("ContextContainer", "sent"),
+         ("ContextContainer", "prepare_send"), ("SendFunction", "prepare"),
+         ("ContextContainer", "record_send"), ("ContextContainer", "received"),
+         ("ContextContainer", "record_recv"), ("ContextContainer", "serving"),
+         ("ContextContainer", "served"), ("ContextContainer", "replying")]
+
+
+def recording_parts(ranks: TwoRanks, args: tuple, calls: int = 5_000) -> None:
+    """Print the time of each hook of :data:`PARTS` per call in an open context: one hook
+    wrapped with a timer at a time (wrapping them all at once made the call 50 % slower and
+    its parts unstable), the best of 5 repetitions, the method restored after."""
+    import time
+
+    from mpidag.dist_autograd import context as context_module
+    classes = {"ContextContainer": context_module.ContextContainer,
+               "SendFunction": context_module.SendFunction}
+    print("\nrecording's parts (us per call in an open context, with grad; a hook's time "
+          "includes the hooks it calls):")
+    for cls_name, name in PARTS:
+        cls = classes[cls_name]
+        method = cls.__dict__[name]
+        spent = [0]
+
+        def timed(*a: Any, _method: Callable = method, _spent: list = spent, **k: Any) -> Any:
+            start = time.perf_counter_ns()
+            try:
+                return _method(*a, **k)
+            finally:
+                _spent[0] += time.perf_counter_ns() - start
+
+        setattr(cls, name, timed)
+        try:
+            for _ in range(calls // 10):
+                ranks.call_in_open_context(add, args)
+            best = None
+            for _ in range(5):
+                spent[0] = 0
+                for _ in range(calls):
+                    ranks.call_in_open_context(add, args)
+                best = spent[0] if best is None else min(best, spent[0])
+        finally:
+            setattr(cls, name, method)
+        print(f"  {cls_name + '.' + name:<36}{best / calls / 1e3:>8.2f}")
+
+
 def best_us(fn: Callable[[], None], number: int) -> float:
     """Best of 5 repetitions, microseconds per call."""
     for _ in range(number // 10):
@@ -139,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--profile", action="store_true",
                         help="also print a cProfile of the 1 KiB echo (sorted by own time)")
+    parser.add_argument("--parts", action="store_true",
+                        help="also time the recording's hooks (see the module's doc)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     ranks = TwoRanks()
@@ -169,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<52}{best_us(fn, number):>42.1f}")
     for name, fn, number in open_rows:
         print(f"{name:<52}{best_us(fn, number):>42.1f}")
+    if args.parts:
+        recording_parts(ranks, (a, b))
     if args.profile:
         profiler = cProfile.Profile()
         profiler.enable()
