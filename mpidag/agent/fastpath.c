@@ -1126,7 +1126,7 @@ static PyObject *Core_notify(Core *self, PyObject *const *argv, Py_ssize_t nargs
     if (ok <= 0)
         return ok < 0 ? NULL : Py_NewRef(Py_None);
     int kind = NOTIFY;
-    if (Py_TYPE(func) == (PyTypeObject *)self->o[O_HANDLER_TYPE]) {
+    if (PyObject_TypeCheck(func, (PyTypeObject *)self->o[O_HANDLER_TYPE])) {
         PyObject *mode = PyObject_GetAttr(func, self->s_mode);
         if (mode == NULL)
             return NULL;

@@ -252,7 +252,16 @@ class Server:
 
     def reply_unsendable(self, env: Envelope, value: Any, exc: Exception) -> None:
         """Answer the call ``env`` with the error that its return value ``value`` could
-        not be sent (``exc`` says why); the compiled path calls this too."""
+        not be sent (``exc`` says why); the compiled path calls this too.
+
+        Example (what the caller then raises):
+
+        .. code-block:: python
+
+            server.reply_unsendable(env, lock, TypeError("cannot pickle '_thread.lock'"))
+            # SerializationError: the return value (lock) could not be sent back from
+            # worker1 (rank 1 of 2): cannot pickle '_thread.lock' object
+        """
         self._reply_error(env, SerializationError(
             f"the return value ({type(value).__name__}) could not be sent back from "
             f"{self.peers.where()}: {exc}"))
@@ -313,6 +322,16 @@ class Server:
 
     def notify_failed(self, env: Envelope, exc: BaseException) -> None:
         """Log that the notification ``env`` failed with ``exc`` (nobody to answer; the
-        compiled path calls this too)."""
+        compiled path calls this too).
+
+        Example (the record, at ERROR on the ``mpidag.agent.agent`` logger, with the
+        traceback):
+
+        .. code-block:: python
+
+            server.notify_failed(env, ValueError("refused"))
+            # notification from rank 0 failed on worker1 (rank 1 of 2)
+            # Traceback (most recent call last): ... ValueError: refused
+        """
         log.error("notification from rank %d failed on %s", env.src, self.peers.where(),
                   exc_info=(type(exc), exc, exc.__traceback__))
