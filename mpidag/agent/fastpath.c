@@ -399,8 +399,8 @@ static PyObject *make_envelope(Core *self, int kind, PyObject *request_id, int f
     }
     PyObject *values[N_ENV] = {PyLong_FromLong(kind), Py_NewRef(request_id),
                                PyLong_FromLong(flags), PyLong_FromLongLong(context_id),
-                               PyLong_FromLongLong(message_id), payload, tensors != NULL ? tensors : PyList_New(0),
-                               PyLong_FromLong(-1)};
+                               PyLong_FromLongLong(message_id), payload,
+                               tensors != NULL ? tensors : PyList_New(0), PyLong_FromLong(-1)};
     int rc = 0;
     for (int i = 0; i < N_ENV; i++)
         if (values[i] == NULL)
@@ -634,7 +634,8 @@ static void Core_dealloc(Core *self)
     PyObject *names[] = {self->s_open, self->s_default_timeout, self->s_send_hook,
                          self->s_send_frame0, self->s_encode, self->s_observer,
                          self->s_active, self->s_user_callbacks, self->s_asynchronous,
-                         self->s_wrapped_async, self->s_layout, self->s_is_cpu, self->s_is_contiguous,
+                         self->s_wrapped_async, self->s_layout, self->s_is_cpu,
+                         self->s_is_contiguous,
                          self->s_nbytes, self->s_cpu, self->s_id, self->s_engine,
                          self->s_popleft, self->s_probe_frame0, self->s_outgoing,
                          self->s_received, self->s_serving, self->s_served,
@@ -977,8 +978,9 @@ static PyObject *new_pending_call(Core *self, PyObject *request_id, PyObject *fu
     return call;
 }
 
-/* A failed send: the call (request_id; NULL: a notification) leaves the table, the message is uncounted, and a failed peer's
- * error names the worker (as Sender.send does). Always returns NULL. */
+/* A failed send: the call (request_id; NULL for a notification) leaves the table, the
+ * message is uncounted, and a failed peer's error names the worker (as Sender.send does).
+ * Always returns NULL. */
 static PyObject *send_failed(Core *self, PyObject *request_id, long dst)
 {
     PyObject *type, *value, *tb;

@@ -1,8 +1,10 @@
 /* _mpidag_frames: frame 0's encoder and decoder in C (see mpidag/transport/frames.py).
  *
  * encode(env, devices, data_tag), decode_header(frame) and decode_message(frame) give
- * exactly what the Python functions of frames.py give, for the messages that make up the hot path: a payload inside
- * frame 0 and dense CPU tensors (inline, empty or in frames of their own). Anything else (a
+ * exactly what the Python functions of frames.py give, for the messages that make up the
+ * hot path: a payload inside frame 0 and dense CPU tensors (inline, empty or in frames of
+ * their own; decode_message makes the inline ones itself, as views of frame 0, with
+ * torch.frombuffer, the one torch call this module makes). Anything else (a
  * payload frame, sparse COO tensors, a CUDA or non-contiguous tensor to inline, a dtype or
  * device not seen before) is handed to the Python function, which also raises the errors.
  * The envelope, header and spec objects are the Python classes of frames.py, filled through
