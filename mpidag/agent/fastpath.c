@@ -1850,6 +1850,22 @@ static PyType_Spec serve_work_spec = {
     Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, serve_work_slots,
 };
 
+/* The work item of a received CALL or NOTIFY (steals received, NULL outside an autograd
+ * context), or NULL */
+static PyObject *new_serve_work(Core *self, PyObject *env, PyObject *received)
+{
+    ServeWork *work = PyObject_GC_New(ServeWork, ServeWorkType);
+    if (work == NULL) {
+        Py_XDECREF(received);
+        return NULL;
+    }
+    work->core = (Core *)Py_NewRef(self);
+    work->env = Py_NewRef(env);
+    work->received = received;
+    PyObject_GC_Track(work);
+    return (PyObject *)work;
+}
+
 /* Wake the threads that wait for calls (engine.wake_waiters), after completions; with
  * done < 0 the error set stays the one raised. 0, or -1 with an error set. */
 static int wake(Core *self, int done)
@@ -2024,30 +2040,14 @@ static PyObject *Core_dispatch(Core *self, PyObject *env)
             if ((received = observe_call(self, env, (long)h.src)) == NULL)
                 return NULL;
         }
-        ServeWork *work = PyObject_GC_New(ServeWork, ServeWorkType);
-        if (work == NULL) {
-            Py_XDECREF(received);
-            return NULL;
-        }
-        work->core = (Core *)Py_NewRef(self);
-        work->env = Py_NewRef(env);
-        work->received = received;
-        PyObject_GC_Track(work);
-        return (PyObject *)work;
+        return new_serve_work(self, env, received);
     }
     if (h.kind == CONTROL && h.context_id == 0 && h.from_peer) { /* run now, in order */
         int run = notify_plain(self, env);
         if (run != 0)
             return run < 0 ? NULL : Py_NewRef(Py_None);
     } else if (h.kind == NOTIFY && h.context_id == 0 && h.from_peer) {
-        ServeWork *work = PyObject_GC_New(ServeWork, ServeWorkType);
-        if (work == NULL)
-            return NULL;
-        work->core = (Core *)Py_NewRef(self);
-        work->env = Py_NewRef(env);
-        work->received = NULL;
-        PyObject_GC_Track(work);
-        return (PyObject *)work;
+        return new_serve_work(self, env, NULL);
     }
     return PyObject_CallOneArg(self->o[O_PY_DISPATCH], env);
 }
