@@ -1783,6 +1783,7 @@ typedef struct {
     Core *core;
     PyObject *env;
     PyObject *received; /* observe_call's (state, error) in an autograd context, or NULL */
+    int kind;           /* CALL or NOTIFY (read from the header at dispatch) */
 } ServeWork;
 
 static int ServeWork_traverse(ServeWork *self, visitproc visit, void *arg)
@@ -1808,14 +1809,13 @@ static void ServeWork_dealloc(ServeWork *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* the work item of an incoming plain CALL: serve it here, or through the Python server */
+/* the work item of an incoming CALL or NOTIFY: run it here, or through the Python server */
 static PyObject *ServeWork_call(ServeWork *self, PyObject *Py_UNUSED(args),
                                 PyObject *Py_UNUSED(kwds))
 {
     Core *core = self->core;
     READY(core)
-    int ok = 1;
-    if (slot_ll(core->env_slots[ENV_KIND], self->env, &ok) == NOTIFY && ok) {
+    if (self->kind == NOTIFY) {
         int run = notify_plain(core, self->env);
         if (run < 0)
             return NULL;
@@ -1823,8 +1823,6 @@ static PyObject *ServeWork_call(ServeWork *self, PyObject *Py_UNUSED(args),
             return PyObject_CallOneArg(core->o[O_PY_SERVE_NOTIFY], self->env);
         Py_RETURN_NONE;
     }
-    if (!ok)
-        return NULL;
     int served = serve_plain(core, self->env, self->received);
     if (served < 0)
         return NULL;
@@ -1850,9 +1848,9 @@ static PyType_Spec serve_work_spec = {
     Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, serve_work_slots,
 };
 
-/* The work item of a received CALL or NOTIFY (steals received, NULL outside an autograd
- * context), or NULL */
-static PyObject *new_serve_work(Core *self, PyObject *env, PyObject *received)
+/* The work item of a received CALL or NOTIFY (kind; steals received, NULL outside an
+ * autograd context), or NULL */
+static PyObject *new_serve_work(Core *self, PyObject *env, int kind, PyObject *received)
 {
     ServeWork *work = PyObject_GC_New(ServeWork, ServeWorkType);
     if (work == NULL) {
@@ -1862,6 +1860,7 @@ static PyObject *new_serve_work(Core *self, PyObject *env, PyObject *received)
     work->core = (Core *)Py_NewRef(self);
     work->env = Py_NewRef(env);
     work->received = received;
+    work->kind = kind;
     PyObject_GC_Track(work);
     return (PyObject *)work;
 }
@@ -2040,14 +2039,14 @@ static PyObject *Core_dispatch(Core *self, PyObject *env)
             if ((received = observe_call(self, env, (long)h.src)) == NULL)
                 return NULL;
         }
-        return new_serve_work(self, env, received);
+        return new_serve_work(self, env, CALL, received);
     }
     if (h.kind == CONTROL && h.context_id == 0 && h.from_peer) { /* run now, in order */
         int run = notify_plain(self, env);
         if (run != 0)
             return run < 0 ? NULL : Py_NewRef(Py_None);
     } else if (h.kind == NOTIFY && h.context_id == 0 && h.from_peer) {
-        return new_serve_work(self, env, NULL);
+        return new_serve_work(self, env, NOTIFY, NULL);
     }
     return PyObject_CallOneArg(self->o[O_PY_DISPATCH], env);
 }
