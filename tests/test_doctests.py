@@ -75,6 +75,7 @@ MODULES = (
     "mpidag.dist_autograd.context",
     "mpidag.dist_autograd.engine",
     "mpidag.dist_autograd.graph",
+    "mpidag.dist_autograd.native",
     "mpidag.distributed.process_group",
     "mpidag.errors",
     "mpidag.nn.api.remote_module",

@@ -3,7 +3,8 @@
 A "source" stands for a send function whose gradient arrives later from another rank; the
 planner must give every leaf and every recv function exactly the gradient of a plain
 ``torch.autograd.grad`` over all sources at once, whatever order the sources arrive in, and
-run every node once.
+run every node once. Received tensors are made by both kinds of recv node: the Python
+records' ``RecvRPC`` and, where it is built, the C++ records' ``RecvRpcBackward``.
 """
 
 from __future__ import annotations
@@ -13,14 +14,28 @@ import itertools
 import pytest
 import torch
 
-from mpidag.dist_autograd.context import RECV_NODE_TYPE, RecvRecord, RecvRPC
+from mpidag.dist_autograd.context import RECV_NODE_TYPE, RECV_NODE_TYPES, RecvRecord, RecvRPC
 from mpidag.dist_autograd.graph import Plan, edge_of
+from mpidag.dist_autograd.native import records_module
+
+RECORDS = ["python"] + (["c++"] if records_module() is not None else [])
 
 
-def _received(anchor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    record = RecvRecord(1, 7, peer=1, n_outputs=1, what="test recv")
-    (out,) = RecvRPC.apply(anchor, record, [value.detach()])
-    return out
+@pytest.fixture(params=RECORDS)
+def received(request):
+    """``received(value)``: ``value`` as a tensor received from rank 1 (a recv node's output),
+    through the Python or the C++ records."""
+    anchor = torch.empty(0, requires_grad=True)
+
+    def receive(value: torch.Tensor) -> torch.Tensor:
+        record = RecvRecord(1, 7, peer=1, n_outputs=1, what="test recv")
+        if request.param == "c++":
+            (out,) = records_module().record_recv(record, [value.detach().requires_grad_()])
+        else:
+            (out,) = RecvRPC.apply(anchor, record, [value.detach()])
+        assert type(out.grad_fn) in RECV_NODE_TYPES and out.grad_fn.record is record
+        return out
+    return receive
 
 
 def _run(plan: Plan, order: list[int], grads: list[list[torch.Tensor]]):
@@ -36,11 +51,11 @@ def _run(plan: Plan, order: list[int], grads: list[list[torch.Tensor]]):
     return leaves, recvs
 
 
-def _shared_graph(anchor):
+def _shared_graph(received):
     torch.manual_seed(0)
     a = torch.randn(4, requires_grad=True)
     b = torch.randn(4, requires_grad=True)
-    x = _received(anchor, torch.randn(4))  # a tensor that came from another rank
+    x = received(torch.randn(4))  # a tensor that came from another rank
     h = a * b + x  # reached from all three sources
     s1 = h.exp()  # "sent" to another rank
     s2 = h.sin() * b  # "sent" too
@@ -49,12 +64,11 @@ def _shared_graph(anchor):
 
 
 @pytest.mark.parametrize("order", list(itertools.permutations(range(3))))
-def test_shared_node_runs_once_with_the_sum_of_all_sources(order):
-    anchor = torch.empty(0, requires_grad=True)
-    a, b, x, outs = _shared_graph(anchor)
+def test_shared_node_runs_once_with_the_sum_of_all_sources(order, received):
+    a, b, x, outs = _shared_graph(received)
     grads = [[torch.tensor(1.0)], [torch.randn(4)], [torch.randn(4)]]
     expected = torch.autograd.grad(outs, [a, b, x], [g[0] for g in grads], retain_graph=True)
-    plan = Plan([[edge_of(o)] for o in outs], RECV_NODE_TYPE)
+    plan = Plan([[edge_of(o)] for o in outs], RECV_NODE_TYPES)
     leaves, recvs = _run(plan, list(order), grads)
     torch.testing.assert_close(leaves[a], expected[0])
     torch.testing.assert_close(leaves[b], expected[1])
@@ -63,10 +77,9 @@ def test_shared_node_runs_once_with_the_sum_of_all_sources(order):
     assert plan.complete and plan.waiting_sources() == []
 
 
-def test_recv_fires_only_when_every_source_reaching_it_arrived():
-    anchor = torch.empty(0, requires_grad=True)
-    a, b, x, outs = _shared_graph(anchor)
-    plan = Plan([[edge_of(o)] for o in outs], RECV_NODE_TYPE)
+def test_recv_fires_only_when_every_source_reaching_it_arrived(received):
+    a, b, x, outs = _shared_graph(received)
+    plan = Plan([[edge_of(o)] for o in outs], RECV_NODE_TYPES)
     _, fired = plan.arrive(0, [torch.tensor(1.0)], retain_graph=False)
     assert fired == []
     assert plan.waiting_sources() == [1, 2]  # what FAST mode reports if they never come
@@ -131,7 +144,7 @@ def test_linear_layers_reduce_broadcast_bias_gradients():
         torch.testing.assert_close(leaves[p], e)
 
 
-def test_custom_function_and_inplace_ops():
+def test_custom_function_and_inplace_ops(received):
     class Cube(torch.autograd.Function):
         @staticmethod
         def forward(ctx, t):
@@ -143,9 +156,8 @@ def test_custom_function_and_inplace_ops():
             (t,) = ctx.saved_tensors
             return 3 * t * t * g
 
-    anchor = torch.empty(0, requires_grad=True)
     a = torch.randn(3, requires_grad=True)
-    x = _received(anchor, torch.randn(3))
+    x = received(torch.randn(3))
     x.mul_(2)  # in place on a received tensor
     y = Cube.apply(a + x)
     y.add_(1)
@@ -154,7 +166,7 @@ def test_custom_function_and_inplace_ops():
     g = torch.randn(3)
     ea, ex = torch.autograd.grad([root, sent], [a, x], [torch.tensor(1.0), g],
                                  retain_graph=True)
-    plan = Plan([[edge_of(root)], [edge_of(sent)]], RECV_NODE_TYPE)
+    plan = Plan([[edge_of(root)], [edge_of(sent)]], RECV_NODE_TYPES)
     leaves, recvs = _run(plan, [0, 1], [[torch.tensor(1.0)], [g]])
     torch.testing.assert_close(leaves[a], ea)
     (slots,) = recvs.values()
@@ -173,11 +185,13 @@ def test_unused_source_is_reported_waiting():
     assert plan.waiting_sources() == [1]
 
 
-def test_local_backward_through_a_recv_function_is_a_clear_error():
-    anchor = torch.empty(0, requires_grad=True)
-    x = _received(anchor, torch.randn(2))
-    with pytest.raises(RuntimeError, match="mpidag.autograd.backward"):
+def test_local_backward_through_a_recv_function_is_a_clear_error(received):
+    x = received(torch.randn(2))
+    expected = x.grad_fn.record.local_backward_error()
+    assert "test recv" in expected and "back to rank 1" in expected
+    with pytest.raises(RuntimeError) as error:
         x.sum().backward()
+    assert str(error.value) == expected
 
 
 class _Double(torch.autograd.Function):

@@ -9,9 +9,12 @@ Recording, for every message of a context that carries tensors needing grad (req
 
 * the sender makes a :class:`SendFunction`: the gradient edges of those tensors, kept in the
   context under a new autograd message id written into the header;
-* the receiver passes the received tensors through :class:`RecvRPC`, an autograd function
-  whose node carries a :class:`RecvRecord` with the same message id and the sender's rank.
-  The received tensors are outputs of that node (not views, so in-place ops on them work).
+* the receiver makes the received tensors outputs of one recv node that carries a
+  :class:`RecvRecord` with the same message id and the sender's rank (not views, so in-place
+  ops on them work): a C++ ``RecvRpcBackward`` node of :mod:`mpidag.dist_autograd.native`
+  where that is built (no next edges, as torch's), else the node of :class:`RecvRPC`, an
+  autograd function (its input is the container's anchor tensor). Either type is in
+  :data:`RECV_NODE_TYPES`; both read the record as ``node.record``.
 
 Leaving the ``with`` block releases the context here and, through the ranks it exchanged
 messages with, everywhere (the ``autograd.release`` control handler); ids of released
@@ -39,7 +42,8 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from mpidag.agent.agent import CallObserver, RpcAgent
-from mpidag.dist_autograd.graph import Reach, edge_of
+from mpidag.dist_autograd.graph import Reach, edges_of
+from mpidag.dist_autograd.native import records_module
 from mpidag.transport.frames import Envelope
 
 if TYPE_CHECKING:
@@ -50,6 +54,7 @@ __all__ = [
     "DistAutogradContext",
     "GradientMap",
     "LiveCount",
+    "RECV_NODE_TYPES",
     "RecvRPC",
     "RecvRecord",
     "SendFunction",
@@ -128,11 +133,13 @@ class SendFunction:
     """
 
     __slots__ = ("_count", "message_id", "peer", "_tensors", "_edges", "_what", "reach",
-                 "_walking", "__weakref__")
+                 "_walking", "_native", "__weakref__")
 
     def __init__(self, message_id: int, peer: int, tensors: list[torch.Tensor],
-                 what: str | Callable[[], str], count: LiveCount | None = None):
+                 what: str | Callable[[], str], count: LiveCount | None = None,
+                 native: Any = None):
         self._count = count  # its container's live send functions (first: see __del__)
+        self._native = native  # the C++ records module that finds the edges, or None
         self.message_id = message_id
         self.peer = peer  # the rank the tensors went to (and the gradients come from)
         self._tensors: list[torch.Tensor] | None = tensors  # until prepare() takes edges
@@ -165,11 +172,11 @@ class SendFunction:
         doing it again."""
         with self._walking:
             if self._tensors is not None:
-                self._edges = [edge_of(t) for t in self._tensors]
+                self._edges = edges_of(self._tensors, self._native)
                 self._tensors = None
                 _ = self.what  # the name now: the callable may hold the call's arguments
             if self.reach is None:
-                self.reach = Reach(self._edges, RECV_NODE_TYPE)
+                self.reach = Reach(self._edges, RECV_NODE_TYPES)
             return self.reach
 
     def __del__(self) -> None:
@@ -192,7 +199,7 @@ class SendFunction:
 
 
 class RecvRecord:
-    """The receiver's half of one message, carried by its :class:`RecvRPC` node."""
+    """The receiver's half of one message, carried by its recv node (``node.record``)."""
 
     __slots__ = ("_count", "context_id", "message_id", "peer", "n_outputs", "what", "node",
                  "__weakref__")
@@ -200,7 +207,8 @@ class RecvRecord:
     def __init__(self, context_id: int, message_id: int, peer: int, n_outputs: int,
                  what: str, count: LiveCount | None = None) -> None:
         self._count = count  # its container's live recv functions (first: see __del__)
-        self.node: weakref.ref | None = None  # the RecvRPC node, once recorded
+        #: the recv node, once recorded: a weak reference (called, the node or None)
+        self.node: Callable[[], Any] | None = None
         self.context_id = context_id
         self.message_id = message_id
         self.peer = peer  # the rank the tensors came from (and the gradients go to)
@@ -216,6 +224,20 @@ class RecvRecord:
     def __repr__(self) -> str:
         return f"RecvRpcBackward(message_id=0x{self.message_id:x}, from rank {self.peer}, " \
                f"{self.what})"
+
+    def local_backward_error(self) -> str:
+        """What a plain local ``backward()`` that reaches the recv node raises (either
+        node type asks its record).
+
+        Example::
+
+            >>> RecvRecord(7, 0x20001, 1, 1, "rpc torch.mul").local_backward_error()[:37]
+            'a local backward() reached tensors re'
+        """
+        return (f"a local backward() reached tensors received over RPC ({self.what}, "
+                f"distributed autograd context {self.context_id}); run the backward pass "
+                f"with mpidag.autograd.backward(context_id, [loss]) so that their gradients "
+                f"are sent back to rank {self.peer}")
 
 
 class RecvRPC(torch.autograd.Function):
@@ -237,13 +259,7 @@ class RecvRPC(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> None:
-        record = ctx.record
-        raise RuntimeError(
-            f"a local backward() reached tensors received over RPC ({record.what}, distributed "
-            f"autograd context {record.context_id}); run the backward pass with "
-            f"mpidag.autograd.backward(context_id, [loss]) so that their gradients are sent "
-            f"back to rank {record.peer}"
-        )
+        raise RuntimeError(ctx.record.local_backward_error())
 
 
 def _apply_recv(anchor: torch.Tensor, record: RecvRecord,
@@ -265,10 +281,17 @@ def _apply_recv(anchor: torch.Tensor, record: RecvRecord,
 _native_recv_apply = super(torch.autograd.Function, RecvRPC).apply
 _functorch_active = torch._C._are_functorch_transforms_active
 
-#: the node type of recv functions (what the engine looks for in the graph)
+#: the node type of the Python recv functions
 RECV_NODE_TYPE: type = RecvRPC._backward_cls
 # torch's name of the node, as ``grad_fn.name()`` and graph printers show it
 RECV_NODE_TYPE.__name__ = "torch::distributed::autograd::RecvRpcBackward"
+
+#: the node types of recv functions (what the engine looks for in the graph): the Python
+#: one, and the C++ one where it is built (an agent with ``MPIDAG_COMPILED=0`` makes Python
+#: ones in the same process)
+RECV_NODE_TYPES: frozenset[type] = frozenset(
+    t for t in (RECV_NODE_TYPE, getattr(records_module(), "RecvRpcBackward", None))
+    if t is not None)
 
 
 class GradientMap:
@@ -446,6 +469,8 @@ class ContextContainer(CallObserver):
         #: (debug_info's num_live_*: a graph kept after its context was released)
         self.live_sends = LiveCount()
         self.live_recvs = LiveCount()
+        #: the C++ records (None: the Python ones; MPIDAG_COMPILED=0 or not built)
+        self.native = records_module(agent.config.compiled)
         self._release_handler = agent.register_handler(
             "autograd.release", self.release_id, mode="control")
         agent.set_observer(self)
@@ -606,7 +631,7 @@ class ContextContainer(CallObserver):
                 ctx.known_workers.add(dst)
             return ctx.context_id, 0
         message_id = self.agent.ids.next()
-        send = SendFunction(message_id, dst, grad_tensors, what, self.live_sends)
+        send = SendFunction(message_id, dst, grad_tensors, what, self.live_sends, self.native)
         with ctx.lock:
             ctx.known_workers.add(dst)
             ctx.sends[message_id] = send
@@ -622,14 +647,18 @@ class ContextContainer(CallObserver):
             return tensors
         record = RecvRecord(ctx.context_id, message_id, src, len(index), what(),
                             self.live_recvs)
-        plain = [tensors[i].detach() for i in index]
-        outs = _apply_recv(ctx.anchor, record, plain)
+        native = self.native
+        if native is not None and not _functorch_active():
+            result = native.record_recv(record, tensors)
+        else:
+            plain = [tensors[i].detach() for i in index]
+            outs = _apply_recv(ctx.anchor, record, plain)
+            result = list(tensors)
+            for i, out in zip(index, outs, strict=True):
+                result[i] = out
         with ctx.lock:
             ctx.known_workers.add(src)
             ctx.recvs[message_id] = record
-        result = list(tensors)
-        for i, out in zip(index, outs, strict=True):
-            result[i] = out
         return result
 
     def prepare_send(self, context_id: int, message_id: int) -> None:

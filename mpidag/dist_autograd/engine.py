@@ -71,7 +71,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from mpidag._profiling import span
 from mpidag.agent.agent import RpcAgent
 from mpidag.dist_autograd.context import (
-    RECV_NODE_TYPE,
+    RECV_NODE_TYPES,
     ContextContainer,
     DistAutogradContext,
 )
@@ -336,7 +336,7 @@ class PassState:
             reaches.append(send.prepare())
             self.source_what.append(f"{send.what} (from rank {self.agent.rank})")
             self.source_send.append(send)
-        self.plan = Plan(sources, RECV_NODE_TYPE, reaches, watch=_ddp_index.watch)
+        self.plan = Plan(sources, RECV_NODE_TYPES, reaches, watch=_ddp_index.watch)
         for node in self.plan.leaf_mask:
             ddp = _ddp_index.averaged(_ddp_index.lookup(node.variable))
             if ddp is not None:

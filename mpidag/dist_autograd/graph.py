@@ -38,7 +38,7 @@ sends what it returns. It is tested on one process with sources that arrive in a
 Example::
 
     >>> a = torch.ones(2, requires_grad=True); sent = a * 2; root = (sent * 3).sum()
-    >>> plan = Plan([[edge_of(root)], [edge_of(sent)]], recv_type=type(None))
+    >>> plan = Plan([[edge_of(root)], [edge_of(sent)]], recv_types=type(None))
     >>> leaves, recvs = plan.arrive(0, [torch.tensor(1.0)], retain_graph=False)
     >>> leaves                         # nothing yet: `a` is behind source 1 (a "send")
     []
@@ -59,7 +59,7 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["AccumulateGrad", "EdgeKey", "Plan", "Reach", "edge_of", "tensor_hooks",
+__all__ = ["AccumulateGrad", "EdgeKey", "Plan", "Reach", "edge_of", "edges_of", "tensor_hooks",
            "track_intermediate_hooks"]
 
 #: the node type of a leaf tensor's gradient accumulator
@@ -110,6 +110,28 @@ def edge_of(tensor: torch.Tensor) -> GradientEdge:
     return GradientEdge(node, tensor.output_nr, ownership_token=token)
 
 
+def edges_of(tensors: list[torch.Tensor], native: Any = None) -> list[GradientEdge]:
+    """:func:`edge_of` of each tensor; through ``native``'s C++ ``gradient_edges`` where a
+    records module is given (0.5 instead of 1.8 us a leaf), :func:`edge_of` where it finds
+    none (a custom Function's output, a tensor without grad).
+
+    Example::
+
+        >>> a = torch.ones(1, requires_grad=True)
+        >>> [edge.node.name() for edge in edges_of([a, a * 2])]
+        ['torch::autograd::AccumulateGrad', 'MulBackward0']
+    """
+    if native is None:
+        return [edge_of(t) for t in tensors]
+    found = native.gradient_edges(tensors, GradientEdge)
+    return [edge if edge is not None else edge_of(t)
+            for edge, t in zip(found, tensors, strict=True)]
+
+
+def _type_set(recv_types: type | frozenset[type]) -> frozenset[type]:
+    return frozenset((recv_types,)) if isinstance(recv_types, type) else recv_types
+
+
 class Reach:
     """What one source reaches in the local graph: its nodes (with their next functions),
     and its edges into leaves and into recv functions (where the walk stops).
@@ -120,8 +142,9 @@ class Reach:
 
     __slots__ = ("succ", "leaf_edges", "recv_edges", "recv_nodes")
 
-    def __init__(self, edges: list[GradientEdge | None], recv_type: type) -> None:
-        acc = AccumulateGrad
+    def __init__(self, edges: list[GradientEdge | None],
+                 recv_types: type | frozenset[type]) -> None:
+        acc, recv_types = AccumulateGrad, _type_set(recv_types)
         succ: dict[Any, tuple] = {}
         leaf_edges: set[EdgeKey] = set()
         recv_edges: set[EdgeKey] = set()
@@ -130,10 +153,10 @@ class Reach:
             if edge is None or edge.node is None:
                 continue
             kind = type(edge.node)
-            if kind is not acc and kind is not recv_type and edge.node not in succ:
+            if kind is not acc and kind not in recv_types and edge.node not in succ:
                 succ[edge.node] = ()
                 stack.append(edge.node)
-        recv_nodes = {e.node for e in edges if e is not None and type(e.node) is recv_type}
+        recv_nodes = {e.node for e in edges if e is not None and type(e.node) in recv_types}
         while stack:
             node = stack.pop()
             nexts = node.next_functions
@@ -145,7 +168,7 @@ class Reach:
                 kind = type(nxt)
                 if kind is acc:
                     leaf_edges.add(key)
-                elif kind is recv_type:
+                elif kind in recv_types:
                     recv_edges.add(key)
                     recv_nodes.add(nxt)
                 else:
@@ -186,15 +209,17 @@ class Plan:
     """The regions of the local graph reached from ``sources``, and their execution.
 
     ``sources[i]`` lists the edges of source ``i`` (``None`` for a tensor without grad);
-    its gradients arrive through :meth:`arrive`. Nodes of type ``recv_type`` are recv
-    functions: gradients stop there and are returned to the caller once complete.
+    its gradients arrive through :meth:`arrive`. Nodes of a type in ``recv_types`` (one
+    type or a set) are recv functions: gradients stop there and are returned to the caller
+    once complete.
     """
 
-    def __init__(self, sources: list[list[GradientEdge | None]], recv_type: type,
+    def __init__(self, sources: list[list[GradientEdge | None]],
+                 recv_types: type | frozenset[type],
                  reaches: list[Reach | None] | None = None,
                  watch: Callable[[torch.Tensor], bool] | None = None) -> None:
         self.n_sources = len(sources)
-        self.recv_type = recv_type
+        self.recv_types = _type_set(recv_types)
         self.arrived = 0
         self.sources: list[list[EdgeKey | None]] = [
             [None if e is None or e.node is None else (e.node, e.output_nr) for e in edges]
@@ -212,7 +237,7 @@ class Plan:
         reaches = list(reaches) if reaches is not None else [None] * len(sources)
         for i, edges in enumerate(sources):
             if reaches[i] is None:
-                reaches[i] = Reach(edges, recv_type)
+                reaches[i] = Reach(edges, self.recv_types)
         self._build(reaches)
         #: watched leaves not complete yet: their source masks, their gradients so far
         self.leaf_mask: dict[Any, int] = {}
@@ -253,7 +278,7 @@ class Plan:
             succ.update(reach.succ)
         masks = self._full_masks(succ)
         self.node_mask = masks
-        acc, recv = AccumulateGrad, self.recv_type
+        acc, recv = AccumulateGrad, self.recv_types
         for mask in set(masks.values()):
             regions[mask] = _Region(mask)
         for node, nexts in succ.items():
@@ -265,7 +290,7 @@ class Plan:
                 key = (nxt, input_nr)
                 if kind is acc:
                     region.leaf_edges.add(key)
-                elif kind is recv:
+                elif kind in recv:
                     region.recv_edges.add(key)
                 elif masks[nxt] != region.mask:
                     region.exits.add(key)
@@ -287,7 +312,7 @@ class Plan:
             for key in edges:
                 if key is not None and key[0] in masks:
                     masks[key[0]] |= 1 << i
-        recv, recv_mask = self.recv_type, self.recv_mask
+        recv, recv_mask = self.recv_types, self.recv_mask
         ready = [n for n, d in indegree.items() if d == 0]
         while ready:
             node = ready.pop()
@@ -300,7 +325,7 @@ class Plan:
                     indegree[nxt] -= 1
                     if indegree[nxt] == 0:
                         ready.append(nxt)
-                elif type(nxt) is recv:
+                elif type(nxt) in recv:
                     recv_mask[nxt] = recv_mask.get(nxt, 0) | mask
         return masks
 
@@ -409,7 +434,7 @@ class Plan:
                 self.leaf_grads[node] = grad if old is None else old + grad
             else:
                 leaves.append((node.variable, grad))
-        elif kind is self.recv_type:
+        elif kind in self.recv_types:
             slots = self.recv_buffers.setdefault(node, {})
             old = slots.get(key[1])
             slots[key[1]] = grad if old is None else old + grad

@@ -1,6 +1,8 @@
 """Build mpidag's compiled modules for this virtual environment: ``_mpidag_wire``
 (``wire.c``, the MPI frame-0 path), ``_mpidag_frames`` (``frames.c``, frame 0's codec) and
-``_mpidag_fastpath`` (``mpidag/agent/fastpath.c``, the agent's path of a plain call).
+``_mpidag_fastpath`` (``mpidag/agent/fastpath.c``, the agent's path of a plain call), and
+``_mpidag_autograd`` (``mpidag/dist_autograd/native.cpp``, the per-message records of
+distributed autograd, in C++ against this environment's torch).
 
 ``_mpidag_wire`` calls MPI directly, so it must be compiled against the very MPI library that
 mpi4py uses here (Open MPI's and MPICH's handles and status layouts differ): the wheel's or
@@ -16,9 +18,12 @@ The compiler is ``$MPICC``, else the environment's own ``bin/mpicc`` (the Open M
 MPICH wheels ship one), else ``mpicc`` on ``PATH`` (a system MPI). After building, a fresh
 interpreter loads the module and compares its ``MPI_Get_library_version`` with mpi4py's; a
 build that does not match is removed. ``_mpidag_frames`` and ``_mpidag_fastpath`` need no
-MPI: ``$CC``, else ``cc`` or ``gcc`` on ``PATH``, else the MPI wrapper. Exit status 1 with
-the reason when a module cannot be built; mpidag then runs the Python code it replaces
-(``mpidag.transport.wire``, ``mpidag.transport.frames``, the agent's Python call path).
+MPI: ``$CC``, else ``cc`` or ``gcc`` on ``PATH``, else the MPI wrapper. ``_mpidag_autograd``
+is C++ (``$CXX``, else ``c++`` or ``g++``) against the headers and libraries of the torch
+this interpreter imports (a new torch needs a new build; an old build is not used). Exit
+status 1 with the reason when a module cannot be built; mpidag then runs the Python code it
+replaces (``mpidag.transport.wire``, ``mpidag.transport.frames``, the agent's Python call
+path, the Python records of ``mpidag.dist_autograd.context``).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ CODEC = "_mpidag_frames"
 CODEC_SOURCE = Path(__file__).with_name("frames.c")
 FASTPATH = "_mpidag_fastpath"
 FASTPATH_SOURCE = Path(__file__).resolve().parent.parent / "agent" / "fastpath.c"
+RECORDS = "_mpidag_autograd"
+RECORDS_SOURCE = Path(__file__).resolve().parent.parent / "dist_autograd" / "native.cpp"
 
 _CHECK = """
 import sys
@@ -51,7 +58,12 @@ import mpidag.transport.frames as frames
 assert frames.compiled_codec() is not None, "frames.py did not take _mpidag_frames"
 import mpidag.agent.fastpath as fastpath
 assert fastpath.compiled_module() is not None, "fastpath.py did not take _mpidag_fastpath"
-print(_mpidag_wire.__file__, _mpidag_frames.__file__, fastpath.compiled_module().__file__)
+built = [_mpidag_wire.__file__, _mpidag_frames.__file__, fastpath.compiled_module().__file__]
+if "--records" in sys.argv:
+    import mpidag.dist_autograd.native as native
+    assert native.records_module() is not None, native.problem()
+    built.append(native.records_module().__file__)
+print(*built)
 """
 
 
@@ -96,14 +108,25 @@ def find_cc(environ: os._Environ | dict | None = None) -> str | None:
     return _find(environ, "CC", ["cc", "gcc"]) or find_mpicc(environ)
 
 
-def check(into: Path | None = None) -> tuple[bool, str]:
+def find_cxx(environ: os._Environ | dict | None = None) -> str | None:
+    """A C++ compiler for the torch extension: ``$CXX``, else ``c++`` or ``g++``.
+
+    Example::
+
+        >>> find_cxx({"CXX": "/usr/bin/clang++"})
+        '/usr/bin/clang++'
+    """
+    return _find(environ, "CXX", ["c++", "g++"])
+
+
+def check(into: Path | None = None, records: bool = True) -> tuple[bool, str]:
     """Whether the built modules load in a fresh interpreter (with ``into`` first on its
-    path) and match mpi4py's MPI."""
+    path) and match mpi4py's MPI (and torch, with ``records``)."""
     env = dict(os.environ)
     if into is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(into), env.get("PYTHONPATH")]))
-    result = subprocess.run([sys.executable, "-c", _CHECK], capture_output=True, text=True,
-                            timeout=120, env=env)
+    command = [sys.executable, "-c", _CHECK] + (["--records"] if records else [])
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
     text = (result.stdout + result.stderr).strip().splitlines()
     return result.returncode == 0, text[-1] if text else f"exit status {result.returncode}"
 
@@ -124,25 +147,64 @@ def compile_module(compiler: str, source: Path, out: Path) -> str | None:
     return None
 
 
+def compile_torch_module(compiler: str, source: Path, out: Path) -> str | None:
+    """Compile a C++ module against the torch this interpreter imports (its headers,
+    libraries and C++ ABI, as ``torch.utils.cpp_extension`` would) into ``out``; ``None``,
+    or what went wrong."""
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError as exc:
+        return f"torch does not import here ({exc})"
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    libraries = cpp_extension.library_paths()
+    flags = [f"-I{path}" for path in cpp_extension.include_paths()]
+    flags += [f"-L{path}" for path in libraries] + [f"-Wl,-rpath,{path}" for path in libraries]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    command = [compiler, "-O2", "-std=c++20", "-shared", "-fPIC", "-Wall", "-Werror",
+               f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+               f'-DMPIDAG_TORCH_VERSION="{torch.__version__}"',
+               f"-I{sysconfig.get_paths()['include']}", *flags, str(source),
+               "-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python", "-o", str(partial)]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    except OSError as exc:
+        return f"{compiler} could not run: {exc}"
+    if result.returncode != 0:
+        return f"{' '.join(command)} failed:\n{result.stdout}{result.stderr}"
+    partial.replace(out)
+    return None
+
+
 def build(into: Path | None = None) -> tuple[bool, str]:
     """Compile both modules into ``into`` (else ``site-packages``) and check them;
     ``(ok, what happened)``."""
-    mpicc, cc = find_mpicc(), find_cc()
+    mpicc, cc, cxx = find_mpicc(), find_cc(), find_cxx()
     if mpicc is None or cc is None:
         return False, ("no MPI C compiler wrapper found (set MPICC, or put an MPI's mpicc on "
                        "PATH, e.g. 'module load openmpi' or Debian's libopenmpi-dev)")
+    if cxx is None:
+        return False, "no C++ compiler found (set CXX, or install g++)"
     for compiler, source, module in ((mpicc, SOURCE, MODULE), (cc, CODEC_SOURCE, CODEC),
                                      (cc, FASTPATH_SOURCE, FASTPATH)):
         failure = compile_module(compiler, source, target(module, into))
         if failure is not None:
             return False, failure
-    ok, said = check(into)
+    # the records against torch: where that fails, the C modules still serve
+    records_failure = compile_torch_module(cxx, RECORDS_SOURCE, target(RECORDS, into))
+    if records_failure is not None:
+        target(RECORDS, into).unlink(missing_ok=True)
+    ok, said = check(into, records=records_failure is None)
     if not ok:
-        for module in (MODULE, CODEC, FASTPATH):
+        for module in (MODULE, CODEC, FASTPATH, RECORDS):
             target(module, into).unlink(missing_ok=True)
-        return False, f"the built modules do not load or match mpi4py's MPI: {said}"
+        return False, f"the built modules do not load or match mpi4py's MPI and torch: {said}"
+    if records_failure is not None:
+        return False, (f"built the C modules, but not {RECORDS} (the Python autograd records "
+                       f"run): {records_failure}")
     return True, (f"built {target(MODULE, into)} with {mpicc}, {target(CODEC, into)} and "
-                  f"{target(FASTPATH, into)} with {cc}")
+                  f"{target(FASTPATH, into)} with {cc}, {target(RECORDS, into)} with {cxx}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,372 @@
+// _mpidag_autograd: the per-message records of distributed autograd, against torch's C++.
+//
+// What mpidag.dist_autograd.context does in Python through torch's Python autograd API, done
+// where torch itself does it (torch/csrc/distributed/autograd/utils.cpp):
+//
+//   record_recv(record, tensors)  the received tensors that require grad become outputs of
+//                                 one new RecvRpcBackward node, a C++ node of this module's
+//                                 own (no autograd.Function, no Python forward, no anchor
+//                                 input: like torch's, it has no next edges); returns the
+//                                 new list of tensors. The node holds the Python record;
+//                                 its Python type (RecvRpcBackward) reads it as `.record`;
+//                                 record.node becomes a weak reference to the node.
+//   gradient_edges(tensors)       one GradientEdge(node, output_nr) per tensor, where torch's
+//                                 C++ gradient_edge() finds it (a leaf's gradient
+//                                 accumulator without the view Python needs); None where a
+//                                 Python node (a custom Function's output) or a tensor that
+//                                 does not require grad asks for the Python way.
+//
+// Built per virtual environment against that environment's torch (mpidag.native_build, run
+// by scripts/setup.sh); mpidag runs the Python records where it is not built or not loadable.
+// VERSION changes whenever what Python may expect of this module does.
+
+#include <torch/csrc/python_headers.h>
+
+#include <torch/csrc/autograd/edge.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/python_cpp_function.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+namespace {
+
+constexpr long VERSION = 1;
+
+#ifndef MPIDAG_TORCH_VERSION  // torch.__version__ at build time (the build defines it)
+#error "build with -DMPIDAG_TORCH_VERSION=\"<torch.__version__>\" (mpidag's wire_build does)"
+#endif
+
+using torch::autograd::Edge;
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+// torch keeps nodes in std::shared_ptr (up to 2.12) or c10::intrusive_ptr (2.13 on)
+using NodePtr = decltype(std::declval<Edge>().function);
+constexpr bool kSharedNodes = std::is_same_v<NodePtr, std::shared_ptr<Node>>;
+using WeakNodePtr =
+    std::conditional_t<kSharedNodes, std::weak_ptr<Node>, c10::weak_intrusive_ptr<Node>>;
+
+template <class T, class... Args>
+NodePtr make_node(Args&&... args) {
+  if constexpr (kSharedNodes) {
+    return std::make_shared<T>(std::forward<Args>(args)...);
+  } else {
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  }
+}
+
+// A Python reference that may be dropped on any thread (autograd frees nodes on its own).
+struct PyRef {
+  PyObject* obj;
+  explicit PyRef(PyObject* o) : obj(o) { Py_INCREF(o); }
+  PyRef(const PyRef&) = delete;
+  PyRef& operator=(const PyRef&) = delete;
+  ~PyRef() { reset(); }
+  void reset() {
+    PyObject* held = obj;
+    obj = nullptr;
+    if (held == nullptr || !Py_IsInitialized()) return;  // interpreter gone: keep it
+    PyGILState_STATE gil = PyGILState_Ensure();
+    Py_DECREF(held);
+    PyGILState_Release(gil);
+  }
+};
+
+// A node holding a Python object until autograd lets go of it. With intrusive_ptr nodes a
+// weak reference (WeakNode below) keeps a dead node's memory, so the object is dropped in
+// release_resources(), when the last strong reference goes, not in the destructor.
+template <bool kIntrusive, class Base = Node>
+struct HoldingNode : Base {
+  PyRef held;
+  explicit HoldingNode(PyObject* obj) : held(obj) {}
+};
+
+template <class Base>
+struct HoldingNode<true, Base> : Base {
+  PyRef held;
+  explicit HoldingNode(PyObject* obj) : held(obj) {}
+  void release_resources() override {
+    Base::release_resources();
+    held.reset();
+  }
+};
+
+constexpr const char* kRecvName = "torch::distributed::autograd::RecvRpcBackward";
+
+// The receiver's node of one message. The distributed engine stops at it and sends the
+// gradients of its outputs to the rank they came from; a plain local backward() that
+// reaches it runs apply(), an error that says what to do instead (the record's text).
+struct RecvRpcBackward final : HoldingNode<!kSharedNodes> {
+  explicit RecvRpcBackward(PyObject* record) : HoldingNode(record) {}
+
+  std::string name() const override { return kRecvName; }
+
+  variable_list apply(variable_list&& /*grads*/) override {
+    std::string text = "a local backward() reached tensors received over RPC";
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyObject* said = held.obj == nullptr ? nullptr
+        : PyObject_CallMethod(held.obj, "local_backward_error", nullptr);
+    if (said != nullptr && PyUnicode_Check(said)) {
+      const char* utf8 = PyUnicode_AsUTF8(said);
+      if (utf8 != nullptr) text = utf8;
+    }
+    Py_XDECREF(said);
+    PyErr_Clear();
+    PyGILState_Release(gil);
+    throw std::runtime_error(text);
+  }
+};
+
+PyObject* recv_type = nullptr;  // RecvRpcBackward's Python type (torch's node wrapper)
+
+PyObject* recv_record_get(PyObject* self, void* /*unused*/) {
+  auto& cdata = reinterpret_cast<torch::autograd::THPCppFunction*>(self)->cdata;
+  auto* node = dynamic_cast<RecvRpcBackward*>(cdata.get());
+  if (node == nullptr) {
+    PyErr_SetString(PyExc_TypeError, "not a RecvRpcBackward node");
+    return nullptr;
+  }
+  PyObject* record = node->held.obj != nullptr ? node->held.obj : Py_None;
+  Py_INCREF(record);
+  return record;
+}
+
+PyGetSetDef recv_properties[] = {
+    {"next_functions", torch::autograd::THPCppFunction_next_functions, nullptr, nullptr,
+     nullptr},
+    {"requires_grad", torch::autograd::THPCppFunction_requires_grad, nullptr, nullptr,
+     nullptr},
+    {"metadata", torch::autograd::THPCppFunction_metadata, nullptr, nullptr, nullptr},
+    {"_input_metadata", torch::autograd::THPCppFunction_input_metadata, nullptr, nullptr,
+     nullptr},
+    {"record", recv_record_get, nullptr, "the message's record (mpidag's RecvRecord)",
+     nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+PyMethodDef recv_methods[] = {
+    {"_register_hook_dict", torch::autograd::THPCppFunction_register_hook_dict, METH_O,
+     nullptr},
+    {"register_hook", torch::autograd::THPCppFunction_register_hook, METH_O, nullptr},
+    {"register_prehook", torch::autograd::THPCppFunction_register_prehook, METH_O, nullptr},
+    {"name", torch::autograd::THPCppFunction_name, METH_NOARGS, nullptr},
+    {"_sequence_nr", torch::autograd::THPCppFunction_sequence_nr, METH_NOARGS, nullptr},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyTypeObject recv_pytype;
+
+// ------------------------------------------------------------------ weak node references
+// record.node: called, the node's Python object while the graph holds the node, else None
+// (what weakref.ref gives the Python records; torch's node wrappers take no weak references).
+struct WeakNode {
+  PyObject_HEAD
+  WeakNodePtr node;
+};
+
+PyObject* weak_node_call(PyObject* self, PyObject* args, PyObject* kwargs) {
+  if (!PyArg_ParseTuple(args, ":WeakNode")) return nullptr;
+  if (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0) {
+    PyErr_SetString(PyExc_TypeError, "a weak node reference takes no arguments");
+    return nullptr;
+  }
+  NodePtr node = reinterpret_cast<WeakNode*>(self)->node.lock();
+  if (!node) Py_RETURN_NONE;
+  return torch::autograd::functionToPyObject(node);
+}
+
+void weak_node_dealloc(PyObject* self) {
+  reinterpret_cast<WeakNode*>(self)->node.~WeakNodePtr();
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyTypeObject weak_node_type = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+PyObject* new_weak_node(const NodePtr& node) {
+  PyObject* self = weak_node_type.tp_alloc(&weak_node_type, 0);
+  if (self == nullptr) return nullptr;
+  new (&reinterpret_cast<WeakNode*>(self)->node) WeakNodePtr(node);
+  return self;
+}
+
+// --------------------------------------------------------------------------- functions
+PyObject* n_outputs_name = nullptr;  // "n_outputs"
+PyObject* node_name = nullptr;       // "node"
+
+PyObject* record_recv(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "record_recv(record, tensors) takes 2 arguments");
+    return nullptr;
+  }
+  PyObject* record = args[0];
+  THPObjectPtr tensors(PySequence_Fast(args[1], "record_recv: tensors must be a sequence"));
+  if (!tensors) return nullptr;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(tensors.get());
+  PyObject** items = PySequence_Fast_ITEMS(tensors.get());
+  for (Py_ssize_t i = 0; i < n; i++) {
+    if (!THPVariable_Check(items[i])) {
+      PyErr_SetString(PyExc_TypeError, "record_recv: every item must be a tensor");
+      return nullptr;
+    }
+  }
+  PyObject* result = PyList_New(n);
+  if (result == nullptr) return nullptr;
+  try {
+    NodePtr node = make_node<RecvRpcBackward>(record);
+    long outputs = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+      PyObject* item = items[i];
+      const at::Tensor& tensor = THPVariable_Unpack(item);
+      if (!tensor.requires_grad()) {
+        Py_INCREF(item);
+        PyList_SET_ITEM(result, i, item);
+        continue;
+      }
+      at::Tensor out = tensor.detach();
+      torch::autograd::set_history(out, node);
+      outputs++;
+      PyObject* wrapped = THPVariable_Wrap(std::move(out));
+      if (wrapped == nullptr) {
+        Py_DECREF(result);
+        return nullptr;
+      }
+      PyList_SET_ITEM(result, i, wrapped);
+    }
+    PyObject* count = PyLong_FromLong(outputs);
+    PyObject* weak = new_weak_node(node);
+    int failed = count == nullptr || weak == nullptr ||
+                 PyObject_SetAttr(record, n_outputs_name, count) < 0 ||
+                 PyObject_SetAttr(record, node_name, weak) < 0;
+    Py_XDECREF(count);
+    Py_XDECREF(weak);
+    if (failed) {
+      Py_DECREF(result);
+      return nullptr;
+    }
+    return result;
+  }
+  catch (const c10::Error& e) {
+    Py_DECREF(result);
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    return nullptr;
+  }
+  catch (const std::exception& e) {
+    Py_DECREF(result);
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+PyObject* gradient_edges(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyList_Check(args[0])) {
+    PyErr_SetString(PyExc_TypeError, "gradient_edges(tensors: list, GradientEdge)");
+    return nullptr;
+  }
+  PyObject* tensors = args[0];
+  PyObject* edge_type = args[1];
+  Py_ssize_t n = PyList_GET_SIZE(tensors);
+  PyObject* result = PyList_New(n);
+  if (result == nullptr) return nullptr;
+  try {
+    for (Py_ssize_t i = 0; i < n; i++) {
+      PyObject* item = PyList_GET_ITEM(tensors, i);
+      PyObject* edge = nullptr;
+      if (THPVariable_Check(item)) {
+        const at::Tensor& tensor = THPVariable_Unpack(item);
+        if (tensor.requires_grad()) {
+          Edge found = torch::autograd::impl::gradient_edge(tensor);
+          if (found.function) {
+            PyObject* node = torch::autograd::functionToPyObject(found.function);
+            if (node == nullptr) {
+              Py_DECREF(result);
+              return nullptr;
+            }
+            if (torch::autograd::THPCppFunction_Check(node)) {  // a native node owns
+              edge = PyObject_CallFunction(edge_type, "OI", node,  // the graph behind it
+                                           static_cast<unsigned>(found.input_nr));
+              Py_DECREF(node);
+              if (edge == nullptr) {
+                Py_DECREF(result);
+                return nullptr;
+              }
+            } else {
+              Py_DECREF(node);  // a Python node: the Python way keeps the graph alive
+            }
+          }
+        }
+      }
+      if (edge == nullptr) {
+        Py_INCREF(Py_None);
+        edge = Py_None;
+      }
+      PyList_SET_ITEM(result, i, edge);
+    }
+    return result;
+  }
+  catch (const c10::Error& e) {
+    Py_DECREF(result);
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    return nullptr;
+  }
+  catch (const std::exception& e) {
+    Py_DECREF(result);
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+PyMethodDef module_methods[] = {
+    {"record_recv", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(record_recv)),
+     METH_FASTCALL,
+     "record_recv(record, tensors) -> list: the tensors requiring grad become outputs of a "
+     "new RecvRpcBackward node holding record (record.n_outputs and record.node are set)"},
+    {"gradient_edges",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(gradient_edges)),
+     METH_FASTCALL,
+     "gradient_edges(tensors, GradientEdge) -> list: each tensor's gradient edge, or None "
+     "where Python must find it"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_mpidag_autograd",
+                          "distributed autograd records in C++ (see native.cpp)", -1,
+                          module_methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__mpidag_autograd(void) {
+  n_outputs_name = PyUnicode_InternFromString("n_outputs");
+  node_name = PyUnicode_InternFromString("node");
+  if (n_outputs_name == nullptr || node_name == nullptr) return nullptr;
+
+  weak_node_type.tp_name = "_mpidag_autograd.WeakNode";
+  weak_node_type.tp_basicsize = sizeof(WeakNode);
+  weak_node_type.tp_flags = Py_TPFLAGS_DEFAULT;
+  weak_node_type.tp_doc = "a weak reference to an autograd node: called, the node or None";
+  weak_node_type.tp_call = weak_node_call;
+  weak_node_type.tp_dealloc = weak_node_dealloc;
+  if (PyType_Ready(&weak_node_type) < 0) return nullptr;
+
+  torch::autograd::_initFunctionPyTypeObject(recv_pytype, kRecvName, recv_properties,
+                                              recv_methods);
+  recv_type = reinterpret_cast<PyObject*>(&recv_pytype);
+  Py_INCREF(recv_type);
+  torch::autograd::registerCppFunction(typeid(RecvRpcBackward), &recv_pytype);
+
+  PyObject* module = PyModule_Create(&module_def);
+  if (module == nullptr) return nullptr;
+  Py_INCREF(recv_type);
+  Py_INCREF(&weak_node_type);
+  if (PyModule_AddObject(module, "RecvRpcBackward", recv_type) < 0 ||
+      PyModule_AddObject(module, "WeakNode", reinterpret_cast<PyObject*>(&weak_node_type)) < 0 ||
+      PyModule_AddIntConstant(module, "VERSION", VERSION) < 0 ||
+      PyModule_AddStringConstant(module, "TORCH_VERSION", MPIDAG_TORCH_VERSION) < 0) {
+    Py_DECREF(module);
+    return nullptr;
+  }
+  return module;
+}

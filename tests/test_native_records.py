@@ -1,0 +1,142 @@
+"""The C++ records of distributed autograd (``_mpidag_autograd``) against the Python ones.
+
+``record_recv`` must make what the Python records make (the same values, tensors that share
+the received storage, one recv node per message whose outputs are the tensors that require
+grad, in order), and free the record with the node, on whatever thread autograd frees it;
+``gradient_edges`` must find the edges torch's ``get_gradient_edge`` finds. Graphs with
+C++ recv nodes go through the planner in ``tests/test_graph_plan.py`` and through every
+in-process and multi-rank test of a compiled agent.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+
+import pytest
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from mpidag.dist_autograd.context import RECV_NODE_TYPES, LiveCount, RecvRecord
+from mpidag.dist_autograd.graph import edge_of, edges_of
+from mpidag.dist_autograd.native import problem, records_module
+
+native = records_module()
+
+if os.environ.get("CI") == "true":  # set-up builds it in CI; a silent fallback is a bug
+    assert native is not None, problem()
+pytestmark = pytest.mark.skipif(native is None, reason=f"not built here: {problem()}")
+
+
+class _Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001, ANN205
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001, ANN205
+        return g * 2
+
+
+def _record(count: LiveCount | None = None) -> RecvRecord:
+    return RecvRecord(3, 0x1000000000007, 1, 0, "the arguments of f from worker1", count)
+
+
+def test_received_tensors_become_outputs_of_one_recv_node_in_order():
+    a, b = torch.rand(2, 3, requires_grad=True), torch.rand(4, requires_grad=True)
+    plain = torch.arange(3.0)
+    record = _record()
+    out = native.record_recv(record, (a, plain, b))
+    assert out[1] is plain  # a tensor without grad goes through untouched
+    node = out[0].grad_fn
+    assert type(node) in RECV_NODE_TYPES and node is out[2].grad_fn
+    assert node.name() == "torch::distributed::autograd::RecvRpcBackward"
+    assert node.next_functions == ()  # as torch's: the engine stops here
+    assert node.record is record and record.node() is node and record.n_outputs == 2
+    assert [edge_of(t).output_nr for t in (out[0], out[2])] == [0, 1]
+    for received, sent in ((out[0], a), (out[2], b)):
+        assert received.requires_grad and not received.is_leaf
+        assert received.data_ptr() == sent.data_ptr()  # no copy, as the Python records
+        assert torch.equal(received, sent)
+    # gradients stop at the node: torch's engine captures them there, as the planner does
+    (grad,) = torch.autograd.grad((out[0] * 3).sum(), [GradientEdge(node, 0)])
+    assert torch.equal(grad, torch.full((2, 3), 3.0))
+
+
+def test_the_record_lives_as_long_as_the_node_whatever_thread_frees_it():
+    count = LiveCount()
+    record = _record(count)
+    out = native.record_recv(record, [torch.ones(2, requires_grad=True)])
+    weak_node = record.node
+    del record
+    assert count.live == 1  # the node holds the record
+    loss = (out[0] * 2).sum()
+    del out
+    freed = threading.Thread(target=lambda: loss_holder.clear())
+    loss_holder = [loss]
+    del loss
+    freed.start()
+    freed.join()
+    gc.collect()
+    assert count.live == 0  # freed with the graph, on the other thread
+    assert weak_node() is None  # the weak reference does not keep the record
+
+
+def test_a_local_backward_that_reaches_the_node_raises_the_records_text():
+    record = _record()
+    (x,) = native.record_recv(record, [torch.ones(2, requires_grad=True)])
+    with pytest.raises(RuntimeError) as error:
+        (x * 2).sum().backward()
+    assert str(error.value) == record.local_backward_error()
+    assert "the arguments of f from worker1" in str(error.value)
+
+
+@pytest.mark.parametrize("grad_mode", [True, False])
+def test_gradient_edges_are_torchs_and_leave_python_nodes_to_python(grad_mode):
+    leaf = torch.rand(4, 3, requires_grad=True)
+    sparse_leaf = torch.eye(3).to_sparse().requires_grad_()
+    with torch.enable_grad():
+        product = leaf * 2
+        second_output = torch.unbind(leaf)[2]  # output_nr 2 of one native node
+        python_output = _Double.apply(leaf)
+        received = native.record_recv(_record(), [torch.ones(2, requires_grad=True),
+                                                  torch.zeros(3, requires_grad=True)])[1]
+    tensors = [leaf, sparse_leaf, product, second_output, python_output, received,
+               torch.ones(2)]
+    with torch.set_grad_enabled(grad_mode):
+        found = native.gradient_edges(tensors, GradientEdge)
+        assert found[4] is None and found[6] is None  # Python node, no grad: Python's way
+        for edge, tensor in zip(found[:4] + found[5:6], tensors[:4] + tensors[5:6],
+                                strict=True):
+            # edge_of: torch's get_gradient_edge (tests/test_graph_plan.py), which has no
+            # edge for a sparse leaf (it makes a view)
+            ours = edge_of(tensor)
+            assert (edge.node, edge.output_nr) == (ours.node, ours.output_nr)
+        assert found[5].output_nr == 1 and found[5].node is received.grad_fn
+        mixed = edges_of(tensors[:6], native)
+        assert [(e.node, e.output_nr) for e in mixed] == \
+            [(e.node, e.output_nr) for e in edges_of(tensors[:6])]
+        assert mixed[4].ownership_token is not None  # the native graph behind it stays
+        with pytest.raises(RuntimeError, match="does not require gradients"):
+            edges_of([torch.ones(2)], native)  # torch's own error, as edge_of
+
+
+def test_a_leafs_edge_keeps_its_gradient_accumulator_alive():
+    leaf = torch.rand(3, requires_grad=True)
+    (edge,) = native.gradient_edges([leaf], GradientEdge)
+    gc.collect()
+    assert get_gradient_edge(leaf).node is edge.node  # the same accumulator, still alive
+    (grad,) = torch.autograd.grad((leaf * 5).sum(), [edge])
+    assert torch.equal(grad, torch.full((3,), 5.0))
+
+
+def test_bad_arguments_are_type_errors():
+    with pytest.raises(TypeError, match="every item must be a tensor"):
+        native.record_recv(_record(), [torch.ones(1), 5])
+    with pytest.raises(TypeError, match="must be a sequence"):
+        native.record_recv(_record(), 5)
+    with pytest.raises(TypeError, match="takes 2 arguments"):
+        native.record_recv(_record())
+    with pytest.raises(TypeError, match="gradient_edges"):
+        native.gradient_edges((torch.ones(1),), GradientEdge)
