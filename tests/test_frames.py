@@ -169,6 +169,24 @@ def test_every_dtype_roundtrips_inline_and_separate(dtype):
         assert torch.equal(got.view(torch.uint8), sent.view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_message_makes_every_dtype_and_shape_as_python_does(codec, dtype):
+    """The C codec makes inline tensors through _mpidag_torch's frame_tensor where built
+    (torch.frombuffer otherwise): the same bytes, shapes, strides and grad flags."""
+    grad = dtype.is_floating_point or dtype.is_complex
+    sent = [sample(dtype, shape) for shape in ((), (7,), (2, 3), (1, 2, 1, 3))]
+    sent = [t.requires_grad_(grad) for t in sent]
+    frame0, _ = frames.encode(Envelope(kind=1, payload=b"p", tensors=sent), ["cpu"] * 4, 5)
+    out, header = frames.decode_message(bytearray(frame0))
+    expected, _ = frames.decode_message_python(bytearray(frame0))
+    assert header is None
+    for got, python, original in zip(out.tensors, expected.tensors, sent, strict=True):
+        assert (got.dtype, got.shape, got.stride(), got.requires_grad, got.is_leaf) == \
+            (python.dtype, python.shape, python.stride(), python.requires_grad, True)
+        assert torch.equal(got.detach().reshape(-1).view(torch.uint8),
+                           original.detach().reshape(-1).view(torch.uint8))
+
+
 def test_non_contiguous_views_and_zero_size():
     base = torch.arange(60.0).reshape(6, 10)
     obj = {"t": base.t(), "slice": base[1:4, ::3], "empty": torch.empty(0, 4),

@@ -1,5 +1,6 @@
-"""The per-message records of distributed autograd in C++ (``_mpidag_autograd``,
-``native.cpp``), built against this environment's torch.
+"""The per-message records of distributed autograd in C++ (the records part of
+``_mpidag_torch``, ``mpidag/transport/torch_native.cpp``), built against this environment's
+torch.
 
 Recording a message in a context costs, through torch's Python autograd API, a custom
 ``autograd.Function`` node per received message (its Python ``forward``, an anchor input,
@@ -15,14 +16,14 @@ accumulator (~1.8 us). The C++ module does what torch's own C++ does instead:
   way, :func:`mpidag.dist_autograd.graph.edge_of`); ~0.5 us a leaf.
 
 :func:`records_module` gives the module, or ``None``: ``MPIDAG_COMPILED=0`` (the container's
-agent is not compiled), not built (``python -m mpidag.transport.wire_build`` builds it with
-the other compiled modules), built from other sources or against another torch. Then the
-Python records of :mod:`mpidag.dist_autograd.context` run; both make the same graph but for
-the recv node's anchor input (the Python node needs one).
+agent is not compiled), or the module is not usable here
+(:func:`mpidag.transport.torch_native.problem` says why). Then the Python records of
+:mod:`mpidag.dist_autograd.context` run; both make the same graph but for the recv node's
+anchor input (the Python node needs one).
 
 Example::
 
-    >>> records_module() is None or records_module().VERSION == NATIVE_VERSION
+    >>> records_module(compiled=False) is None
     True
 """
 
@@ -30,48 +31,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
+from mpidag.transport.torch_native import problem, torch_module
 
-from mpidag.transport.wire import import_built
-
-__all__ = ["NATIVE_VERSION", "problem", "records_module"]
-
-#: the ``VERSION`` of ``native.cpp`` this code calls (a build from older sources is not used)
-NATIVE_VERSION = 1
-
-
-def _load() -> tuple[Any, str]:
-    module, why = import_built("_mpidag_autograd", NATIVE_VERSION, "Python autograd records")
-    if module is None:
-        return None, why
-    if torch.__version__ != module.TORCH_VERSION:
-        return None, (f"Python autograd records: {module.__file__} was built against torch "
-                      f"{module.TORCH_VERSION}, this environment has {torch.__version__}; "
-                      f"rebuild it with 'python -m mpidag.transport.wire_build'")
-    return module, f"C++ autograd records ({module.__file__})"
-
-
-_module, _status = _load()
+__all__ = ["problem", "records_module"]
 
 
 def records_module(compiled: bool = True) -> Any:
     """The C++ records module, or ``None`` for the Python records (``compiled=False``:
-    ``MPIDAG_COMPILED=0``).
+    ``MPIDAG_COMPILED=0``; or not usable here: :func:`problem` says why).
 
     Example::
 
-        >>> records_module(compiled=False) is None
+        >>> records_module() is None or hasattr(records_module(), "record_recv")
         True
     """
-    return _module if compiled else None
-
-
-def problem() -> str:
-    """Which records run and why (the module's file, or why not).
-
-    Example::
-
-        >>> problem().split(" ")[1] in ("autograd", "Python")
-        True
-    """
-    return _status
+    return torch_module() if compiled else None

@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "frame_tensor.h"
+
 #define HEADER_SIZE 49 /* struct "<BBBHIqqqQII" */
 #define SPEC_FIXED 22  /* struct "<BBBBhqq", then ndim int64 */
 #define ALIGN 16
@@ -42,6 +44,7 @@ static struct {
     PyObject *frombuffer;                          /* torch.frombuffer */
     PyObject *grad_dtypes;                         /* list: wire code -> may require grad */
     PyObject *frombuffer_kwnames;                  /* ("dtype", "count", "offset") */
+    mpidag_frame_tensor_fn frame_tensor;           /* _mpidag_torch's, or NULL */
     PyObject *cpu;                                 /* "cpu" */
     Py_ssize_t inline_limit, payload_frame_limit;
     /* attribute names */
@@ -116,16 +119,25 @@ static PyObject *configure(PyObject *Py_UNUSED(module), PyObject *args, PyObject
     static char *kwlist[] = {"envelope", "header", "spec", "dtypes", "dtype_codes",
                              "device_name", "device_codes", "strided", "encode", "decode",
                              "decode_message", "frombuffer", "grad_dtypes", "inline_limit",
-                             "payload_frame_limit", NULL};
-    PyObject *o[13];
+                             "payload_frame_limit", "frame_tensor", NULL};
+    PyObject *o[13], *frame_tensor = Py_None;
     Py_ssize_t inline_limit, payload_frame_limit;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!O!O!OO!OOOOOO!nn", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!O!O!OO!OOOOOO!nn|O", kwlist,
                                      &PyType_Type, &o[0], &PyType_Type, &o[1],
                                      &PyType_Type, &o[2], &PyList_Type, &o[3],
                                      &PyDict_Type, &o[4], &o[5], &PyDict_Type, &o[6],
                                      &o[7], &o[8], &o[9], &o[10], &o[11], &PyList_Type,
-                                     &o[12], &inline_limit, &payload_frame_limit))
+                                     &o[12], &inline_limit, &payload_frame_limit,
+                                     &frame_tensor))
         return NULL;
+    if (frame_tensor != Py_None) {
+        S.frame_tensor = (mpidag_frame_tensor_fn)PyCapsule_GetPointer(
+            frame_tensor, MPIDAG_FRAME_TENSOR_CAPSULE);
+        if (S.frame_tensor == NULL)
+            return NULL;
+    } else {
+        S.frame_tensor = NULL;
+    }
     if (PyList_GET_SIZE(o[12]) != PyList_GET_SIZE(o[3])) {
         PyErr_SetString(PyExc_ValueError, "configure: one grad_dtypes entry per dtype");
         return NULL;
@@ -456,11 +468,21 @@ typedef struct {
     const char *dims; /* ndim int64 */
 } RawSpec;
 
+#define FRAME_TENSOR_DIMS 64
+
 /* The tensor of an inline CPU spec as a view of frame 0's bytes (frames.inline_tensor and
- * finish_tensor): torch.frombuffer, .view(shape) unless 1-D, requires_grad_ where its flag
- * says so and its dtype can. */
+ * finish_tensor): _mpidag_torch's frame_tensor where configured, else torch.frombuffer,
+ * .view(shape) unless 1-D, requires_grad_ where its flag says so and its dtype can. */
 static PyObject *inline_tensor(PyObject *frame, Py_ssize_t inline_start, const RawSpec *r)
 {
+    int grad = (r->sflags & REQUIRES_GRAD) && PyList_GET_ITEM(S.grad_dtypes, r->code) == Py_True;
+    if (S.frame_tensor != NULL && r->ndim <= FRAME_TENSOR_DIMS) {
+        int64_t sizes[FRAME_TENSOR_DIMS];
+        for (int d = 0; d < r->ndim; d++)
+            sizes[d] = get_i64(r->dims + 8 * d);
+        return S.frame_tensor(frame, inline_start + r->inline_offset,
+                              PyList_GET_ITEM(S.dtypes, r->code), r->ndim, sizes, grad);
+    }
     int64_t count = 1;
     for (int d = 0; d < r->ndim; d++)
         count *= get_i64(r->dims + 8 * d);
@@ -499,8 +521,7 @@ static PyObject *inline_tensor(PyObject *frame, Py_ssize_t inline_start, const R
             Py_XDECREF(argv[1 + d]);
         Py_SETREF(t, viewed);
     }
-    if (t != NULL && (r->sflags & REQUIRES_GRAD) &&
-        PyList_GET_ITEM(S.grad_dtypes, r->code) == Py_True) {
+    if (t != NULL && grad) {
         PyObject *argv[2] = {t, Py_True};
         PyObject *done = PyObject_VectorcallMethod(S.s_requires_grad_, argv, 2, NULL);
         if (done == NULL)
@@ -699,7 +720,15 @@ static PyObject *ready(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored)
     return PyBool_FromLong(S.ready);
 }
 
+static PyObject *uses_torch_native(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(noargs))
+{
+    return PyBool_FromLong(S.frame_tensor != NULL);
+}
+
 static PyMethodDef methods[] = {
+    {"uses_torch_native", uses_torch_native, METH_NOARGS,
+     "uses_torch_native() -> bool: whether inline tensors are made by _mpidag_torch's "
+     "frame_tensor (configure's frame_tensor capsule) rather than torch.frombuffer"},
     {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
      "configure(...): the classes, tables and Python fallbacks of frames.py"},
     {"encode", (PyCFunction)(void (*)(void))encode, METH_FASTCALL | METH_KEYWORDS,
@@ -721,7 +750,7 @@ PyMODINIT_FUNC PyInit__mpidag_frames(void)
 {
     PyObject *module = PyModule_Create(&frames_module);
     /* what frames.py expects (CODEC_VERSION): a build from older sources is not used */
-    if (module != NULL && PyModule_AddIntConstant(module, "VERSION", 3) < 0)
+    if (module != NULL && PyModule_AddIntConstant(module, "VERSION", 4) < 0)
         Py_CLEAR(module);
     return module;
 }

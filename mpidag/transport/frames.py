@@ -49,6 +49,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from mpidag.transport.torch_native import torch_module
+
 __all__ = [
     "HEADER",
     "INLINE_LIMIT",
@@ -878,7 +880,7 @@ _codec: Any = None
 
 #: the ``VERSION`` of ``frames.c`` this module calls (a build from older sources is not
 #: used: the Python codec runs, with a warning to rebuild)
-CODEC_VERSION = 3
+CODEC_VERSION = 4
 
 
 def _load_codec() -> Any:
@@ -900,8 +902,16 @@ def _load_codec() -> Any:
                     frombuffer=torch.frombuffer,
                     grad_dtypes=[dt.is_floating_point or dt.is_complex for dt in DTYPES],
                     inline_limit=INLINE_LIMIT,
-                    payload_frame_limit=PAYLOAD_FRAME_LIMIT)
+                    payload_frame_limit=PAYLOAD_FRAME_LIMIT,
+                    frame_tensor=_frame_tensor_api())
     return codec
+
+
+def _frame_tensor_api() -> Any:
+    """``_mpidag_torch``'s frame-0 tensor maker (a capsule) for the C codec, or ``None``
+    (then the codec calls ``torch.frombuffer``)."""
+    module = torch_module()
+    return None if module is None else module.frame_tensor_api
 
 
 def use_compiled(compiled: bool) -> bool:

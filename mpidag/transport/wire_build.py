@@ -1,8 +1,8 @@
 """Build mpidag's compiled modules for this virtual environment: ``_mpidag_wire``
 (``wire.c``, the MPI frame-0 path), ``_mpidag_frames`` (``frames.c``, frame 0's codec) and
 ``_mpidag_fastpath`` (``mpidag/agent/fastpath.c``, the agent's path of a plain call), and
-``_mpidag_autograd`` (``mpidag/dist_autograd/native.cpp``, the per-message records of
-distributed autograd, in C++ against this environment's torch).
+``_mpidag_torch`` (``torch_native.cpp``, C++ against this environment's torch: frame-0
+tensors for the C codec and the per-message records of distributed autograd).
 
 ``_mpidag_wire`` calls MPI directly, so it must be compiled against the very MPI library that
 mpi4py uses here (Open MPI's and MPICH's handles and status layouts differ): the wheel's or
@@ -18,12 +18,13 @@ The compiler is ``$MPICC``, else the environment's own ``bin/mpicc`` (the Open M
 MPICH wheels ship one), else ``mpicc`` on ``PATH`` (a system MPI). After building, a fresh
 interpreter loads the module and compares its ``MPI_Get_library_version`` with mpi4py's; a
 build that does not match is removed. ``_mpidag_frames`` and ``_mpidag_fastpath`` need no
-MPI: ``$CC``, else ``cc`` or ``gcc`` on ``PATH``, else the MPI wrapper. ``_mpidag_autograd``
+MPI: ``$CC``, else ``cc`` or ``gcc`` on ``PATH``, else the MPI wrapper. ``_mpidag_torch``
 is C++ (``$CXX``, else ``c++`` or ``g++``) against the headers and libraries of the torch
 this interpreter imports (a new torch needs a new build; an old build is not used). Exit
 status 1 with the reason when a module cannot be built; mpidag then runs the Python code it
 replaces (``mpidag.transport.wire``, ``mpidag.transport.frames``, the agent's Python call
-path, the Python records of ``mpidag.dist_autograd.context``).
+path, ``torch.frombuffer`` in the codec, the Python records of
+``mpidag.dist_autograd.context``).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ CODEC = "_mpidag_frames"
 CODEC_SOURCE = Path(__file__).with_name("frames.c")
 FASTPATH = "_mpidag_fastpath"
 FASTPATH_SOURCE = Path(__file__).resolve().parent.parent / "agent" / "fastpath.c"
-RECORDS = "_mpidag_autograd"
-RECORDS_SOURCE = Path(__file__).resolve().parent.parent / "dist_autograd" / "native.cpp"
+TORCH_NATIVE = "_mpidag_torch"
+TORCH_NATIVE_SOURCE = Path(__file__).with_name("torch_native.cpp")
 
 _CHECK = """
 import sys
@@ -59,10 +60,11 @@ assert frames.compiled_codec() is not None, "frames.py did not take _mpidag_fram
 import mpidag.agent.fastpath as fastpath
 assert fastpath.compiled_module() is not None, "fastpath.py did not take _mpidag_fastpath"
 built = [_mpidag_wire.__file__, _mpidag_frames.__file__, fastpath.compiled_module().__file__]
-if "--records" in sys.argv:
-    import mpidag.dist_autograd.native as native
-    assert native.records_module() is not None, native.problem()
-    built.append(native.records_module().__file__)
+if "--torch" in sys.argv:
+    import mpidag.transport.torch_native as torch_native
+    assert torch_native.torch_module() is not None, torch_native.problem()
+    assert frames.compiled_codec().uses_torch_native(), "frames.c did not take frame_tensor"
+    built.append(torch_native.torch_module().__file__)
 print(*built)
 """
 
@@ -119,13 +121,13 @@ def find_cxx(environ: os._Environ | dict | None = None) -> str | None:
     return _find(environ, "CXX", ["c++", "g++"])
 
 
-def check(into: Path | None = None, records: bool = True) -> tuple[bool, str]:
+def check(into: Path | None = None, with_torch: bool = True) -> tuple[bool, str]:
     """Whether the built modules load in a fresh interpreter (with ``into`` first on its
-    path) and match mpi4py's MPI (and torch, with ``records``)."""
+    path) and match mpi4py's MPI (and torch, ``with_torch``)."""
     env = dict(os.environ)
     if into is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(into), env.get("PYTHONPATH")]))
-    command = [sys.executable, "-c", _CHECK] + (["--records"] if records else [])
+    command = [sys.executable, "-c", _CHECK] + (["--torch"] if with_torch else [])
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
     text = (result.stdout + result.stderr).strip().splitlines()
     return result.returncode == 0, text[-1] if text else f"exit status {result.returncode}"
@@ -191,20 +193,20 @@ def build(into: Path | None = None) -> tuple[bool, str]:
         failure = compile_module(compiler, source, target(module, into))
         if failure is not None:
             return False, failure
-    # the records against torch: where that fails, the C modules still serve
-    records_failure = compile_torch_module(cxx, RECORDS_SOURCE, target(RECORDS, into))
-    if records_failure is not None:
-        target(RECORDS, into).unlink(missing_ok=True)
-    ok, said = check(into, records=records_failure is None)
+    # C++ against torch: where that fails, the C modules still serve
+    torch_failure = compile_torch_module(cxx, TORCH_NATIVE_SOURCE, target(TORCH_NATIVE, into))
+    if torch_failure is not None:
+        target(TORCH_NATIVE, into).unlink(missing_ok=True)
+    ok, said = check(into, with_torch=torch_failure is None)
     if not ok:
-        for module in (MODULE, CODEC, FASTPATH, RECORDS):
+        for module in (MODULE, CODEC, FASTPATH, TORCH_NATIVE):
             target(module, into).unlink(missing_ok=True)
         return False, f"the built modules do not load or match mpi4py's MPI and torch: {said}"
-    if records_failure is not None:
-        return False, (f"built the C modules, but not {RECORDS} (the Python autograd records "
-                       f"run): {records_failure}")
+    if torch_failure is not None:
+        return False, (f"built the C modules, but not {TORCH_NATIVE} (its Python code runs "
+                       f"instead): {torch_failure}")
     return True, (f"built {target(MODULE, into)} with {mpicc}, {target(CODEC, into)} and "
-                  f"{target(FASTPATH, into)} with {cc}, {target(RECORDS, into)} with {cxx}")
+                  f"{target(FASTPATH, into)} with {cc}, {target(TORCH_NATIVE, into)} with {cxx}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,8 @@
-"""The C++ records of distributed autograd (``_mpidag_autograd``) against the Python ones.
+"""mpidag's C++ against torch (``_mpidag_torch``): its frame-0 tensors and its records of
+distributed autograd, against the Python code they replace.
+
+``frame_tensor`` must make the tensor ``torch.frombuffer`` would (``tests/test_frames.py``
+compares every decoded message of the C codec, which calls it, with the Python codec's).
 
 ``record_recv`` must make what the Python records make (the same values, tensors that share
 the received storage, one recv node per message whose outputs are the tensors that require
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import os
+import struct
 import threading
 
 import pytest
@@ -20,7 +25,9 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from mpidag.dist_autograd.context import RECV_NODE_TYPES, LiveCount, RecvRecord
 from mpidag.dist_autograd.graph import edge_of, edges_of
-from mpidag.dist_autograd.native import problem, records_module
+from mpidag.dist_autograd.native import records_module
+from mpidag.transport import frames
+from mpidag.transport.torch_native import problem
 
 native = records_module()
 
@@ -140,3 +147,50 @@ def test_bad_arguments_are_type_errors():
         native.record_recv(_record())
     with pytest.raises(TypeError, match="gradient_edges"):
         native.gradient_edges((torch.ones(1),), GradientEdge)
+
+
+def test_the_c_codec_makes_its_inline_tensors_here():
+    assert frames.compiled_codec() is None or frames.compiled_codec().uses_torch_native()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16,
+                                   torch.complex64, torch.int64, torch.bool, torch.uint8])
+@pytest.mark.parametrize("shape", [(), (5,), (2, 3), (2, 0, 4), (1, 1, 1, 1, 2)])
+def test_a_frame_tensor_is_a_view_of_the_frames_bytes_as_frombuffer_makes_it(dtype, shape):
+    value = torch.arange(int(torch.tensor(shape).prod())).reshape(shape).to(dtype)
+    frame = bytearray(b"head" + value.numpy().tobytes() if dtype is not torch.bfloat16
+                      else b"head" + value.view(torch.int16).numpy().tobytes())
+    grad = dtype.is_floating_point or dtype.is_complex
+    made = native.frame_tensor(frame, 4, dtype, shape, grad)
+    assert made.dtype == dtype and made.shape == shape and made.requires_grad == grad
+    assert torch.equal(made.detach(), value) and made.is_leaf
+    if value.numel():
+        expected = torch.frombuffer(frame, dtype=dtype, count=value.numel(), offset=4)
+        assert made.data_ptr() == expected.data_ptr()  # no copy: frame 0's bytes
+
+
+def test_a_frame_tensor_keeps_its_frame_exported_until_its_storage_goes():
+    frame = bytearray(16)
+    made = native.frame_tensor(frame, 0, torch.float32, (4,), False)
+    made[1] = 2.5
+    assert struct.unpack_from("<f", frame, 4)[0] == 2.5
+    with pytest.raises(BufferError):
+        frame.extend(b"x")  # a frame a tensor reads cannot move
+    view = made[2:]
+    del made
+    with pytest.raises(BufferError):
+        frame.extend(b"x")  # a view of it still holds the storage
+    del view
+    gc.collect()
+    frame.extend(b"x")
+
+
+def test_frame_tensor_refuses_what_does_not_fit():
+    with pytest.raises(ValueError, match="do not fit in a frame of 8 bytes"):
+        native.frame_tensor(bytearray(8), 4, torch.float32, (2,), False)
+    with pytest.raises(ValueError, match="negative size"):
+        native.frame_tensor(bytearray(8), 0, torch.float32, (-1,), False)
+    with pytest.raises(TypeError, match="torch.dtype"):
+        native.frame_tensor(bytearray(8), 0, "float32", (2,), False)
+    with pytest.raises(TypeError):
+        native.frame_tensor(42, 0, torch.float32, (2,), False)  # no buffer

@@ -1,26 +1,36 @@
-// _mpidag_autograd: the per-message records of distributed autograd, against torch's C++.
+// _mpidag_torch: mpidag's C++ against torch, where Python's torch API costs most per message.
 //
-// What mpidag.dist_autograd.context does in Python through torch's Python autograd API, done
-// where torch itself does it (torch/csrc/distributed/autograd/utils.cpp):
+// Two parts, each doing what torch's own C++ does (torch/csrc/distributed/autograd/utils.cpp,
+// torch/csrc/utils/tensor_new.cpp):
 //
-//   record_recv(record, tensors)  the received tensors that require grad become outputs of
+// 1. Frame-0 tensors for the C codec (_mpidag_frames): frame_tensor(frame, offset, dtype,
+//    ndim, sizes, requires_grad), reached through the capsule FRAME_TENSOR_CAPSULE, makes
+//    the tensor of an inline spec as a view of frame 0's bytes (at::from_blob holding a
+//    buffer view of the frame) in one step: what torch.frombuffer, .view(*sizes) and
+//    .requires_grad_() do in three Python calls.
+// 2. The per-message records of distributed autograd (mpidag.dist_autograd.native):
+//    record_recv(record, tensors)  the received tensors that require grad become outputs of
 //                                 one new RecvRpcBackward node, a C++ node of this module's
 //                                 own (no autograd.Function, no Python forward, no anchor
 //                                 input: like torch's, it has no next edges); returns the
 //                                 new list of tensors. The node holds the Python record;
 //                                 its Python type (RecvRpcBackward) reads it as `.record`;
 //                                 record.node becomes a weak reference to the node.
-//   gradient_edges(tensors)       one GradientEdge(node, output_nr) per tensor, where torch's
-//                                 C++ gradient_edge() finds it (a leaf's gradient
-//                                 accumulator without the view Python needs); None where a
-//                                 Python node (a custom Function's output) or a tensor that
-//                                 does not require grad asks for the Python way.
+//    gradient_edges(tensors, GradientEdge)  one GradientEdge(node, output_nr) per tensor,
+//                                 where torch's C++ gradient_edge() finds it (a leaf's
+//                                 gradient accumulator without the view Python needs); None
+//                                 where a Python node (a custom Function's output) or a
+//                                 tensor that does not require grad asks for the Python way.
 //
-// Built per virtual environment against that environment's torch (mpidag.native_build, run
-// by scripts/setup.sh); mpidag runs the Python records where it is not built or not loadable.
-// VERSION changes whenever what Python may expect of this module does.
+// Built per virtual environment against that environment's torch (python -m
+// mpidag.transport.wire_build, run by scripts/setup.sh; mpidag.transport.torch_native loads
+// it); mpidag runs the Python code it replaces where it is not built or not loadable.
+// VERSION changes whenever what Python or frames.c may expect of this module does.
 
 #include <torch/csrc/python_headers.h>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/Dtype.h>
 
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/function.h>
@@ -29,11 +39,14 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include "frame_tensor.h"
+
 #include <memory>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace {
 
@@ -160,6 +173,82 @@ PyMethodDef recv_methods[] = {
     {nullptr, nullptr, 0, nullptr}};
 
 PyTypeObject recv_pytype;
+
+// ------------------------------------------------------------------ frame-0 tensors
+void release_buffer(Py_buffer* view) {
+  if (Py_IsInitialized()) {  // else the interpreter is gone, and the frame with it
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyBuffer_Release(view);
+    PyGILState_Release(gil);
+  }
+  delete view;
+}
+
+PyObject* frame_tensor(PyObject* frame, Py_ssize_t offset, PyObject* dtype, int ndim,
+                       const int64_t* sizes, int requires_grad) {
+  if (!THPDtype_Check(dtype)) {
+    PyErr_SetString(PyExc_TypeError, "frame_tensor: dtype must be a torch.dtype");
+    return nullptr;
+  }
+  at::ScalarType type = reinterpret_cast<THPDtype*>(dtype)->scalar_type;
+  int64_t count = 1;
+  for (int d = 0; d < ndim; d++) {
+    if (sizes[d] < 0) {
+      PyErr_SetString(PyExc_ValueError, "frame_tensor: a negative size");
+      return nullptr;
+    }
+    count *= sizes[d];
+  }
+  auto* view = new Py_buffer;
+  if (PyObject_GetBuffer(frame, view, PyBUF_SIMPLE) < 0) {
+    delete view;
+    return nullptr;
+  }
+  int64_t nbytes = count * static_cast<int64_t>(c10::elementSize(type));
+  if (offset < 0 || offset + nbytes > view->len) {
+    PyErr_Format(PyExc_ValueError, "frame_tensor: %lld bytes at offset %zd do not fit in a "
+                 "frame of %zd bytes", static_cast<long long>(nbytes), offset, view->len);
+    PyBuffer_Release(view);
+    delete view;
+    return nullptr;
+  }
+  try {
+    at::Tensor tensor = at::from_blob(
+        static_cast<char*>(view->buf) + offset, c10::IntArrayRef(sizes, ndim),
+        [view](void* /*data*/) { release_buffer(view); }, at::TensorOptions().dtype(type));
+    if (requires_grad) tensor.set_requires_grad(true);
+    return THPVariable_Wrap(std::move(tensor));
+  }
+  catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    return nullptr;
+  }
+  catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+static_assert(std::is_same_v<decltype(&frame_tensor), mpidag_frame_tensor_fn>,
+              "frame_tensor must be what frame_tensor.h promises frames.c");
+
+// frame_tensor(frame, offset, dtype, sizes, requires_grad) from Python (for tests)
+PyObject* frame_tensor_py(PyObject* /*module*/, PyObject* args) {
+  PyObject *frame, *dtype, *sizes;
+  Py_ssize_t offset;
+  int requires_grad;
+  if (!PyArg_ParseTuple(args, "OnOO!p:frame_tensor", &frame, &offset, &dtype, &PyTuple_Type,
+                        &sizes, &requires_grad))
+    return nullptr;
+  Py_ssize_t ndim = PyTuple_GET_SIZE(sizes);
+  std::vector<int64_t> dims(static_cast<size_t>(ndim));
+  for (Py_ssize_t d = 0; d < ndim; d++) {
+    dims[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(sizes, d));
+    if (dims[d] == -1 && PyErr_Occurred()) return nullptr;
+  }
+  return frame_tensor(frame, offset, dtype, static_cast<int>(ndim), dims.data(),
+                      requires_grad);
+}
 
 // ------------------------------------------------------------------ weak node references
 // record.node: called, the node's Python object while the graph holds the node, else None
@@ -321,6 +410,10 @@ PyObject* gradient_edges(PyObject* /*module*/, PyObject* const* args, Py_ssize_t
 }
 
 PyMethodDef module_methods[] = {
+    {"frame_tensor", frame_tensor_py, METH_VARARGS,
+     "frame_tensor(frame, offset, dtype, sizes: tuple, requires_grad) -> Tensor: the tensor "
+     "whose bytes start at offset in frame (a view of them, no copy); frames.c calls the "
+     "same function through the capsule frame_tensor_api"},
     {"record_recv", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(record_recv)),
      METH_FASTCALL,
      "record_recv(record, tensors) -> list: the tensors requiring grad become outputs of a "
@@ -332,18 +425,18 @@ PyMethodDef module_methods[] = {
      "where Python must find it"},
     {nullptr, nullptr, 0, nullptr}};
 
-PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_mpidag_autograd",
-                          "distributed autograd records in C++ (see native.cpp)", -1,
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_mpidag_torch",
+                          "mpidag's C++ against torch (see torch_native.cpp)", -1,
                           module_methods};
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit__mpidag_autograd(void) {
+PyMODINIT_FUNC PyInit__mpidag_torch(void) {
   n_outputs_name = PyUnicode_InternFromString("n_outputs");
   node_name = PyUnicode_InternFromString("node");
   if (n_outputs_name == nullptr || node_name == nullptr) return nullptr;
 
-  weak_node_type.tp_name = "_mpidag_autograd.WeakNode";
+  weak_node_type.tp_name = "_mpidag_torch.WeakNode";
   weak_node_type.tp_basicsize = sizeof(WeakNode);
   weak_node_type.tp_flags = Py_TPFLAGS_DEFAULT;
   weak_node_type.tp_doc = "a weak reference to an autograd node: called, the node or None";
@@ -359,10 +452,17 @@ PyMODINIT_FUNC PyInit__mpidag_autograd(void) {
 
   PyObject* module = PyModule_Create(&module_def);
   if (module == nullptr) return nullptr;
+  PyObject* api = PyCapsule_New(reinterpret_cast<void*>(&frame_tensor),
+                                MPIDAG_FRAME_TENSOR_CAPSULE, nullptr);
+  if (api == nullptr) {
+    Py_DECREF(module);
+    return nullptr;
+  }
   Py_INCREF(recv_type);
   Py_INCREF(&weak_node_type);
   if (PyModule_AddObject(module, "RecvRpcBackward", recv_type) < 0 ||
       PyModule_AddObject(module, "WeakNode", reinterpret_cast<PyObject*>(&weak_node_type)) < 0 ||
+      PyModule_AddObject(module, "frame_tensor_api", api) < 0 ||
       PyModule_AddIntConstant(module, "VERSION", VERSION) < 0 ||
       PyModule_AddStringConstant(module, "TORCH_VERSION", MPIDAG_TORCH_VERSION) < 0) {
     Py_DECREF(module);
