@@ -121,6 +121,8 @@ def test_gradient_edges_are_torchs_and_leave_python_nodes_to_python(grad_mode):
             ours = edge_of(tensor)
             assert (edge.node, edge.output_nr) == (ours.node, ours.output_nr)
         assert found[5].output_nr == 1 and found[5].node is received.grad_fn
+        assert found[2] == GradientEdge(product.grad_fn, 0)  # a GradientEdge like torch's
+        assert type(found[2]) is GradientEdge and found[2].ownership_token is None
         mixed = edges_of(tensors[:6], native)
         assert [(e.node, e.output_nr) for e in mixed] == \
             [(e.node, e.output_nr) for e in edges_of(tensors[:6])]
@@ -147,6 +149,8 @@ def test_bad_arguments_are_type_errors():
         native.record_recv(_record())
     with pytest.raises(TypeError, match="gradient_edges"):
         native.gradient_edges((torch.ones(1),), GradientEdge)
+    with pytest.raises(TypeError, match="must be a tuple type"):
+        native.gradient_edges([torch.ones(1, requires_grad=True)], dict)
 
 
 def test_the_c_codec_makes_its_inline_tensors_here():

@@ -351,6 +351,24 @@ PyObject* record_recv(PyObject* /*module*/, PyObject* const* args, Py_ssize_t na
   }
 }
 
+// GradientEdge(node, output_nr) (a NamedTuple: a tuple of its type, ownership_token None)
+// without the call of its Python __new__; steals node
+PyObject* new_edge(PyObject* edge_type, PyObject* node, uint32_t output_nr) {
+  PyObject* number = PyLong_FromUnsignedLong(output_nr);
+  auto* type = reinterpret_cast<PyTypeObject*>(edge_type);
+  PyObject* edge = number == nullptr ? nullptr : type->tp_alloc(type, 3);
+  if (edge == nullptr) {
+    Py_DECREF(node);
+    Py_XDECREF(number);
+    return nullptr;
+  }
+  Py_INCREF(Py_None);
+  PyTuple_SET_ITEM(edge, 0, node);
+  PyTuple_SET_ITEM(edge, 1, number);
+  PyTuple_SET_ITEM(edge, 2, Py_None);
+  return edge;
+}
+
 PyObject* gradient_edges(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 2 || !PyList_Check(args[0])) {
     PyErr_SetString(PyExc_TypeError, "gradient_edges(tensors: list, GradientEdge)");
@@ -358,6 +376,12 @@ PyObject* gradient_edges(PyObject* /*module*/, PyObject* const* args, Py_ssize_t
   }
   PyObject* tensors = args[0];
   PyObject* edge_type = args[1];
+  if (!PyType_Check(edge_type) ||
+      !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(edge_type), &PyTuple_Type)) {
+    PyErr_SetString(PyExc_TypeError, "gradient_edges: GradientEdge must be a tuple type "
+                    "(torch.autograd.graph.GradientEdge)");
+    return nullptr;
+  }
   Py_ssize_t n = PyList_GET_SIZE(tensors);
   PyObject* result = PyList_New(n);
   if (result == nullptr) return nullptr;
@@ -376,9 +400,7 @@ PyObject* gradient_edges(PyObject* /*module*/, PyObject* const* args, Py_ssize_t
               return nullptr;
             }
             if (torch::autograd::THPCppFunction_Check(node)) {  // a native node owns
-              edge = PyObject_CallFunction(edge_type, "OI", node,  // the graph behind it
-                                           static_cast<unsigned>(found.input_nr));
-              Py_DECREF(node);
+              edge = new_edge(edge_type, node, found.input_nr);  // the graph behind it
               if (edge == nullptr) {
                 Py_DECREF(result);
                 return nullptr;
