@@ -198,3 +198,15 @@ def test_frame_tensor_refuses_what_does_not_fit():
         native.frame_tensor(bytearray(8), 0, "float32", (2,), False)
     with pytest.raises(TypeError):
         native.frame_tensor(42, 0, torch.float32, (2,), False)  # no buffer
+
+
+def test_a_build_for_another_torch_is_not_even_imported(monkeypatch):
+    from mpidag.transport import torch_native
+
+    assert torch_native._built_against() == torch.__version__  # wire_build's stamp
+    monkeypatch.setattr(torch_native, "_built_against", lambda: "1.0.0")
+    module, why = torch_native._load()
+    assert module is None
+    assert why == (f"Python torch calls: _mpidag_torch was built against torch 1.0.0, this "
+                   f"environment has {torch.__version__}; rebuild it with "
+                   f"'python -m mpidag.transport.wire_build'")

@@ -129,7 +129,8 @@ class SendFunction:
     Made with the sent tensors; their gradient edges, the walk of the graph behind them
     and the readable name are worked out by :meth:`prepare`, right after the message left
     (while the peer works), not on the path of the message: the edge of a leaf tensor costs
-    ~4 us (torch makes a view to find its gradient accumulator).
+    1.8 us through torch's Python API (a view to find its gradient accumulator), 0.25 us
+    through the C++ records (``native``: :mod:`mpidag.dist_autograd.native`).
     """
 
     __slots__ = ("_count", "message_id", "peer", "_tensors", "_edges", "_what", "reach",

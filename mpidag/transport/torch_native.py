@@ -10,7 +10,9 @@ The module is built per virtual environment against that environment's torch by
 * the records of distributed autograd (:mod:`mpidag.dist_autograd.native`).
 
 :func:`torch_module` gives it, or ``None``: not built, built from other sources, or built
-against another torch (a ``pip install torch==...`` after set-up); :func:`problem` says which.
+against another torch (a ``pip install torch==...`` after set-up: the build leaves the
+version it was built against in ``_mpidag_torch...so.torch`` beside it, read before the
+module is imported); :func:`problem` says which.
 
 Example::
 
@@ -20,6 +22,8 @@ Example::
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +36,23 @@ __all__ = ["TORCH_NATIVE_VERSION", "problem", "torch_module"]
 TORCH_NATIVE_VERSION = 1
 
 
+def _built_against() -> str | None:
+    """The torch version the built module's stamp file names (``None``: no stamp)."""
+    spec = importlib.util.find_spec("_mpidag_torch")
+    if spec is None or spec.origin is None:
+        return None
+    try:
+        return Path(spec.origin + ".torch").read_text().strip()
+    except OSError:
+        return None
+
+
 def _load() -> tuple[Any, str]:
+    stamp = _built_against()
+    if stamp is not None and stamp != torch.__version__:  # not even imported: another ABI
+        return None, (f"Python torch calls: _mpidag_torch was built against torch {stamp}, "
+                      f"this environment has {torch.__version__}; rebuild it with "
+                      f"'python -m mpidag.transport.wire_build'")
     module, why = import_built("_mpidag_torch", TORCH_NATIVE_VERSION, "Python torch calls")
     if module is None:
         return None, why
