@@ -194,6 +194,12 @@ def test_frame_tensor_refuses_what_does_not_fit():
         native.frame_tensor(bytearray(8), 4, torch.float32, (2,), False)
     with pytest.raises(ValueError, match="negative size"):
         native.frame_tensor(bytearray(8), 0, torch.float32, (-1,), False)
+    with pytest.raises(ValueError, match="too many elements"):
+        native.frame_tensor(bytearray(8), 0, torch.float32, (2**40, 2**40), False)
+    with pytest.raises(ValueError, match="do not fit"):
+        native.frame_tensor(bytearray(8), 0, torch.float64, (2**61,), False)
+    with pytest.raises(ValueError, match="do not fit"):
+        native.frame_tensor(bytearray(8), 9, torch.uint8, (0,), False)
     with pytest.raises(TypeError, match="torch.dtype"):
         native.frame_tensor(bytearray(8), 0, "float32", (2,), False)
     with pytest.raises(TypeError):

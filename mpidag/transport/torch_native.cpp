@@ -60,7 +60,7 @@ using torch::autograd::Edge;
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-// torch keeps nodes in std::shared_ptr (up to 2.12) or c10::intrusive_ptr (2.13 on)
+// torch keeps nodes in c10::intrusive_ptr (2.13 and 2.14) or std::shared_ptr (older releases)
 using NodePtr = decltype(std::declval<Edge>().function);
 constexpr bool kSharedNodes = std::is_same_v<NodePtr, std::shared_ptr<Node>>;
 using WeakNodePtr =
@@ -193,19 +193,19 @@ PyObject* frame_tensor(PyObject* frame, Py_ssize_t offset, PyObject* dtype, int 
   at::ScalarType type = reinterpret_cast<THPDtype*>(dtype)->scalar_type;
   int64_t count = 1;
   for (int d = 0; d < ndim; d++) {
-    if (sizes[d] < 0) {
-      PyErr_SetString(PyExc_ValueError, "frame_tensor: a negative size");
+    if (sizes[d] < 0 || __builtin_mul_overflow(count, sizes[d], &count)) {
+      PyErr_SetString(PyExc_ValueError, "frame_tensor: a negative size, or too many elements");
       return nullptr;
     }
-    count *= sizes[d];
   }
   auto* view = new Py_buffer;
   if (PyObject_GetBuffer(frame, view, PyBUF_SIMPLE) < 0) {
     delete view;
     return nullptr;
   }
-  int64_t nbytes = count * static_cast<int64_t>(c10::elementSize(type));
-  if (offset < 0 || offset + nbytes > view->len) {
+  int64_t nbytes = 0;
+  if (__builtin_mul_overflow(count, static_cast<int64_t>(c10::elementSize(type)), &nbytes) ||
+      offset < 0 || nbytes > view->len - offset) {
     PyErr_Format(PyExc_ValueError, "frame_tensor: %lld bytes at offset %zd do not fit in a "
                  "frame of %zd bytes", static_cast<long long>(nbytes), offset, view->len);
     PyBuffer_Release(view);
