@@ -28,22 +28,13 @@ from mpidag.dist_autograd.graph import edge_of, edges_of
 from mpidag.dist_autograd.native import records_module
 from mpidag.transport import frames
 from mpidag.transport.torch_native import problem
+from tests.test_graph_plan import _Double
 
 native = records_module()
 
 if os.environ.get("CI") == "true":  # set-up builds it in CI; a silent fallback is a bug
     assert native is not None, problem()
 pytestmark = pytest.mark.skipif(native is None, reason=f"not built here: {problem()}")
-
-
-class _Double(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):  # noqa: ANN001, ANN205
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, g):  # noqa: ANN001, ANN205
-        return g * 2
 
 
 def _record(count: LiveCount | None = None) -> RecvRecord:

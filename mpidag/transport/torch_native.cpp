@@ -175,6 +175,14 @@ PyMethodDef recv_methods[] = {
 PyTypeObject recv_pytype;
 
 // ------------------------------------------------------------------ frame-0 tensors
+// The RuntimeError of a C++ exception (a torch error's text without its C++ backtrace).
+PyObject* raise_from(const std::exception& e) {
+  const auto* torch_error = dynamic_cast<const c10::Error*>(&e);
+  PyErr_SetString(PyExc_RuntimeError,
+                  torch_error != nullptr ? torch_error->what_without_backtrace() : e.what());
+  return nullptr;
+}
+
 void release_buffer(Py_buffer* view) {
   if (Py_IsInitialized()) {  // else the interpreter is gone, and the frame with it
     PyGILState_STATE gil = PyGILState_Ensure();
@@ -219,13 +227,8 @@ PyObject* frame_tensor(PyObject* frame, Py_ssize_t offset, PyObject* dtype, int 
     if (requires_grad) tensor.set_requires_grad(true);
     return THPVariable_Wrap(std::move(tensor));
   }
-  catch (const c10::Error& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
-    return nullptr;
-  }
   catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
+    return raise_from(e);
   }
 }
 
@@ -339,15 +342,9 @@ PyObject* record_recv(PyObject* /*module*/, PyObject* const* args, Py_ssize_t na
     }
     return result;
   }
-  catch (const c10::Error& e) {
-    Py_DECREF(result);
-    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
-    return nullptr;
-  }
   catch (const std::exception& e) {
     Py_DECREF(result);
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
+    return raise_from(e);
   }
 }
 
@@ -419,15 +416,9 @@ PyObject* gradient_edges(PyObject* /*module*/, PyObject* const* args, Py_ssize_t
     }
     return result;
   }
-  catch (const c10::Error& e) {
-    Py_DECREF(result);
-    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
-    return nullptr;
-  }
   catch (const std::exception& e) {
     Py_DECREF(result);
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
+    return raise_from(e);
   }
 }
 

@@ -139,13 +139,20 @@ def compile_module(compiler: str, source: Path, out: Path) -> str | None:
     partial = out.with_name(out.name + ".partial")
     command = [compiler, "-O2", "-shared", "-fPIC", "-Wall", "-Werror",
                f"-I{sysconfig.get_paths()['include']}", str(source), "-o", str(partial)]
+    failure = _run_compiler(command, 300)
+    if failure is None:
+        partial.replace(out)
+    return failure
+
+
+def _run_compiler(command: list[str], timeout: float) -> str | None:
+    """Run one compiler command; ``None``, or what went wrong."""
     try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except OSError as exc:
-        return f"{compiler} could not run: {exc}"
+        return f"{command[0]} could not run: {exc}"
     if result.returncode != 0:
         return f"{' '.join(command)} failed:\n{result.stdout}{result.stderr}"
-    partial.replace(out)
     return None
 
 
@@ -170,12 +177,9 @@ def compile_torch_module(compiler: str, source: Path, out: Path) -> str | None:
                f'-DMPIDAG_TORCH_VERSION="{torch.__version__}"',
                f"-I{sysconfig.get_paths()['include']}", *flags, str(source),
                "-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python", "-o", str(partial)]
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    except OSError as exc:
-        return f"{compiler} could not run: {exc}"
-    if result.returncode != 0:
-        return f"{' '.join(command)} failed:\n{result.stdout}{result.stderr}"
+    failure = _run_compiler(command, 600)
+    if failure is not None:
+        return failure
     # the torch it was built against, read before the module is imported (a module built
     # for another torch may not even load safely): mpidag.transport.torch_native
     out.with_name(out.name + ".torch").write_text(torch.__version__ + "\n")
