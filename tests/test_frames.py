@@ -187,6 +187,30 @@ def test_decode_message_makes_every_dtype_and_shape_as_python_does(codec, dtype)
                            original.detach().reshape(-1).view(torch.uint8))
 
 
+def test_the_c_codec_without_torch_native_makes_the_same_tensors_with_frombuffer(codec):
+    """Where _mpidag_frames is built but _mpidag_torch is not, the C codec makes inline
+    tensors with torch.frombuffer, .view and .requires_grad_ from C."""
+    c = frames.compiled_codec()
+    if codec == "python" or c is None:
+        pytest.skip("the C codec's own branch (run under the compiled parameter)")
+    sent = [sample(dtype, shape).requires_grad_(dtype.is_floating_point)
+            for dtype, shape in ((torch.float32, ()), (torch.float64, (7,)),
+                                 (torch.int32, (2, 3)), (torch.bfloat16, (1, 2, 1, 3)))]
+    frame0, _ = frames.encode(Envelope(kind=1, payload=b"p", tensors=sent), ["cpu"] * 4, 5)
+    frames.configure_codec(c, use_torch_native=False)
+    try:
+        assert not c.uses_torch_native()
+        out, header = c.decode_message(bytearray(frame0))
+    finally:
+        frames.configure_codec(c, use_torch_native=True)
+    expected, _ = frames.decode_message_python(bytearray(frame0))
+    assert header is None
+    for got, python in zip(out.tensors, expected.tensors, strict=True):
+        assert (got.dtype, got.shape, got.stride(), got.requires_grad) == \
+            (python.dtype, python.shape, python.stride(), python.requires_grad)
+        assert torch.equal(got.detach(), python.detach())
+
+
 def test_non_contiguous_views_and_zero_size():
     base = torch.arange(60.0).reshape(6, 10)
     obj = {"t": base.t(), "slice": base[1:4, ::3], "empty": torch.empty(0, 4),

@@ -657,8 +657,7 @@ class ContextContainer(CallObserver):
             result = list(tensors)
             for i, out in zip(index, outs, strict=True):
                 result[i] = out
-        with ctx.lock:
-            ctx.known_workers.add(src)
+        with ctx.lock:  # src is a known worker already: incoming() made it one
             ctx.recvs[message_id] = record
         return result
 

@@ -895,6 +895,15 @@ def _load_codec() -> Any:
                           f"{CODEC_VERSION}): the Python codec runs; rebuild it with "
                           f"'python -m mpidag.transport.wire_build'")
         return None
+    configure_codec(codec, use_torch_native=True)
+    return codec
+
+
+def configure_codec(codec: Any, use_torch_native: bool) -> None:
+    """Give the C codec this module's classes, tables and Python fallbacks, and
+    ``_mpidag_torch``'s frame-0 tensor maker (a capsule) where it is built and
+    ``use_torch_native`` (else the codec calls ``torch.frombuffer``: the tests run both)."""
+    module = torch_module() if use_torch_native else None
     codec.configure(envelope=Envelope, header=Header, spec=TensorSpec, dtypes=DTYPES,
                     dtype_codes=DTYPE_CODE, device_name=_device_name,
                     device_codes=_device_codes, strided=_STRIDED, encode=encode_python,
@@ -903,15 +912,7 @@ def _load_codec() -> Any:
                     grad_dtypes=[dt.is_floating_point or dt.is_complex for dt in DTYPES],
                     inline_limit=INLINE_LIMIT,
                     payload_frame_limit=PAYLOAD_FRAME_LIMIT,
-                    frame_tensor=_frame_tensor_api())
-    return codec
-
-
-def _frame_tensor_api() -> Any:
-    """``_mpidag_torch``'s frame-0 tensor maker (a capsule) for the C codec, or ``None``
-    (then the codec calls ``torch.frombuffer``)."""
-    module = torch_module()
-    return None if module is None else module.frame_tensor_api
+                    frame_tensor=None if module is None else module.frame_tensor_api)
 
 
 def use_compiled(compiled: bool) -> bool:
