@@ -24,7 +24,8 @@ RECORDS = ["python"] + (["c++"] if records_module() is not None else [])
 @pytest.fixture(params=RECORDS)
 def received(request):
     """``received(value)``: ``value`` as a tensor received from rank 1 (a recv node's output),
-    through the Python or the C++ records."""
+    through the Python or the C++ records; ``received.native``: the module that walks the
+    graph for plans of those (``None``: Python)."""
     anchor = torch.empty(0, requires_grad=True)
 
     def receive(value: torch.Tensor) -> torch.Tensor:
@@ -35,6 +36,7 @@ def received(request):
             (out,) = RecvRPC.apply(anchor, record, [value.detach()])
         assert type(out.grad_fn) in RECV_NODE_TYPES and out.grad_fn.record is record
         return out
+    receive.native = records_module() if request.param == "c++" else None
     return receive
 
 
@@ -68,7 +70,7 @@ def test_shared_node_runs_once_with_the_sum_of_all_sources(order, received):
     a, b, x, outs = _shared_graph(received)
     grads = [[torch.tensor(1.0)], [torch.randn(4)], [torch.randn(4)]]
     expected = torch.autograd.grad(outs, [a, b, x], [g[0] for g in grads], retain_graph=True)
-    plan = Plan([[edge_of(o)] for o in outs], RECV_NODE_TYPES)
+    plan = Plan([[edge_of(o)] for o in outs], RECV_NODE_TYPES, native=received.native)
     leaves, recvs = _run(plan, list(order), grads)
     torch.testing.assert_close(leaves[a], expected[0])
     torch.testing.assert_close(leaves[b], expected[1])
@@ -79,7 +81,7 @@ def test_shared_node_runs_once_with_the_sum_of_all_sources(order, received):
 
 def test_recv_fires_only_when_every_source_reaching_it_arrived(received):
     a, b, x, outs = _shared_graph(received)
-    plan = Plan([[edge_of(o)] for o in outs], RECV_NODE_TYPES)
+    plan = Plan([[edge_of(o)] for o in outs], RECV_NODE_TYPES, native=received.native)
     _, fired = plan.arrive(0, [torch.tensor(1.0)], retain_graph=False)
     assert fired == []
     assert plan.waiting_sources() == [1, 2]  # what FAST mode reports if they never come

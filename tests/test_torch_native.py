@@ -7,7 +7,8 @@ compares every decoded message of the C codec, which calls it, with the Python c
 ``record_recv`` must make what the Python records make (the same values, tensors that share
 the received storage, one recv node per message whose outputs are the tensors that require
 grad, in order), and free the record with the node, on whatever thread autograd frees it;
-``gradient_edges`` must find the edges torch's ``get_gradient_edge`` finds. Graphs with
+``gradient_edges`` must find the edges torch's ``get_gradient_edge`` finds, and ``reach``
+walk to what the Python walk of ``Reach`` reaches. Graphs with
 C++ recv nodes go through the planner in ``tests/test_graph_plan.py`` and through every
 in-process and multi-rank test of a compiled agent.
 """
@@ -23,8 +24,8 @@ import pytest
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from mpidag.dist_autograd.context import RECV_NODE_TYPES, LiveCount, RecvRecord
-from mpidag.dist_autograd.graph import edge_of, edges_of
+from mpidag.dist_autograd.context import RECV_NODE_TYPES, LiveCount, RecvRecord, RecvRPC
+from mpidag.dist_autograd.graph import AccumulateGrad, Reach, edge_of, edges_of
 from mpidag.dist_autograd.native import records_module
 from mpidag.transport import frames
 from mpidag.transport.torch_native import problem
@@ -129,6 +130,61 @@ def test_a_leafs_edge_keeps_its_gradient_accumulator_alive():
     assert get_gradient_edge(leaf).node is edge.node  # the same accumulator, still alive
     (grad,) = torch.autograd.grad((leaf * 5).sum(), [edge])
     assert torch.equal(grad, torch.full((3,), 5.0))
+
+
+def _python_reach(edges: list) -> Reach:
+    return Reach(edges, RECV_NODE_TYPES)  # no native: the Python walk
+
+
+def _same_reach(ours: Reach, theirs: Reach) -> None:
+    assert ours.succ == theirs.succ  # every node reached, with its next_functions
+    assert ours.leaf_edges == theirs.leaf_edges and ours.recv_edges == theirs.recv_edges
+    assert ours.recv_nodes == theirs.recv_nodes
+
+
+def test_the_walk_in_cpp_reaches_what_the_python_walk_reaches():
+    a, b = torch.rand(3, requires_grad=True), torch.rand(3, requires_grad=True)
+    received = native.record_recv(_record(), [torch.ones(3, requires_grad=True),
+                                              torch.ones(3, requires_grad=True)])
+    python_recv = RecvRPC.apply(torch.empty(0, requires_grad=True), _record(),
+                                [torch.ones(3)])[0]
+    shared = a * b  # reached twice (a diamond), its leaves twice
+    diamond = shared.sin() + shared.cos()
+    through_python = _Double.apply(a + received[0])  # a custom Function node mid-graph
+    mixed = diamond * received[1] + through_python * python_recv + torch.ones(3)
+    graphs = {
+        "leaves only": [a, b],
+        "a recv node's outputs": [received[0], received[1]],
+        "diamond": [diamond],
+        "everything": [mixed, a, received[0]],
+        "two sources sharing nodes": [mixed, diamond],
+        "no grad, leaf": [torch.ones(2), a],
+        "unbind (several outputs of one node)": list(torch.unbind(mixed * 2)),
+    }
+    for name, tensors in graphs.items():
+        edges = [None if not t.requires_grad else edge_of(t) for t in tensors]
+        ours = Reach(edges, RECV_NODE_TYPES, native)
+        _same_reach(ours, _python_reach(edges))
+        if name == "everything":
+            assert len(ours.succ) > 6 and len(ours.leaf_edges) == 2
+            assert {n.name() for n in ours.recv_nodes} == \
+                {"torch::distributed::autograd::RecvRpcBackward"}
+            assert len(ours.recv_nodes) == 2 and len(ours.recv_edges) == 3
+    # a walk that starts at a custom Function's node is Python's (the edge's ownership
+    # token keeps the graph behind it): the C++ walk declines it
+    start = [edge_of(through_python)]
+    assert native.reach(start, RECV_NODE_TYPES, AccumulateGrad) is None
+    _same_reach(Reach(start, RECV_NODE_TYPES, native), _python_reach(start))
+
+
+def test_the_walk_in_cpp_refuses_what_is_not_a_list_of_edges():
+    a = torch.rand(3, requires_grad=True)
+    with pytest.raises(TypeError, match="reach"):
+        native.reach((edge_of(a),), RECV_NODE_TYPES, AccumulateGrad)
+    with pytest.raises(TypeError, match="reach"):
+        native.reach([edge_of(a)], set(RECV_NODE_TYPES), AccumulateGrad)
+    with pytest.raises(TypeError, match="GradientEdge or None"):
+        native.reach([a], RECV_NODE_TYPES, AccumulateGrad)
 
 
 def test_bad_arguments_are_type_errors():

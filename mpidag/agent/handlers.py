@@ -8,6 +8,7 @@ every call (autograd records send/recv functions through it) and a few hooks; th
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -88,6 +89,13 @@ def detaches_parameters(func: Any, args: tuple) -> bool:
     return _find_builtin(func) is None
 
 
+#: names of module-level functions and builtins (``torch.add``), which live as long as their
+#: modules: each call in an autograd context names its messages four times
+_NAMES: dict[Any, str] = {}
+_NAMES_MAX = 4096
+_NAMED_TYPES = (types.BuiltinFunctionType, types.FunctionType)
+
+
 def describe(func: Any, args: tuple | None = None) -> str:
     """A readable name of a called function; mpidag's internal handlers (``remote``,
     ``to_here``, RRef proxies) describe the user's call they carry (``Handler.describe``).
@@ -97,6 +105,31 @@ def describe(func: Any, args: tuple | None = None) -> str:
         >>> describe(torch.sin), describe(Handler("rref.fetch", print))
         ('torch.sin', 'mpidag:rref.fetch')
     """
+    try:
+        name = _NAMES.get(func)
+    except TypeError:  # unhashable
+        name = None
+    if name is not None:
+        return name
+    name = _describe(func, args)
+    if _lives_with_its_module(func):
+        if len(_NAMES) >= _NAMES_MAX:  # functions made at run time: start over
+            _NAMES.clear()
+        _NAMES[func] = name
+    return name
+
+
+def _lives_with_its_module(func: Any) -> bool:
+    """A plain function defined at a module's top level, or a builtin of a module or a class
+    (not a lambda, a function defined in a function, or a method bound to an object: the
+    name cache must not keep those, or what they hold, alive)."""
+    if type(func) not in _NAMED_TYPES or "<" in getattr(func, "__qualname__", "<"):
+        return False
+    owner = getattr(func, "__self__", None)
+    return owner is None or isinstance(owner, (types.ModuleType, type))
+
+
+def _describe(func: Any, args: tuple | None) -> str:
     if isinstance(func, Handler):
         if func.describe is not None and args is not None:
             try:

@@ -42,7 +42,8 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from mpidag.agent.agent import CallObserver, RpcAgent
-from mpidag.dist_autograd.graph import Reach, edges_of
+from mpidag.agent.messages import CALL
+from mpidag.dist_autograd.graph import Reach, edges_and_reach
 from mpidag.dist_autograd.native import records_module
 from mpidag.transport.frames import Envelope
 
@@ -81,29 +82,27 @@ class LiveCount:
     :class:`ContextContainer` has its own (its runtime's figures, however many runtimes
     share the process).
 
+    ``made()`` (one more object made) and ``freed()`` (one of them freed, from its
+    ``__del__``) are the counts' own ``__next__``: no Python frame per object.
+
     Example::
 
         >>> sends = LiveCount()
-        >>> sends.made(); sends.made(); sends.freed()
+        >>> _ = sends.made(), sends.made(), sends.freed()
         >>> sends.live
         1
     """
 
-    __slots__ = ("_made", "_freed", "_read_lock", "_made_reads", "_freed_reads")
+    __slots__ = ("_made", "_freed", "made", "freed", "_read_lock", "_made_reads",
+                 "_freed_reads")
 
     def __init__(self) -> None:
         self._made = itertools.count()
         self._freed = itertools.count()
+        self.made: Callable[[], int] = self._made.__next__
+        self.freed: Callable[[], int] = self._freed.__next__
         self._read_lock = threading.Lock()
         self._made_reads = self._freed_reads = 0  # how far reads advanced each count
-
-    def made(self) -> None:
-        """One more object made."""
-        next(self._made)
-
-    def freed(self) -> None:
-        """One of them freed (called from its ``__del__``)."""
-        next(self._freed)
 
     @property
     def live(self) -> int:
@@ -173,11 +172,12 @@ class SendFunction:
         doing it again."""
         with self._walking:
             if self._tensors is not None:
-                self._edges = edges_of(self._tensors, self._native)
+                self._edges, self.reach = edges_and_reach(self._tensors, RECV_NODE_TYPES,
+                                                          self._native)
                 self._tensors = None
                 _ = self.what  # the name now: the callable may hold the call's arguments
             if self.reach is None:
-                self.reach = Reach(self._edges, RECV_NODE_TYPES)
+                self.reach = Reach(self._edges, RECV_NODE_TYPES, self._native)
             return self.reach
 
     def __del__(self) -> None:
@@ -200,13 +200,20 @@ class SendFunction:
 
 
 class RecvRecord:
-    """The receiver's half of one message, carried by its recv node (``node.record``)."""
+    """The receiver's half of one message, carried by its recv node (``node.record``).
 
-    __slots__ = ("_count", "context_id", "message_id", "peer", "n_outputs", "what", "node",
+    ``what`` names the message: a string, or a callable that gives it when first read
+    (a call's name before its arguments are unpickled, which serving replaces: see
+    :meth:`ContextContainer.received`). Such a callable must not hold the message: its
+    tensors become the recv node's outputs, and the node holds this record, a cycle through
+    C++ that Python's collector cannot see.
+    """
+
+    __slots__ = ("_count", "context_id", "message_id", "peer", "n_outputs", "_what", "node",
                  "__weakref__")
 
     def __init__(self, context_id: int, message_id: int, peer: int, n_outputs: int,
-                 what: str, count: LiveCount | None = None) -> None:
+                 what: str | Callable[[], str], count: LiveCount | None = None) -> None:
         self._count = count  # its container's live recv functions (first: see __del__)
         #: the recv node, once recorded: a weak reference (called, the node or None)
         self.node: Callable[[], Any] | None = None
@@ -214,9 +221,21 @@ class RecvRecord:
         self.message_id = message_id
         self.peer = peer  # the rank the tensors came from (and the gradients go to)
         self.n_outputs = n_outputs
-        self.what = what
+        self._what = what
         if count is not None:
             count.made()
+
+    @property
+    def what(self) -> str:
+        """The message this recv function belongs to, for errors and reprs."""
+        what = self._what
+        if not isinstance(what, str):
+            what = self._what = what()
+        return what
+
+    @what.setter
+    def what(self, what: str) -> None:
+        self._what = what
 
     def __del__(self) -> None:
         if self._count is not None:
@@ -398,9 +417,21 @@ class DistAutogradContext:
         self.sends: dict[int, SendFunction] = {}
         self.recvs: dict[int, RecvRecord] = {}
         self.known_workers: set[int] = set()
-        self.gradients = GradientMap()
+        self._gradients: GradientMap | None = None  # made by the first pass that stores one
         self.passes: dict[int, PassState] = {}
         self.released = False
+
+    @property
+    def gradients(self) -> GradientMap:
+        """The gradients accumulated in this context on this rank (made when first asked
+        for: most contexts of a rank that only serves calls never store one)."""
+        gradients = self._gradients
+        if gradients is None:
+            with self.lock:
+                if self._gradients is None:
+                    self._gradients = GradientMap()
+                gradients = self._gradients
+        return gradients
 
     @property
     def anchor(self) -> torch.Tensor:
@@ -495,7 +526,11 @@ class ContextContainer(CallObserver):
     def received(self, env: Envelope, what: Callable[[], str]) -> DistAutogradContext | None:
         ctx = self.incoming(env.context_id, env.src)
         if ctx is not None and env.message_id:
-            env.tensors = self.record_recv(ctx, env.message_id, env.src, env.tensors, what)
+            # a call's name before unpickling (Server.arguments_from: the server and the
+            # sender's rank) is kept uncalled: serving names the record once unpickled;
+            # any other name may hold the message (an answer's holds the pending call)
+            env.tensors = self.record_recv(ctx, env.message_id, env.src, env.tensors,
+                                           what if env.kind == CALL else what())
         return ctx
 
     def serving(self, state: DistAutogradContext, message_id: int,
@@ -545,32 +580,41 @@ class ContextContainer(CallObserver):
                         return None
                     ctx = self.contexts[context_id] = DistAutogradContext(self, context_id)
                     self.active = True
-        with ctx.lock:
-            ctx.known_workers.add(src)
+        if src not in ctx.known_workers:  # (an answer's sender is known: the call went there)
+            with ctx.lock:
+                ctx.known_workers.add(src)
         return ctx
 
     def release(self, ctx: DistAutogradContext, from_rank: int | None = None) -> None:
         """Drop ``ctx`` here and tell every rank it exchanged messages with."""
+        context_id, contexts = ctx.context_id, self.contexts
         with self.lock:
-            if self.contexts.get(ctx.context_id) is not ctx:
+            if contexts.get(context_id) is not ctx:
                 return
-            del self.contexts[ctx.context_id]
-            self.active = bool(self.contexts)  # the agent asks outgoing() only while true
-            self._remember(ctx.context_id)
+            del contexts[context_id]
+            self.active = bool(contexts)  # the agent asks outgoing() only while true
+            self._remember(context_id)
         with ctx.lock:
             ctx.released = True
-            peers = ctx.known_workers - {from_rank, self.rank}
-            ctx.sends.clear()
-            ctx.recvs.clear()
-            ctx.passes.clear()
-        agent = self.agent
-        for peer in sorted(peers - agent.failed):
-            if agent.running:
-                try:
-                    agent.notify(peer, self._release_handler, (ctx.context_id, self.rank))
-                except Exception:
-                    log.exception("could not send the release of context %d to rank %d",
-                                  ctx.context_id, peer)
+            peers = sorted(ctx.known_workers)
+            if ctx.sends:
+                ctx.sends.clear()
+            if ctx.recvs:
+                ctx.recvs.clear()
+            if ctx.passes:
+                ctx.passes.clear()
+        if not peers:
+            return
+        agent, me = self.agent, self.rank
+        failed = agent.failed
+        for peer in peers:
+            if peer in (from_rank, me) or peer in failed or not agent.running:
+                continue
+            try:
+                agent.notify(peer, self._release_handler, (context_id, me))
+            except Exception:
+                log.exception("could not send the release of context %d to rank %d",
+                              context_id, peer)
 
     def release_id(self, context_id: int, from_rank: int) -> None:
         """The context ended on ``from_rank`` (the ``autograd.release`` handler)."""
@@ -591,9 +635,10 @@ class ContextContainer(CallObserver):
             self.release(ctx, from_rank=rank)
 
     def _remember(self, context_id: int) -> None:
-        if len(self._released) == self._released.maxlen:
-            self._released_set.discard(self._released[0])
-        self._released.append(context_id)
+        released = self._released
+        if len(released) == RELEASED_MEMORY:
+            self._released_set.discard(released[0])
+        released.append(context_id)
         self._released_set.add(context_id)
 
     # ---------------------------------------------------- the current context
@@ -639,19 +684,23 @@ class ContextContainer(CallObserver):
         return ctx.context_id, message_id
 
     def record_recv(self, ctx: DistAutogradContext, message_id: int, src: int,
-                    tensors: list[torch.Tensor], what: Callable[[], str]
+                    tensors: list[torch.Tensor], what: str | Callable[[], str]
                     ) -> list[torch.Tensor]:
         """``tensors`` as received in ``ctx``: those that require grad become outputs of a
-        new recv function paired with the sender's send function ``message_id``."""
-        index = [i for i, t in enumerate(tensors) if t.requires_grad]
-        if not index:
-            return tensors
-        record = RecvRecord(ctx.context_id, message_id, src, len(index), what(),
-                            self.live_recvs)
+        new recv function paired with the sender's send function ``message_id``; ``what``
+        names it (see :class:`RecvRecord`)."""
         native = self.native
         if native is not None and not _functorch_active():
-            result = native.record_recv(record, tensors)
+            record = RecvRecord(ctx.context_id, message_id, src, 0, what, self.live_recvs)
+            result = native.record_recv(record, tensors)  # sets record.n_outputs
+            if not record.n_outputs:  # no tensor requires grad: nothing to record
+                return tensors
         else:
+            index = [i for i, t in enumerate(tensors) if t.requires_grad]
+            if not index:
+                return tensors
+            record = RecvRecord(ctx.context_id, message_id, src, len(index), what,
+                                self.live_recvs)
             plain = [tensors[i].detach() for i in index]
             outs = _apply_recv(ctx.anchor, record, plain)
             result = list(tensors)

@@ -336,7 +336,8 @@ class PassState:
             reaches.append(send.prepare())
             self.source_what.append(f"{send.what} (from rank {self.agent.rank})")
             self.source_send.append(send)
-        self.plan = Plan(sources, RECV_NODE_TYPES, reaches, watch=_ddp_index.watch)
+        self.plan = Plan(sources, RECV_NODE_TYPES, reaches, watch=_ddp_index.watch,
+                         native=self.ctx.container.native)
         for node in self.plan.leaf_mask:
             ddp = _ddp_index.averaged(_ddp_index.lookup(node.variable))
             if ddp is not None:

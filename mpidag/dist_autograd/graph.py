@@ -128,6 +128,28 @@ def edges_of(tensors: list[torch.Tensor], native: Any = None) -> list[GradientEd
             for edge, t in zip(found, tensors, strict=True)]
 
 
+def edges_and_reach(tensors: list[torch.Tensor], recv_types: frozenset[type],
+                    native: Any = None) -> tuple[list[GradientEdge], Reach | None]:
+    """:func:`edges_of` the tensors and, where ``native`` does both in one C++ call
+    (``send_reach``: what a send function needs of its tensors), their :class:`Reach`;
+    ``None`` for the reach where Python walks (no ``native``, or a custom Function's output
+    among the tensors).
+
+    Example::
+
+        >>> a = torch.ones(1, requires_grad=True)
+        >>> edges, reach = edges_and_reach([a * 2], frozenset())
+        >>> [edge.node.name() for edge in edges], reach
+        (['MulBackward0'], None)
+    """
+    if native is None:
+        return edges_of(tensors), None
+    edges, walked = native.send_reach(tensors, GradientEdge, recv_types, AccumulateGrad)
+    if walked is None:
+        return edges_of(tensors, native), None
+    return edges, Reach.from_walk(walked)
+
+
 def _type_set(recv_types: type | frozenset[type]) -> frozenset[type]:
     return frozenset((recv_types,)) if isinstance(recv_types, type) else recv_types
 
@@ -137,14 +159,33 @@ class Reach:
     and its edges into leaves and into recv functions (where the walk stops).
 
     The graph behind a tensor never changes once made, so the reach of a send function can
-    be computed as soon as it is recorded (see ``SendFunction.prepare``).
+    be computed as soon as it is recorded (see ``SendFunction.prepare``). ``native`` (the C++
+    records module, :mod:`mpidag.dist_autograd.native`) walks torch's C++ nodes instead of
+    Python's ``next_functions`` (0.3 instead of 1-2 us for a call's few nodes), the same
+    result; Python walks where an edge starts at a custom Function's node.
+
+    Example::
+
+        >>> a = torch.ones(2, requires_grad=True)
+        >>> reach = Reach([edge_of(a * 2 + 1)], recv_types=frozenset())
+        >>> sorted(node.name() for node in reach.succ), len(reach.leaf_edges)
+        (['AddBackward0', 'MulBackward0'], 1)
     """
 
     __slots__ = ("succ", "leaf_edges", "recv_edges", "recv_nodes")
 
     def __init__(self, edges: list[GradientEdge | None],
-                 recv_types: type | frozenset[type]) -> None:
+                 recv_types: type | frozenset[type], native: Any = None) -> None:
         acc, recv_types = AccumulateGrad, _type_set(recv_types)
+        if native is not None:
+            walked = native.reach(edges if type(edges) is list else list(edges), recv_types, acc)
+            if walked is not None:
+                self.succ, self.leaf_edges, self.recv_edges, self.recv_nodes = walked
+                return
+        self._walk(edges, recv_types)
+
+    def _walk(self, edges: list[GradientEdge | None], recv_types: frozenset[type]) -> None:
+        acc = AccumulateGrad
         succ: dict[Any, tuple] = {}
         leaf_edges: set[EdgeKey] = set()
         recv_edges: set[EdgeKey] = set()
@@ -179,6 +220,13 @@ class Reach:
         self.recv_edges = recv_edges
         self.recv_nodes = recv_nodes
 
+    @classmethod
+    def from_walk(cls, walked: tuple[dict, set, set, set]) -> Reach:
+        """The reach a C++ walk gave: ``(succ, leaf_edges, recv_edges, recv_nodes)``."""
+        reach = cls.__new__(cls)
+        reach.succ, reach.leaf_edges, reach.recv_edges, reach.recv_nodes = walked
+        return reach
+
 
 @dataclass(slots=True, eq=False)
 class _Region:
@@ -211,13 +259,16 @@ class Plan:
     ``sources[i]`` lists the edges of source ``i`` (``None`` for a tensor without grad);
     its gradients arrive through :meth:`arrive`. Nodes of a type in ``recv_types`` (one
     type or a set) are recv functions: gradients stop there and are returned to the caller
-    once complete.
+    once complete. ``reaches[i]`` is source ``i``'s :class:`Reach` where it is known (a send
+    function's, walked when it was recorded); the others are walked here, in C++ where
+    ``native`` (the C++ records module) is given.
     """
 
     def __init__(self, sources: list[list[GradientEdge | None]],
                  recv_types: type | frozenset[type],
                  reaches: list[Reach | None] | None = None,
-                 watch: Callable[[torch.Tensor], bool] | None = None) -> None:
+                 watch: Callable[[torch.Tensor], bool] | None = None,
+                 native: Any = None) -> None:
         self.n_sources = len(sources)
         self.recv_types = _type_set(recv_types)
         self.arrived = 0
@@ -237,7 +288,7 @@ class Plan:
         reaches = list(reaches) if reaches is not None else [None] * len(sources)
         for i, edges in enumerate(sources):
             if reaches[i] is None:
-                reaches[i] = Reach(edges, self.recv_types)
+                reaches[i] = Reach(edges, self.recv_types, native)
         self._build(reaches)
         #: watched leaves not complete yet: their source masks, their gradients so far
         self.leaf_mask: dict[Any, int] = {}

@@ -138,9 +138,12 @@ class InProcTransport(FramedTransport):
             self.world.frames[(dst, self.rank, tag)].append(data)
 
     def _probe(self) -> tuple[int, bytearray] | None:
+        inbox = self.world.inboxes[self.rank]
+        if not inbox:  # (an empty poll, the common one, raises nothing)
+            return None
         try:
-            return self.world.inboxes[self.rank].popleft()
-        except IndexError:
+            return inbox.popleft()
+        except IndexError:  # another thread took the last one meanwhile
             return None
 
     def _probe_now(self, seconds: float) -> tuple[int, bytearray] | None:

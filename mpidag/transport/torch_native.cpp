@@ -50,7 +50,7 @@
 
 namespace {
 
-constexpr long VERSION = 1;
+constexpr long VERSION = 2;
 
 #ifndef MPIDAG_TORCH_VERSION  // torch.__version__ at build time (the build defines it)
 #error "build with -DMPIDAG_TORCH_VERSION=\"<torch.__version__>\" (mpidag's wire_build does)"
@@ -422,6 +422,161 @@ PyObject* gradient_edges(PyObject* /*module*/, PyObject* const* args, Py_ssize_t
   }
 }
 
+// reach(edges, recv_types, AccumulateGrad) -> (succ, leaf_edges, recv_edges, recv_nodes), or
+// None where an edge's node is a Python node (a custom Function's: Python walks from it).
+// The depth-first walk of mpidag.dist_autograd.graph.Reach over torch's C++ nodes: succ maps
+// every node reached, but leaves and recv nodes (where the walk stops), to its
+// next_functions tuple (built as THPCppFunction_next_functions builds it); leaf_edges and
+// recv_edges are the (node, input_nr) keys into leaves and recv nodes behind the edges'
+// nodes; recv_nodes the recv nodes among the edges' nodes and behind them.
+struct Walk {
+  PyObject* recv_types;  // a frozenset of node types
+  PyObject* acc_type;    // AccumulateGrad's Python type
+  THPObjectPtr succ{PyDict_New()}, leaf_edges{PySet_New(nullptr)},
+      recv_edges{PySet_New(nullptr)}, recv_nodes{PySet_New(nullptr)};
+  std::vector<std::pair<Node*, PyObject*>> stack;  // node, its Python object (a succ key)
+
+  bool ok() const { return succ && leaf_edges && recv_edges && recv_nodes; }
+
+  // 1: a leaf, 2: a recv node, 0: neither; -1: an error
+  int kind(PyObject* node) const {
+    if (reinterpret_cast<PyObject*>(Py_TYPE(node)) == acc_type) return 1;
+    int recv = PySet_Contains(recv_types, reinterpret_cast<PyObject*>(Py_TYPE(node)));
+    return recv < 0 ? -1 : recv ? 2 : 0;
+  }
+
+  // node (borrowed) joins the walk unless seen: 0 done, -1 an error
+  int visit(Node* cnode, PyObject* node) {
+    int seen = PyDict_Contains(succ.get(), node);
+    if (seen != 0) return seen < 0 ? -1 : 0;
+    if (PyDict_SetItem(succ.get(), node, empty_tuple()) < 0) return -1;
+    stack.emplace_back(cnode, node);  // borrowed: succ holds it
+    return 0;
+  }
+
+  static PyObject* empty_tuple() {
+    static PyObject* empty = PyTuple_New(0);
+    return empty;
+  }
+
+  // the next_functions of one node, classifying each next node; nullptr on an error
+  PyObject* expand(Node* cnode) {
+    const auto n = cnode->num_outputs();
+    THPObjectPtr nexts(PyTuple_New(static_cast<Py_ssize_t>(n)));
+    if (!nexts) return nullptr;
+    for (uint32_t i = 0; i < n; i++) {
+      const Edge& edge = cnode->next_edge(i);
+      PyObject* next = torch::autograd::functionToPyObject(edge.function);
+      if (next == nullptr) return nullptr;
+      PyObject* number = PyLong_FromUnsignedLong(edge.input_nr);
+      PyObject* key = number == nullptr ? nullptr : PyTuple_New(2);
+      if (key == nullptr) {
+        Py_DECREF(next);
+        Py_XDECREF(number);
+        return nullptr;
+      }
+      PyTuple_SET_ITEM(key, 0, next);
+      PyTuple_SET_ITEM(key, 1, number);
+      PyTuple_SET_ITEM(nexts.get(), i, key);
+      if (next == Py_None) continue;
+      int seen = PyDict_Contains(succ.get(), next);
+      if (seen < 0) return nullptr;
+      if (seen) continue;
+      switch (kind(next)) {
+        case 1:
+          if (PySet_Add(leaf_edges.get(), key) < 0) return nullptr;
+          break;
+        case 2:
+          if (PySet_Add(recv_edges.get(), key) < 0 || PySet_Add(recv_nodes.get(), next) < 0)
+            return nullptr;
+          break;
+        case 0:
+          if (visit(edge.function.get(), next) < 0) return nullptr;
+          break;
+        default:
+          return nullptr;
+      }
+    }
+    return nexts.release();
+  }
+};
+
+PyObject* reach(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3 || !PyList_Check(args[0]) || !PyFrozenSet_Check(args[1]) ||
+      !PyType_Check(args[2])) {
+    PyErr_SetString(PyExc_TypeError,
+                    "reach(edges: list, recv_types: frozenset, AccumulateGrad: type)");
+    return nullptr;
+  }
+  if (Walk::empty_tuple() == nullptr) return nullptr;
+  Walk walk{args[1], args[2]};
+  if (!walk.ok()) return nullptr;
+  PyObject* edges = args[0];
+  try {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(edges); i++) {
+      PyObject* edge = PyList_GET_ITEM(edges, i);
+      if (edge == Py_None) continue;
+      if (!PyTuple_Check(edge) || PyTuple_GET_SIZE(edge) < 2) {
+        PyErr_SetString(PyExc_TypeError, "reach: every edge must be a GradientEdge or None");
+        return nullptr;
+      }
+      PyObject* node = PyTuple_GET_ITEM(edge, 0);
+      if (node == Py_None) continue;
+      switch (walk.kind(node)) {
+        case 1:
+          continue;
+        case 2:
+          if (PySet_Add(walk.recv_nodes.get(), node) < 0) return nullptr;
+          continue;
+        case 0:
+          break;
+        default:
+          return nullptr;
+      }
+      if (!torch::autograd::THPCppFunction_Check(node)) Py_RETURN_NONE;  // Python walks it
+      auto* cpp = reinterpret_cast<torch::autograd::THPCppFunction*>(node);
+      if (walk.visit(cpp->cdata.get(), node) < 0) return nullptr;
+    }
+    while (!walk.stack.empty()) {
+      auto [cnode, node] = walk.stack.back();
+      walk.stack.pop_back();
+      PyObject* nexts = walk.expand(cnode);
+      if (nexts == nullptr || PyDict_SetItem(walk.succ.get(), node, nexts) < 0) {
+        Py_XDECREF(nexts);
+        return nullptr;
+      }
+      Py_DECREF(nexts);
+    }
+  }
+  catch (const std::exception& e) {
+    return raise_from(e);
+  }
+  return PyTuple_Pack(4, walk.succ.get(), walk.leaf_edges.get(), walk.recv_edges.get(),
+                      walk.recv_nodes.get());
+}
+
+// send_reach(tensors, GradientEdge, recv_types, AccumulateGrad) -> (edges, reach): what a
+// send function needs of its tensors in one call, gradient_edges(tensors) and reach() of
+// those edges; reach is None where Python must do either (an edge is None: a custom
+// Function's output or a tensor without grad)
+PyObject* send_reach(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4) {
+    PyErr_SetString(PyExc_TypeError,
+                    "send_reach(tensors, GradientEdge, recv_types, AccumulateGrad)");
+    return nullptr;
+  }
+  THPObjectPtr edges(gradient_edges(module, args, 2));
+  if (!edges) return nullptr;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(edges.get()); i++) {
+    if (PyList_GET_ITEM(edges.get(), i) == Py_None)
+      return PyTuple_Pack(2, edges.get(), Py_None);
+  }
+  PyObject* walk_args[3] = {edges.get(), args[2], args[3]};
+  THPObjectPtr walked(reach(module, walk_args, 3));
+  if (!walked) return nullptr;
+  return PyTuple_Pack(2, edges.get(), walked.get());
+}
+
 PyMethodDef module_methods[] = {
     {"frame_tensor", frame_tensor_py, METH_VARARGS,
      "frame_tensor(frame, offset, dtype, sizes: tuple, requires_grad) -> Tensor: the tensor "
@@ -436,6 +591,16 @@ PyMethodDef module_methods[] = {
      METH_FASTCALL,
      "gradient_edges(tensors, GradientEdge) -> list: each tensor's gradient edge, or None "
      "where Python must find it"},
+    {"reach", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(reach)),
+     METH_FASTCALL,
+     "reach(edges, recv_types: frozenset, AccumulateGrad) -> (succ, leaf_edges, recv_edges, "
+     "recv_nodes): the walk of mpidag.dist_autograd.graph.Reach, or None where it starts at "
+     "a Python node"},
+    {"send_reach", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(send_reach)),
+     METH_FASTCALL,
+     "send_reach(tensors, GradientEdge, recv_types, AccumulateGrad) -> (edges, reach): "
+     "gradient_edges() and reach() of a send function's tensors in one call (reach None: "
+     "Python walks)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_mpidag_torch",
