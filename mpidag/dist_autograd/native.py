@@ -14,6 +14,11 @@ accumulator (~1.8 us). The C++ module does what torch's own C++ does instead:
 * ``gradient_edges(tensors, GradientEdge)``: torch's C++ ``gradient_edge`` of each tensor
   (``None`` where a custom Function's Python node or a tensor without grad needs the Python
   way, :func:`mpidag.dist_autograd.graph.edge_of`); ~0.5 us a leaf.
+* ``reach(edges, recv_types, AccumulateGrad)``: the depth-first walk of
+  :class:`mpidag.dist_autograd.graph.Reach` over torch's C++ nodes (0.19 instead of 0.41 us
+  a node; ``None`` where an edge starts at a custom Function's Python node: Python walks);
+  ``send_reach(tensors, GradientEdge, recv_types, AccumulateGrad)`` gives a send function's
+  edges and their reach in one call.
 
 :func:`records_module` gives the module, or ``None``: ``MPIDAG_COMPILED=0`` (the container's
 agent is not compiled), or the module is not usable here

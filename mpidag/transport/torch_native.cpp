@@ -21,6 +21,10 @@
 //                                 gradient accumulator without the view Python needs); None
 //                                 where a Python node (a custom Function's output) or a
 //                                 tensor that does not require grad asks for the Python way.
+//    reach(edges, recv_types, AccumulateGrad)  the walk of mpidag.dist_autograd.graph.Reach
+//                                 over torch's C++ nodes (None where it starts at a Python
+//                                 node); send_reach(tensors, ...) gradient_edges and reach
+//                                 of a send function's tensors in one call.
 //
 // Built per virtual environment against that environment's torch (python -m
 // mpidag.transport.wire_build, run by scripts/setup.sh; mpidag.transport.torch_native loads
