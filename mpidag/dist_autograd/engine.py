@@ -230,19 +230,33 @@ class PassState:
                     break
                 event = self.events.popleft()
             reply = event.reply if type(event) in _ANSWERED else None
+            leaves: list[tuple[torch.Tensor, torch.Tensor]] = []
             try:
-                self._handle(event)
+                leaves = self._handle(event)
             except Exception as exc:
-                log.debug("backward pass %x failed on %s", self.pass_id, self.agent.where(),
-                          exc_info=True)
-                with self.lock:  # torch's "Error on Node {rank}: ...", original as cause
-                    self.errors.append(node_error(frameless(exc, self.agent.where()),
-                                                  self.agent.rank))
-            if reply is not None:
+                self._failed(exc)
+            if reply is not None:  # the answer first: the caller's pass waits for it
                 reply.set_result(self._own_report())
+            if leaves:  # read only once the pass has ended, and it has not: still running
+                try:
+                    store = self.ctx.gradients
+                    for variable, grad in leaves:
+                        store.add(variable, grad)
+                except Exception as exc:
+                    self._failed(exc)
         self._maybe_finish()
 
-    def _handle(self, event: PassEvent) -> None:
+    def _failed(self, exc: Exception) -> None:
+        """This rank's share of the pass raised ``exc``: kept for the root, which raises it."""
+        log.debug("backward pass %x failed on %s", self.pass_id, self.agent.where(),
+                  exc_info=True)
+        with self.lock:  # torch's "Error on Node {rank}: ...", original as cause
+            self.errors.append(node_error(frameless(exc, self.agent.where()),
+                                          self.agent.rank))
+
+    def _handle(self, event: PassEvent) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Process one event; returns the gradients of the unwatched leaves it reached, which
+        :meth:`post` stores in the context after it sent what others wait for."""
         with span(lambda: self._describe(event)):
             if self.plan is None:
                 self._make_plan(event.edges if type(event) is RootsEvent else None)
@@ -250,11 +264,11 @@ class PassState:
             self.seq = next(_event_numbers)  # across passes: the later report of a rank wins
             if type(event) is ResolveEvent:
                 self._resolve(event.message_id)
-                return
+                return []
             if type(event) is AskEvent:
                 for peer, message_id in event.recvs:
                     self._ask(peer, message_id)
-                return
+                return []
             if type(event) is RootsEvent:
                 leaves, fired = plan.arrive(0, event.grads, self.retain_graph)
             else:
@@ -268,9 +282,6 @@ class PassState:
                 if grads is None:  # SMART: no gradient can ever reach that recv function
                     grads = [None] * len(plan.sources[index])
                 leaves, fired = plan.arrive(index, grads, self.retain_graph)
-            store = self.ctx.gradients
-            for variable, grad in leaves:
-                store.add(variable, grad)
             for node, slots in fired:
                 record = node.record
                 if record.context_id != self.ctx.context_id:
@@ -280,6 +291,7 @@ class PassState:
                            [slots.get(i) for i in range(record.n_outputs)])
             if plan.completed:  # after the sends: a DDP all-reduce waits for the peers
                 self._complete_leaves(plan.take_completed())
+            return leaves
 
     def _complete_leaves(self, completed: list[tuple[torch.Tensor, torch.Tensor | None]]
                          ) -> None:

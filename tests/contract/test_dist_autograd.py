@@ -7,6 +7,8 @@ in-process and under MPI (tests/contract/harness.py).
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -36,6 +38,44 @@ def test_design_document_example(world):
     for t, e in zip([t1, t2, t4], expected, strict=True):
         close(grads[t], e)
     assert t1.grad is None and t4.grad is None  # gradients live in the context only
+
+
+@pytest.fixture
+def engine_order(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
+    """``(thread, "send" | "store")`` of every gradient message a backward pass sends and
+    every leaf gradient it stores in a context, in order (patched once for all the ranks
+    of an in-process world)."""
+    from mpidag.dist_autograd import context, engine
+
+    order: list[tuple[int, str]] = []
+    send, add = engine.PassState._send, context.GradientMap.add
+
+    def logged_send(self, *args):  # noqa: ANN001, ANN002, ANN202
+        order.append((threading.get_ident(), "send"))
+        return send(self, *args)
+
+    def logged_add(self, *args):  # noqa: ANN001, ANN002, ANN202
+        order.append((threading.get_ident(), "store"))
+        return add(self, *args)
+
+    monkeypatch.setattr(engine.PassState, "_send", logged_send)
+    monkeypatch.setattr(context.GradientMap, "add", logged_add)
+    return order
+
+
+def test_gradients_for_other_ranks_leave_before_the_leaves_are_stored(world, engine_order):
+    """The roots' part of the design document's example: t3's gradient goes to the rank
+    that computed t3 before t4's gradient is stored here (that rank's work waits for it;
+    the stored one is read only once the pass has ended). The roots' event runs in the
+    thread that calls backward()."""
+    t1, t2, t4 = _seeded(world.rank, (3, 3), (3, 3), (3, 3))
+    with dist_autograd.context() as context_id:
+        t3 = rpc.rpc_sync(world.next, af.my_add, args=(t1, t2))
+        dist_autograd.backward(context_id, [torch.mul(t3, t4).sum()])
+        grads = dist_autograd.get_gradients(context_id)
+    here = [what for thread, what in list(engine_order) if thread == threading.get_ident()]
+    assert here[:2] == ["send", "store"]
+    close(grads[t4], af.my_add(t1, t2).detach())
 
 
 def test_tensor_subclass_travels_as_tensor_and_gets_gradients(world):
