@@ -122,7 +122,26 @@ class LiveCount:
                     time.sleep(0)  # let the threads that make objects move on
 
 
-class SendFunction:
+class _Named:
+    """``what``, the name of a message for errors and reprs: kept as a string, or as a
+    callable asked for once, when first read (``_what``, a slot of the subclass)."""
+
+    __slots__ = ()
+    _what: str | Callable[[], str]
+
+    @property
+    def what(self) -> str:
+        what = self._what
+        if not isinstance(what, str):
+            what = self._what = what()
+        return what
+
+    @what.setter
+    def what(self, what: str) -> None:
+        self._what = what
+
+
+class SendFunction(_Named):
     """The sender's half of one message: where the gradients of its tensors go.
 
     Made with the sent tensors; their gradient edges, the walk of the graph behind them
@@ -156,14 +175,6 @@ class SendFunction:
         if self._tensors is not None:
             self.prepare()
         return self._edges
-
-    @property
-    def what(self) -> str:
-        """The message this send function belongs to, for errors and reprs."""
-        what = self._what
-        if not isinstance(what, str):
-            what = self._what = what()
-        return what
 
     def prepare(self) -> Reach:
         """Take the edges of the sent tensors and walk the graph behind them (it never
@@ -199,7 +210,7 @@ class SendFunction:
                f"{self.what})"
 
 
-class RecvRecord:
+class RecvRecord(_Named):
     """The receiver's half of one message, carried by its recv node (``node.record``).
 
     ``what`` names the message: a string, or a callable that gives it when first read
@@ -224,18 +235,6 @@ class RecvRecord:
         self._what = what
         if count is not None:
             count.made()
-
-    @property
-    def what(self) -> str:
-        """The message this recv function belongs to, for errors and reprs."""
-        what = self._what
-        if not isinstance(what, str):
-            what = self._what = what()
-        return what
-
-    @what.setter
-    def what(self, what: str) -> None:
-        self._what = what
 
     def __del__(self) -> None:
         if self._count is not None:
