@@ -166,6 +166,22 @@ def test_init_rpc_refuses_a_backend_that_is_not_a_backend_type():
     assert _check_init_arguments("worker0", torch_rpc.BackendType.TENSORPIPE, 0, 2) is None
 
 
+def test_wait_all_blocks_are_counted_while_open_and_leave_no_future_list():
+    """``rpc_async`` looks for its thread's ``future_list`` only while some ``_wait_all``
+    block is open; torch's tests check that the attribute is missing outside one."""
+    from mpidag.rpc.api import _thread_local_var, _wait_all, _wait_all_blocks
+
+    before = _wait_all_blocks.open
+    with _wait_all():
+        assert _wait_all_blocks.open == before + 1 and _thread_local_var.future_list == []
+    assert _wait_all_blocks.open == before
+    assert not hasattr(_thread_local_var, "future_list")
+    with pytest.raises(ZeroDivisionError), _wait_all():
+        _ = 1 / 0
+    assert _wait_all_blocks.open == before
+    assert not hasattr(_thread_local_var, "future_list")
+
+
 def test_rref_type_is_subscriptable():
     def uses(x: rpc.RRef[int]) -> rpc.RRef[torch.Tensor]:
         return x

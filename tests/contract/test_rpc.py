@@ -269,10 +269,10 @@ def test_default_timeout_get_set_and_torchs_timeout_wording(world):
 
 
 def test_wait_all_collects_and_waits_rpc_async_futures(world):
-    from mpidag.rpc.api import _thread_local_var, _wait_all
+    from mpidag.rpc.api import _thread_local_var, _wait_all, _wait_all_blocks
 
     with _wait_all():
-        assert _thread_local_var.future_list == []
+        assert _thread_local_var.future_list == [] and _wait_all_blocks.open >= 1
         futs = [rpc.rpc_async(world.next, f.sleep_then, args=(0.05, i)) for i in range(5)]
         assert _thread_local_var.future_list == futs
     assert not hasattr(_thread_local_var, "future_list")
