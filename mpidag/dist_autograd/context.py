@@ -465,7 +465,15 @@ class DistAutogradContext:
                 f"recvs={len(self.recvs)}, known_workers={sorted(self.known_workers)})")
 
 
-_current = threading.local()
+class _ThreadContext(threading.local):
+    """The distributed autograd context each thread is in (``ctx``; ``None``: none). A class
+    default, so that a thread that never entered one reads ``None`` without the
+    ``AttributeError`` a missing thread-local attribute costs (0.3 us)."""
+
+    ctx: DistAutogradContext | None = None
+
+
+_current = _ThreadContext()
 
 
 class ContextContainer(CallObserver):
@@ -510,7 +518,7 @@ class ContextContainer(CallObserver):
     # ------------------------------------------------------ the agent's observer
     def outgoing(self, dst: int, tensors: list[torch.Tensor],
                  what: Callable[[], str]) -> tuple[int, int]:
-        ctx = getattr(_current, "ctx", None)
+        ctx = _current.ctx
         if ctx is None or ctx.container is not self:
             return 0, 0
         return self.record_send(ctx, dst, tensors, what)
@@ -643,7 +651,7 @@ class ContextContainer(CallObserver):
     # ---------------------------------------------------- the current context
     def current(self) -> DistAutogradContext | None:
         """The context this thread is in (entered with ``context()`` or serving an RPC)."""
-        ctx = getattr(_current, "ctx", None)
+        ctx = _current.ctx
         if ctx is None or ctx.container is not self:
             return None
         return ctx
@@ -651,7 +659,7 @@ class ContextContainer(CallObserver):
     @staticmethod
     def enter(ctx: DistAutogradContext | None) -> DistAutogradContext | None:
         """Make ``ctx`` this thread's context; returns the previous one for :meth:`leave`."""
-        previous = getattr(_current, "ctx", None)
+        previous = _current.ctx
         _current.ctx = ctx
         return previous
 
