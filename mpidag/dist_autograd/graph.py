@@ -123,7 +123,12 @@ def edges_of(tensors: list[torch.Tensor], native: Any = None) -> list[GradientEd
     """
     if native is None:
         return [edge_of(t) for t in tensors]
-    found = native.gradient_edges(tensors, GradientEdge)
+    return _completed(native.gradient_edges(tensors, GradientEdge), tensors)
+
+
+def _completed(found: list[GradientEdge | None], tensors: list[torch.Tensor]
+               ) -> list[GradientEdge]:
+    """The C++ edges ``found``, with :func:`edge_of` where it left ``None``."""
     return [edge if edge is not None else edge_of(t)
             for edge, t in zip(found, tensors, strict=True)]
 
@@ -146,7 +151,7 @@ def edges_and_reach(tensors: list[torch.Tensor], recv_types: frozenset[type],
         return edges_of(tensors), None
     edges, walked = native.send_reach(tensors, GradientEdge, recv_types, AccumulateGrad)
     if walked is None:
-        return edges_of(tensors, native), None
+        return _completed(edges, tensors), None
     return edges, Reach.from_walk(walked)
 
 
@@ -177,14 +182,17 @@ class Reach:
     def __init__(self, edges: list[GradientEdge | None],
                  recv_types: type | frozenset[type], native: Any = None) -> None:
         acc, recv_types = AccumulateGrad, _type_set(recv_types)
-        if native is not None:
-            walked = native.reach(edges if type(edges) is list else list(edges), recv_types, acc)
-            if walked is not None:
-                self.succ, self.leaf_edges, self.recv_edges, self.recv_nodes = walked
-                return
-        self._walk(edges, recv_types)
+        walked = None if native is None else \
+            native.reach(edges if type(edges) is list else list(edges), recv_types, acc)
+        self._take(walked if walked is not None else self._walk(edges, recv_types))
 
-    def _walk(self, edges: list[GradientEdge | None], recv_types: frozenset[type]) -> None:
+    def _take(self, walked: tuple[dict, set, set, set]) -> None:
+        self.succ, self.leaf_edges, self.recv_edges, self.recv_nodes = walked
+
+    @staticmethod
+    def _walk(edges: list[GradientEdge | None], recv_types: frozenset[type]
+              ) -> tuple[dict, set, set, set]:
+        """The Python walk: ``(succ, leaf_edges, recv_edges, recv_nodes)``."""
         acc = AccumulateGrad
         succ: dict[Any, tuple] = {}
         leaf_edges: set[EdgeKey] = set()
@@ -215,16 +223,13 @@ class Reach:
                 else:
                     succ[nxt] = ()
                     stack.append(nxt)
-        self.succ = succ
-        self.leaf_edges = leaf_edges
-        self.recv_edges = recv_edges
-        self.recv_nodes = recv_nodes
+        return succ, leaf_edges, recv_edges, recv_nodes
 
     @classmethod
     def from_walk(cls, walked: tuple[dict, set, set, set]) -> Reach:
         """The reach a C++ walk gave: ``(succ, leaf_edges, recv_edges, recv_nodes)``."""
         reach = cls.__new__(cls)
-        reach.succ, reach.leaf_edges, reach.recv_edges, reach.recv_nodes = walked
+        reach._take(walked)
         return reach
 
 
