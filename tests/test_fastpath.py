@@ -9,6 +9,7 @@ the C path where it is built; the test matrix runs it again with ``MPIDAG_COMPIL
 
 from __future__ import annotations
 
+import pickle
 import sys
 from collections.abc import Iterator
 
@@ -457,6 +458,91 @@ def test_compiled_and_python_counters_agree():
 ])
 def test_is_plain_in_c_agrees_with_python(value):
     assert fastpath.compiled_module().is_plain(value) is frames.is_plain(value)
+
+
+PICKLED_AS_PICKLE_DOES = [
+    None, True, False, 0, 1, 255, 256, 65535, 65536, -1, -2**31, 2**31 - 1, 2**31,
+    -2**31 - 1, 2**63 - 1, -2**63, 0.0, -0.0, 1.5, float("inf"), -1e300, "", "a", "é" * 200,
+    "x" * 300, b"", b"ab", b"x" * 300, {}, (), (1,), (1, 2), (1, 2, 3), (1, 2, 3, 4),
+    ((1, "a"), {}, (0, -1)), ((1,), ()),
+]
+
+
+@pytest.mark.parametrize("value", PICKLED_AS_PICKLE_DOES)
+def test_plain_values_are_written_as_pickle_reads_them(value):
+    written = fastpath.compiled_module().plain_pickle(value)
+    back = pickle.loads(written)
+    assert back == value and type(back) is type(value)
+    assert repr(back) == repr(value)  # -0.0 stays -0.0
+    assert written.startswith(b"\x80\x05") and len(written) < len(pickle.dumps(value, 5)) + 1
+
+
+def test_integers_of_every_size_are_written_exactly():
+    module = fastpath.compiled_module()
+    values = [(1 << bits) + delta for bits in range(64) for delta in (-1, 0, 1)]
+    values += [-v for v in values]
+    for value in values:
+        written = module.plain_pickle(value)
+        if -2**63 <= value < 2**63:
+            assert pickle.loads(written) == value, value
+        else:  # beyond 64 bits: left to pickle.dumps
+            assert written is None, value
+
+
+@pytest.mark.parametrize("value", [
+    2**64, 1j, "\ud800", {"a": 1}, [1], ((((1,),),),), frozenset({1}), torch.ones(1),
+])
+def test_what_the_writer_does_not_know_is_left_to_pickle(value):
+    assert fastpath.compiled_module().plain_pickle(value) is None
+
+
+def test_an_asynchronous_handler_is_served_and_answered_by_the_compiled_path():
+    ranks = HandDriven()
+    try:
+        agent = ranks.agents[1]
+        pending: list[tuple[torch.futures.Future, int]] = []
+
+        def answered_now(x):
+            fut = torch.futures.Future()
+            fut.set_result((x, "now"))
+            return fut
+
+        def answered_later(x):
+            fut = torch.futures.Future()
+            pending.append((fut, x))
+            return fut
+
+        def fails_later(x):
+            fut = torch.futures.Future()
+            fut.set_exception(ValueError(f"no {x}"))
+            return fut
+
+        now = agent.register_handler("test.now", answered_now, asynchronous=True)
+        later = agent.register_handler("test.later", answered_later, asynchronous=True)
+        fails = agent.register_handler("test.fails", fails_later, asynchronous=True)
+        for handler in (now, later, fails):  # (the first call of each: Python)
+            ranks.agents[0].calls.send_call(1, handler, (0,), {}, TIMEOUT, True, False)
+            ranks.world.deliver_all([a.dispatch for a in ranks.agents])
+        for fut, x in pending:
+            fut.set_result(x)
+        ranks.world.deliver_all([a.dispatch for a in ranks.agents])
+        pending.clear()
+        with PythonCalls() as python:
+            assert ranks.call(now, 7) == (7, "now")
+        assert python.seen == {}, python.seen
+        with PythonCalls() as python:  # answered when its future completes: still in C
+            record = ranks.agents[0].calls.send_call(1, later, (8,), {}, TIMEOUT, True,
+                                                     False)
+            ranks.world.deliver_all([a.dispatch for a in ranks.agents])
+            assert not record.done and len(pending) == 1
+            pending[0][0].set_result((8, "later"))
+            ranks.world.deliver_all([a.dispatch for a in ranks.agents])
+        assert record.done and record.value == (8, "later")
+        assert python.seen == {}, python.seen
+        with pytest.raises(ValueError, match="no 9"):  # a failed future: its error, typed
+            ranks.call(fails, 9)
+    finally:
+        ranks.close()
 
 
 def test_plain_results_answered_by_python_carry_the_plain_flag(world, monkeypatch):

@@ -128,6 +128,7 @@ class RpcAgent:
                                               self.dispatch, self._tick, config.compiled)
         if self.core is not None:
             self.calls.core = self.core
+            self.server.answer = self.core.reply
             self.dispatch = self.core.dispatch  # type: ignore[method-assign]
             self.engine.set_step(self.core.step)
         #: a rank that shuts down without the others (graceful=False) says so to them

@@ -107,6 +107,7 @@ def make_core(calls: OutgoingCalls, server: Server, transport: Any,
         what_served=server.arguments_served, what_result=server.result_sent,
         record_result=calls.record_result, py_unsendable=server.reply_unsendable,
         py_serve_notify=server.serve_notify, py_notify_failed=server.notify_failed,
+        cfuture_type=torch._C.Future, py_answer_when_done=server.answer_when_done,
     )
     return core, f"compiled call path ({module.__file__})"
 

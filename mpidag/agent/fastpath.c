@@ -46,7 +46,7 @@
 #include <math.h>
 #include <time.h>
 
-#define VERSION 4
+#define VERSION 5
 
 /* the protocol's constants (messages.py); Core.__init__ checks them against Python's */
 #define CALL 1
@@ -265,6 +265,8 @@ enum {
     O_PY_UNSENDABLE,    /* Server.reply_unsendable(env, value, exc) */
     O_PY_SERVE_NOTIFY,  /* Server.serve_notify(env): a notification's Python path */
     O_PY_NOTIFY_FAILED, /* Server.notify_failed(env, exc): log a failed notification */
+    O_CFUTURE,          /* torch._C.Future: what an asynchronous handler answers with */
+    O_PY_ANSWER_WHEN_DONE, /* Server.answer_when_done(env, future, (func, args)) */
     N_OBJECTS
 };
 static const char *OBJECT_NAMES[N_OBJECTS] = {
@@ -278,7 +280,7 @@ static const char *OBJECT_NAMES[N_OBJECTS] = {
     "tensor_type", "strided", "lone_tensor", "loopback", "decode_message",
     "receive_rest", "poll_wait", "on_idle", "partial", "what_sent", "what_from",
     "what_served", "what_result", "record_result", "py_unsendable", "py_serve_notify",
-    "py_notify_failed"};
+    "py_notify_failed", "cfuture_type", "py_answer_when_done"};
 
 typedef struct {
     PyObject_HEAD
@@ -289,6 +291,7 @@ typedef struct {
     long rank;
     Py_ssize_t payload_limit, inline_limit;
     PyObject *protocol; /* pickle.HIGHEST_PROTOCOL */
+    int proto;          /* the same, as a C int (plain_pickle writes protocol 4 and up) */
     PyObject *empty_dict, *empty_tuple;
     /* interned attribute names */
     PyObject *s_open, *s_default_timeout, *s_send_hook, *s_send_frame0, *s_encode,
@@ -296,7 +299,7 @@ typedef struct {
         *s_layout, *s_is_cpu, *s_is_contiguous,
         *s_nbytes, *s_cpu, *s_id, *s_engine, *s_popleft, *s_probe_frame0,
         *s_outgoing, *s_received, *s_serving, *s_served, *s_replying, *s_sent, *s_mode,
-        *s_control;
+        *s_control, *s_done, *s_value;
 } Core;
 
 static PyTypeObject *ServeWorkType;
@@ -564,6 +567,11 @@ static int Core_init(Core *self, PyObject *args, PyObject *kwds)
     if (PyErr_Occurred())
         return -1;
     Py_XSETREF(self->protocol, Py_NewRef(protocol));
+    self->proto = (int)PyLong_AsLong(protocol);
+    if (self->proto == -1 && PyErr_Occurred())
+        return -1;
+    if (self->proto > 5)
+        self->proto = 5; /* the newest protocol whose opcodes plain_write knows */
     for (int i = 0; i < N_ENV; i++) {
         PyObject *d = PyObject_GetAttrString(self->o[O_ENVELOPE], ENV_FIELDS[i]);
         if (d == NULL)
@@ -601,7 +609,8 @@ static int Core_init(Core *self, PyObject *args, PyObject *kwds)
     NAME(s_popleft, "popleft") NAME(s_probe_frame0, "probe_frame0")
     NAME(s_outgoing, "outgoing") NAME(s_received, "received") NAME(s_serving, "serving")
     NAME(s_served, "served") NAME(s_replying, "replying") NAME(s_sent, "sent")
-    NAME(s_mode, "mode") NAME(s_control, "control")
+    NAME(s_mode, "mode") NAME(s_control, "control") NAME(s_done, "done")
+    NAME(s_value, "value")
 #undef NAME
     return 0;
 }
@@ -639,7 +648,8 @@ static void Core_dealloc(Core *self)
                          self->s_nbytes, self->s_cpu, self->s_id, self->s_engine,
                          self->s_popleft, self->s_probe_frame0, self->s_outgoing,
                          self->s_received, self->s_serving, self->s_served,
-                         self->s_replying, self->s_sent, self->s_mode, self->s_control};
+                         self->s_replying, self->s_sent, self->s_mode, self->s_control,
+                         self->s_done, self->s_value};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         Py_XDECREF(names[i]);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -757,9 +767,181 @@ static PyObject *observe_call(Core *self, PyObject *env, long src)
 
 /* ------------------------------------------------------------------ the caller */
 
+/* ------------------------------------------------ plain values as pickle bytes */
+/* The pickle of a plain value (protocol 4 or 5, no frame, no memo), written here rather
+ * than by pickle.dumps: the opcodes pickle's own C pickler writes for these types, which
+ * every unpickler reads. pickle.dumps makes a 4 KiB output buffer per call, a request
+ * glibc serves from its large bins after consolidating every small chunk freed since:
+ * measured, the first dumps after a backward pass freed its graph took 40-60 us, the
+ * next one 1.5 us. Writing here makes one bytes object of the exact size. */
+#define PLAIN_DEPTH 3 /* (args, kwargs) and (holes, kwargs, slots) hold tuples of values */
+#define PICKLE_PROTO 0x80
+#define PICKLE_STOP '.'
+
+/* the bytes of two's complement v, little-endian, that pickle's LONG1 needs (1-8) */
+static int long1_size(long long v)
+{
+    for (int n = 1; n < 8; n++) {
+        long long limit = 1LL << (8 * n - 1);
+        if (v >= -limit && v < limit)
+            return n;
+    }
+    return 8;
+}
+
+/* bytes the pickle opcodes of obj take; -1: not a value written here (no error set; a
+ * str the UTF-8 codec refuses is one), -2: an error */
+static Py_ssize_t plain_size(PyObject *obj, int depth)
+{
+    PyTypeObject *t = Py_TYPE(obj);
+    if (obj == Py_None || t == &PyBool_Type)
+        return 1;
+    if (t == &PyLong_Type) {
+        int overflow;
+        long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+        if (overflow)
+            return -1; /* pickle.dumps writes the long ones */
+        if (v == -1 && PyErr_Occurred())
+            return -2;
+        if (v >= 0 && v <= 0xff)
+            return 2;
+        if (v >= 0 && v <= 0xffff)
+            return 3;
+        if (v >= -0x80000000LL && v <= 0x7fffffffLL)
+            return 5;
+        return 2 + long1_size(v);
+    }
+    if (t == &PyFloat_Type)
+        return 9;
+    if (t == &PyUnicode_Type) {
+        Py_ssize_t n;
+        if (PyUnicode_AsUTF8AndSize(obj, &n) == NULL) {
+            PyErr_Clear(); /* lone surrogates: pickle.dumps writes them its way */
+            return -1;
+        }
+        return n < 256 ? 2 + n : n <= 0xffffffffLL ? 5 + n : -1;
+    }
+    if (t == &PyBytes_Type) {
+        Py_ssize_t n = PyBytes_GET_SIZE(obj);
+        return n < 256 ? 2 + n : n <= 0xffffffffLL ? 5 + n : -1;
+    }
+    if (t == &PyDict_Type)
+        return PyDict_GET_SIZE(obj) == 0 ? 1 : -1;
+    if (t != &PyTuple_Type || depth >= PLAIN_DEPTH)
+        return -1;
+    Py_ssize_t n = PyTuple_GET_SIZE(obj), size = n == 0 ? 1 : n <= 3 ? 1 : 2;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t item = plain_size(PyTuple_GET_ITEM(obj, i), depth + 1);
+        if (item < 0)
+            return item;
+        size += item;
+    }
+    return size;
+}
+
+static char *put_u32(char *p, Py_ssize_t n)
+{
+    for (int i = 0; i < 4; i++)
+        *p++ = (char)((n >> (8 * i)) & 0xff);
+    return p;
+}
+
+/* write the opcodes plain_size measured; returns the end */
+static char *plain_write(char *p, PyObject *obj)
+{
+    PyTypeObject *t = Py_TYPE(obj);
+    if (obj == Py_None) {
+        *p++ = 'N';
+    } else if (t == &PyBool_Type) {
+        *p++ = obj == Py_True ? '\x88' : '\x89'; /* NEWTRUE, NEWFALSE */
+    } else if (t == &PyLong_Type) {
+        long long v = PyLong_AsLongLong(obj);
+        int n;
+        if (v >= 0 && v <= 0xff) {
+            *p++ = 'K'; /* BININT1 */
+            n = 1;
+        } else if (v >= 0 && v <= 0xffff) {
+            *p++ = 'M'; /* BININT2 */
+            n = 2;
+        } else if (v >= -0x80000000LL && v <= 0x7fffffffLL) {
+            *p++ = 'J'; /* BININT */
+            n = 4;
+        } else {
+            *p++ = '\x8a'; /* LONG1 */
+            n = long1_size(v);
+            *p++ = (char)n;
+        }
+        unsigned long long u = (unsigned long long)v;
+        for (int i = 0; i < n; i++)
+            *p++ = (char)((u >> (8 * i)) & 0xff);
+    } else if (t == &PyFloat_Type) {
+        *p++ = 'G'; /* BINFLOAT: big-endian */
+        PyFloat_Pack8(PyFloat_AS_DOUBLE(obj), p, 0);
+        p += 8;
+    } else if (t == &PyUnicode_Type || t == &PyBytes_Type) {
+        Py_ssize_t n;
+        const char *data;
+        if (t == &PyUnicode_Type) {
+            data = PyUnicode_AsUTF8AndSize(obj, &n); /* (cached by plain_size) */
+        } else {
+            data = PyBytes_AS_STRING(obj);
+            n = PyBytes_GET_SIZE(obj);
+        }
+        if (n < 256) {
+            *p++ = t == &PyUnicode_Type ? '\x8c' : 'C'; /* SHORT_BINUNICODE, SHORT_BINBYTES */
+            *p++ = (char)n;
+        } else {
+            *p++ = t == &PyUnicode_Type ? 'X' : 'B'; /* BINUNICODE, BINBYTES */
+            p = put_u32(p, n);
+        }
+        memcpy(p, data, n);
+        p += n;
+    } else if (t == &PyDict_Type) {
+        *p++ = '}'; /* EMPTY_DICT */
+    } else {
+        Py_ssize_t n = PyTuple_GET_SIZE(obj);
+        if (n == 0) {
+            *p++ = ')'; /* EMPTY_TUPLE */
+            return p;
+        }
+        if (n > 3)
+            *p++ = '('; /* MARK */
+        for (Py_ssize_t i = 0; i < n; i++)
+            p = plain_write(p, PyTuple_GET_ITEM(obj, i));
+        *p++ = n > 3 ? 't' : (char)(0x84 + n); /* TUPLE, TUPLE1-3 */
+    }
+    return p;
+}
+
+/* prefix (bytes, or NULL) + the pickle of obj, a new bytes object; Py_None (a new
+ * reference) when obj is not a value written here; NULL on error */
+static PyObject *plain_pickle(PyObject *prefix, PyObject *obj, int protocol)
+{
+    Py_ssize_t body = protocol >= 4 ? plain_size(obj, 0) : -1;
+    if (body < 0)
+        return body == -1 ? Py_NewRef(Py_None) : NULL;
+    Py_ssize_t n_prefix = prefix != NULL ? PyBytes_GET_SIZE(prefix) : 0;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n_prefix + 2 + body + 1);
+    if (out == NULL)
+        return NULL;
+    char *p = PyBytes_AS_STRING(out);
+    if (n_prefix)
+        memcpy(p, PyBytes_AS_STRING(prefix), n_prefix);
+    p += n_prefix;
+    *p++ = (char)PICKLE_PROTO;
+    *p++ = (char)protocol;
+    p = plain_write(p, obj);
+    *p = PICKLE_STOP;
+    return out;
+}
+
 /* ref + pickle of obj (a new bytes object), or NULL */
 static PyObject *ref_and_pickle(Core *self, PyObject *ref, PyObject *obj)
 {
+    PyObject *written = plain_pickle(ref, obj, self->proto);
+    if (written != Py_None)
+        return written;
+    Py_DECREF(written);
     PyObject *dump_args[2] = {obj, self->protocol};
     PyObject *pickled = PyObject_Vectorcall(self->o[O_DUMPS], dump_args, 2, NULL);
     if (pickled == NULL)
@@ -1486,8 +1668,12 @@ static int answer(Core *self, PyObject *request, long src, long long context_id,
         }
         PyList_SET_ITEM(tensors, 0, Py_NewRef(value));
     } else {
-        PyObject *dump_args[2] = {value, self->protocol};
-        payload = PyObject_Vectorcall(self->o[O_DUMPS], dump_args, 2, NULL);
+        payload = plain_pickle(NULL, value, self->proto);
+        if (payload == Py_None) {
+            Py_DECREF(payload);
+            PyObject *dump_args[2] = {value, self->protocol};
+            payload = PyObject_Vectorcall(self->o[O_DUMPS], dump_args, 2, NULL);
+        }
         if (payload == NULL)
             return -1;
     }
@@ -1681,6 +1867,43 @@ done:
     return result;
 }
 
+/* An asynchronous handler answered with *value. A future that completed with a value
+ * becomes that value (0: answer it now); one still running, or failed, is answered by
+ * Server.answer_when_done as the Python path answers it (1). Anything else is the
+ * answer itself (0). -1 on error. */
+static int answer_later(Core *self, PyObject *env, PyObject *func, PyObject *args,
+                        PyObject **value)
+{
+    int is_future = PyObject_IsInstance(*value, self->o[O_CFUTURE]);
+    if (is_future <= 0)
+        return is_future;
+    PyObject *done = PyObject_CallMethodNoArgs(*value, self->s_done);
+    if (done == NULL)
+        return -1;
+    int finished = PyObject_IsTrue(done);
+    Py_DECREF(done);
+    if (finished < 0)
+        return -1;
+    if (finished) {
+        PyObject *result = PyObject_CallMethodNoArgs(*value, self->s_value);
+        if (result != NULL) {
+            Py_SETREF(*value, result);
+            return 0;
+        }
+        PyErr_Clear(); /* failed: Python answers with its error */
+    }
+    PyObject *call = PyTuple_Pack(2, func, args);
+    if (call == NULL)
+        return -1;
+    PyObject *r = PyObject_CallFunctionObjArgs(self->o[O_PY_ANSWER_WHEN_DONE], env, *value,
+                                               call, NULL);
+    Py_DECREF(call);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 1;
+}
+
 /* Serve a CALL: 1 served, 0 not plain (Python serves it; nothing was consumed), -1 error.
  * received: what the call observer recorded at dispatch (see observe_call), NULL outside
  * an autograd context. */
@@ -1716,12 +1939,20 @@ static int serve_plain(Core *self, PyObject *env, PyObject *received)
     if (result <= 0)
         return result;
     int asynchronous = is_asynchronous(self, func);
-    if (asynchronous != 0) {
-        result = asynchronous < 0 ? -1 : 0;
+    if (asynchronous != 0 && (asynchronous < 0 ||
+                              Py_TYPE(func) != (PyTypeObject *)self->o[O_HANDLER_TYPE])) {
+        result = asynchronous < 0 ? -1 : 0; /* @async_execution: Python's rules */
         goto done;
     }
     value = run_observed(self, env, src, state, func, args,
                          PyDict_GET_SIZE(kwargs) ? kwargs : NULL);
+    if (value != NULL && asynchronous) { /* a handler answering with a future */
+        int later = answer_later(self, env, func, args, &value);
+        if (later != 0) {
+            result = later < 0 ? -1 : 1;
+            goto done;
+        }
+    }
     if (value == NULL) { /* the caller gets the exception, with its type */
         PyObject *exc = take_error();
         PyObject *r = PyObject_CallFunctionObjArgs(self->o[O_PY_FAIL], env, func,
@@ -2012,6 +2243,28 @@ static int drain_results(Core *self)
     return 1;
 }
 
+/* reply(env, value, call): the answer of the CALL env, (func, args) = call, sent here when
+ * it is plain (or a lone tensor), else by Server.reply_value; for an answer made after
+ * the call's function returned (an asynchronous handler's future) */
+static PyObject *Core_reply(Core *self, PyObject *const *argv, Py_ssize_t nargs)
+{
+    READY(self)
+    if (nargs != 3 || Py_TYPE(argv[0]) != (PyTypeObject *)self->o[O_ENVELOPE] ||
+        !PyTuple_CheckExact(argv[2]) || PyTuple_GET_SIZE(argv[2]) != 2) {
+        PyErr_SetString(PyExc_TypeError, "reply(env, value, (func, args))");
+        return NULL;
+    }
+    int ok = 1;
+    long src = (long)slot_ll(self->env_slots[ENV_SRC], argv[0], &ok);
+    long long context_id = slot_ll(self->env_slots[ENV_CONTEXT_ID], argv[0], &ok);
+    if (!ok)
+        return NULL;
+    if (answer(self, argv[0], src, context_id, PyTuple_GET_ITEM(argv[2], 0),
+               PyTuple_GET_ITEM(argv[2], 1), argv[1]) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 /* dispatch(env) -> work item or None: what the progress engine's leader does with a
  * received message (see RpcAgent.dispatch) */
 static PyObject *Core_dispatch(Core *self, PyObject *env)
@@ -2119,6 +2372,9 @@ static PyMethodDef Core_methods[] = {
     {"rpc", (PyCFunction)(void (*)(void))Core_rpc, METH_FASTCALL,
      "rpc(to, func, args, kwargs, timeout, with_future): rpc_sync's (PendingCall) or "
      "rpc_async's (RpcFuture) caller side for a plain call of common arguments, else None"},
+    {"reply", (PyCFunction)(void (*)(void))Core_reply, METH_FASTCALL,
+     "reply(env, value, (func, args)): answer the CALL env with value, in C when it is "
+     "plain or a lone tensor, else through Server.reply_value"},
     {"step", (PyCFunction)Core_step, METH_O,
      "step(wait): the progress leader's step (hook, poll, dispatch): False when nothing "
      "arrived, None when the message was handled, else the work item to run"},
@@ -2148,8 +2404,16 @@ static PyObject *module_is_plain(PyObject *Py_UNUSED(module), PyObject *obj)
     return PyBool_FromLong(is_plain(obj));
 }
 
+static PyObject *module_plain_pickle(PyObject *Py_UNUSED(module), PyObject *obj)
+{
+    return plain_pickle(NULL, obj, 5);
+}
+
 static PyMethodDef module_methods[] = {
     {"is_plain", module_is_plain, METH_O, "frames.is_plain in C (for the tests)"},
+    {"plain_pickle", module_plain_pickle, METH_O,
+     "plain_pickle(obj): the pickle the compiled path writes for a plain value, or None "
+     "when it leaves obj to pickle.dumps (for the tests)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -60,6 +60,10 @@ class Server:
         self.engine = engine
         #: (sync, async) handlers that run a call under the callee's profile
         self.profiled: tuple[Handler, Handler] | None = None
+        #: ``answer(env, value, (func, args))``: how an answer made after the function
+        #: returned (an asynchronous handler's future) is sent: :meth:`reply_value`, or the
+        #: compiled path's ``Core.reply``, which sends plain values in C
+        self.answer = self.reply_value
 
     # --------------------------------------------------------------- arguments
     def _load_arguments(self, payload: bytes | memoryview, env: Envelope) -> Any:
@@ -126,13 +130,14 @@ class Server:
             self.fail_call(env, func, exc)
             return
         if type(func) is Handler and func.asynchronous and isinstance(result, torch._C.Future):
-            self._answer_when_done(env, result, (func, args))
+            self.answer_when_done(env, result, (func, args))
             return
         self.reply_value(env, result, (func, args))
 
-    def _answer_when_done(self, env: Envelope, fut: torch.futures.Future,
-                          call: tuple) -> None:
-        """Answer with ``fut``'s value or error once it completes (at once if it has)."""
+    def answer_when_done(self, env: Envelope, fut: torch.futures.Future,
+                         call: tuple) -> None:
+        """Answer with ``fut``'s value or error once it completes (at once if it has); the
+        compiled path calls this for a handler's future that has not completed."""
         add = fut.add_internal_callback if isinstance(fut, RpcFuture) \
             else fut.add_done_callback  # (the reply is short: on any thread)
         add(lambda done: self._reply_future(env, done, call))
@@ -189,7 +194,7 @@ class Server:
             if not isinstance(result, torch._C.Future):
                 self._reply_error(env, async_result_error(describe(func), result))
             else:
-                self._answer_when_done(env, result, (func, args))
+                self.answer_when_done(env, result, (func, args))
                 if span is not None:  # the range ends when the function's future does
                     span._call_end_callbacks_on_future(result)
                     return
@@ -222,7 +227,7 @@ class Server:
         if error is not None:
             self._reply_error(env, error)
             return
-        self.reply_value(env, fut.value(), call)
+        self.answer(env, fut.value(), call)
 
     def reply_value(self, env: Envelope, value: Any, call: tuple | None = None) -> None:
         """Answer the call ``env`` with ``value`` (``call``: its ``(func, args)``, for how

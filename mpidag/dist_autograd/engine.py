@@ -79,7 +79,7 @@ from mpidag.dist_autograd.graph import Plan, edge_of, track_intermediate_hooks
 from mpidag.errors import detached_copy, frameless, future_error, node_error
 
 __all__ = ["DistAutograd", "PassState", "UnusedRPCGradientError", "UnusedRPCWarning",
-           "check_roots"]
+           "check_roots", "merge_report", "pack_report"]
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,52 @@ Report = dict[int, tuple[int, list[str], list[str], list[tuple[int, int]]]]
 
 #: numbers of the events a rank handles, in order (the newest report of a rank wins)
 _event_numbers = itertools.count(1)
+
+#: the ``flags`` of a gradient message (the ``autograd.gradients`` handler's 4th argument)
+RETAIN_GRAPH, SMART, NO_GRADIENT = 1, 2, 4
+
+
+def _dense(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """A gradient to send: a strided one made contiguous (a loss's gradient is expanded
+    from one element), so that a small CPU one travels by the compiled call path."""
+    if grad is None or grad.layout is not torch.strided or grad.is_contiguous():
+        return grad
+    return grad.contiguous()
+
+
+def pack_report(report: Report) -> Report | tuple[int, ...]:
+    """A report as an answer travels: when no rank in it has anything to say (no unused
+    RPC result, no send function waiting), ``(rank, event number, ...)`` for at most four
+    ranks, a plain value that the compiled call path sends in C; else the report itself.
+    :func:`merge_report` reads both.
+
+    Example::
+
+        >>> pack_report({1: (7, [], [], [])})
+        (1, 7)
+        >>> merged: Report = {}
+        >>> merge_report(merged, (1, 7)); merged
+        {1: (7, [], [], [])}
+    """
+    if len(report) > 4:
+        return report
+    flat: list[int] = []
+    for rank, (seq, unused, waiting, waiting_ids) in report.items():
+        if unused or waiting or waiting_ids:
+            return report
+        flat += (rank, seq)
+    return tuple(flat)
+
+
+def merge_report(into: Report, other: Report | tuple[int, ...]) -> None:
+    """Merge a report (or a packed one, see :func:`pack_report`) into ``into``: the entry
+    of a rank with the later event number wins."""
+    if type(other) is tuple:
+        other = {other[i]: (other[i + 1], [], [], []) for i in range(0, len(other), 2)}
+    for rank, entry in other.items():
+        old = into.get(rank)
+        if old is None or entry[0] >= old[0]:
+            into[rank] = entry
 
 #: the modes of :meth:`DistAutograd.backward`
 MODES = ("smart", "fast")
@@ -236,7 +282,7 @@ class PassState:
             except Exception as exc:
                 self._failed(exc)
             if reply is not None:  # the answer first: the caller's pass waits for it
-                reply.set_result(self._own_report())
+                reply.set_result(pack_report(self._own_report()))
             if leaves:  # read only once the pass has ended, and it has not: still running
                 try:
                     store = self.ctx.gradients
@@ -411,10 +457,16 @@ class PassState:
     def _send(self, peer: int, message_id: int, grads: list[torch.Tensor | None] | None
               ) -> None:
         """The gradients of this rank's recv function ``message_id`` to the rank of its send
-        function (``None``: SMART mode's "no gradient can come")."""
+        function (``None``: SMART mode's "no gradient can come"). The arguments are flat
+        and the tensors contiguous (a loss's gradient is an expanded one): a message of a
+        few small CPU gradients is a plain call, sent and served by the compiled path."""
+        flags = (RETAIN_GRAPH if self.retain_graph else 0) | (SMART if self.smart else 0)
+        if grads is None:
+            flags |= NO_GRADIENT
+            grads = []
         self._call(peer, self.autograd.gradients_handler,
-                   (self.ctx.context_id, self.pass_id, message_id, grads, self.retain_graph,
-                    self.smart))
+                   (self.ctx.context_id, self.pass_id, message_id, flags,
+                    *[_dense(g) for g in grads]))
 
     def _call(self, peer: int, handler: Any, args: tuple) -> None:
         """A call of the termination protocol: counted until answered."""
@@ -435,7 +487,7 @@ class PassState:
             if error is not None:
                 self.errors.append(error)
             else:
-                _merge(self.reports, fut.value())
+                merge_report(self.reports, fut.value())
         self._maybe_finish()
 
     # -------------------------------------------------------- termination
@@ -459,7 +511,7 @@ class PassState:
             parent, self.parent = self.parent, None
             errors, self.errors = self.errors, []
             report, self.reports = self.reports, {}
-        _merge(report, self._own_report())
+        merge_report(report, self._own_report())
         if not self.root and (errors or (self.plan is not None and self.plan.complete)):
             with self.ctx.lock:
                 if self.ctx.passes.get(self.pass_id) is self:
@@ -467,15 +519,9 @@ class PassState:
         if errors:
             parent.set_exception(errors[0])
         else:
-            parent.set_result(report)
+            parent.set_result(pack_report(report))
 
 
-
-def _merge(into: Report, other: Report) -> None:
-    for rank, entry in other.items():
-        old = into.get(rank)
-        if old is None or entry[0] >= old[0]:
-            into[rank] = entry
 
 
 def check_roots(roots: Any) -> list[torch.Tensor]:
@@ -551,13 +597,14 @@ class DistAutograd:
             describe=lambda context_id, *_: f"SMART mode question in autograd context "
                                             f"{context_id}")
 
-    def _on_gradients(self, context_id: int, pass_id: int, message_id: int,
-                      grads: list[torch.Tensor | None] | None, retain_graph: bool,
-                      smart: bool = True) -> torch.futures.Future:
-        """On the rank of a send function: its gradients arrived (``None``: none can come);
-        answered per the protocol."""
-        return self._post(context_id, pass_id, retain_graph, smart,
-                          lambda reply: GradientsEvent(message_id, grads, reply))
+    def _on_gradients(self, context_id: int, pass_id: int, message_id: int, flags: int,
+                      *grads: torch.Tensor | None) -> torch.futures.Future:
+        """On the rank of a send function: its gradients arrived (``flags``: of
+        :data:`RETAIN_GRAPH`, :data:`SMART`, :data:`NO_GRADIENT`, none can come); answered
+        per the protocol."""
+        received = None if flags & NO_GRADIENT else list(grads)
+        return self._post(context_id, pass_id, bool(flags & RETAIN_GRAPH), bool(flags & SMART),
+                          lambda reply: GradientsEvent(message_id, received, reply))
 
     def _on_resolve(self, context_id: int, pass_id: int, message_id: int, retain_graph: bool
                     ) -> torch.futures.Future:
@@ -612,7 +659,7 @@ class DistAutograd:
                 agent.engine.wait_until(done.done, None)
                 asked: set[tuple[int, int]] = set()
                 while mode == "smart" and future_error(done) is None:
-                    _merge(report, done.value())
+                    merge_report(report, done.value())
                     waiting = {w for entry in report.values() for w in entry[3]}
                     new = waiting - asked
                     if not new:
@@ -629,7 +676,7 @@ class DistAutograd:
         error = future_error(done)
         if error is not None:
             raise detached_copy(error)
-        _merge(report, done.value())
+        merge_report(report, done.value())
         _check_report(report, ctx.context_id, mode)
 
 

@@ -78,6 +78,34 @@ def test_gradients_for_other_ranks_leave_before_the_leaves_are_stored(world, eng
     close(grads[t4], af.my_add(t1, t2).detach())
 
 
+def test_gradient_messages_take_the_compiled_call_path(world, monkeypatch):
+    """A backward pass's messages (gradients, and the answers of the termination protocol)
+    are plain calls of small contiguous CPU tensors, even the loss's expanded gradient:
+    where the compiled path is built, none is pickled by the Python encoder."""
+    from mpidag._runtime import current
+    from mpidag.agent.encoding import CallCodec
+
+    agent = current().agent
+    encoded: list[str] = []
+    encode = CallCodec.encode
+
+    def logged(self, dst, func, args, kwargs):  # noqa: ANN001, ANN202
+        encoded.append(getattr(func, "name", ""))
+        return encode(self, dst, func, args, kwargs)
+
+    t1, t2 = _seeded(world.rank, (3, 3), (3, 3))
+    for step in range(2):  # (the first calls of a handler make its reference: Python)
+        if step:
+            monkeypatch.setattr(CallCodec, "encode", logged)
+        with dist_autograd.context() as context_id:
+            t3 = rpc.rpc_sync(world.next, af.my_add, args=(t1, t2))
+            dist_autograd.backward(context_id, [t3.sum()])
+            grads = dist_autograd.get_gradients(context_id)
+        close(grads[t1], torch.ones(3, 3))
+    if agent.core is not None:
+        assert "autograd.gradients" not in encoded, encoded
+
+
 def test_tensor_subclass_travels_as_tensor_and_gets_gradients(world):
     """A torch.Tensor subclass (not an nn.Parameter) arrives as its class with its
     attributes, and takes part in distributed autograd both ways (before: it was pickled
