@@ -17,6 +17,12 @@ Termination is Dijkstra-Scholten's: each gradient message is a call; the first o
 finds a rank idle *engages* it and is answered only when that rank is idle again and all the
 calls it made were answered; other calls are answered as soon as they are processed. So the
 answer to the root's own pass arrives exactly when no rank has anything left to do for it.
+One shortcut: a gradient message to the rank whose call engaged the sender (its *parent*)
+is a notification, not a call. The parent waits for it in the sender's place: the sender's
+answer says how many it handed over, and the parent is done only once it processed that
+many. In the example above B's gradient for x goes to A as such a notification and B answers
+A's first call right after it, so A is done as soon as x's region has run (before: A
+answered B's call, and B then answered A's: two more messages on the critical path).
 Answers carry each rank's errors (raised on the caller of ``backward`` with their type and
 remote traceback) and a report of send functions that never got their gradient although a
 part of the graph waits for them (the FAST mode rule: every send function of a context
@@ -79,7 +85,7 @@ from mpidag.dist_autograd.graph import Plan, edge_of, track_intermediate_hooks
 from mpidag.errors import detached_copy, frameless, future_error, node_error
 
 __all__ = ["DistAutograd", "PassState", "UnusedRPCGradientError", "UnusedRPCWarning",
-           "check_roots", "merge_report", "pack_report"]
+           "check_roots", "merge_answer", "pack_answer"]
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +96,10 @@ Report = dict[int, tuple[int, list[str], list[str], list[tuple[int, int]]]]
 #: numbers of the events a rank handles, in order (the newest report of a rank wins)
 _event_numbers = itertools.count(1)
 
-#: the ``flags`` of a gradient message (the ``autograd.gradients`` handler's 4th argument)
-RETAIN_GRAPH, SMART, NO_GRADIENT = 1, 2, 4
+#: the ``flags`` of a gradient message (the ``autograd.gradients`` handler's 4th argument);
+#: ``TO_PARENT``: a notification to the rank whose call engaged the sender, which waits for
+#: it in the sender's place (see "Termination" in :class:`PassState`)
+RETAIN_GRAPH, SMART, NO_GRADIENT, TO_PARENT = 1, 2, 4, 8
 
 
 def _dense(grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -102,36 +110,51 @@ def _dense(grad: torch.Tensor | None) -> torch.Tensor | None:
     return grad.contiguous()
 
 
-def pack_report(report: Report) -> Report | tuple[int, ...]:
-    """A report as an answer travels: when no rank in it has anything to say (no unused
-    RPC result, no send function waiting), ``(rank, event number, ...)`` for at most four
-    ranks, a plain value that the compiled call path sends in C; else the report itself.
-    :func:`merge_report` reads both.
+#: an answer of the termination protocol as it travels (see :func:`pack_answer`)
+Answer = tuple
+
+
+def pack_answer(report: Report, handed_over: int = 0) -> Answer:
+    """The answer to a call of the termination protocol: ``handed_over``, the number of
+    gradient notifications the answering rank sent to the caller for it to wait for (see
+    :class:`PassState`), then the report. When no rank in the report has anything to say
+    (no unused RPC result, no send function waiting) and it has at most four ranks, the
+    report is flat, ``(handed_over, rank, event number, ...)``, a plain value that the
+    compiled call path sends in C; else ``(handed_over, report)``. :func:`merge_answer`
+    reads both.
 
     Example::
 
-        >>> pack_report({1: (7, [], [], [])})
-        (1, 7)
+        >>> pack_answer({1: (7, [], [], [])}, 2)
+        (2, 1, 7)
         >>> merged: Report = {}
-        >>> merge_report(merged, (1, 7)); merged
-        {1: (7, [], [], [])}
+        >>> merge_answer(merged, (2, 1, 7)), merged
+        (2, {1: (7, [], [], [])})
     """
-    if len(report) > 4:
-        return report
-    flat: list[int] = []
-    for rank, (seq, unused, waiting, waiting_ids) in report.items():
-        if unused or waiting or waiting_ids:
-            return report
-        flat += (rank, seq)
-    return tuple(flat)
+    if len(report) <= 4:
+        flat = [handed_over]
+        for rank, (seq, unused, waiting, waiting_ids) in report.items():
+            if unused or waiting or waiting_ids:
+                break
+            flat += (rank, seq)
+        else:
+            return tuple(flat)
+    return handed_over, report
 
 
-def merge_report(into: Report, other: Report | tuple[int, ...]) -> None:
-    """Merge a report (or a packed one, see :func:`pack_report`) into ``into``: the entry
-    of a rank with the later event number wins."""
-    if type(other) is tuple:
-        other = {other[i]: (other[i + 1], [], [], []) for i in range(0, len(other), 2)}
-    for rank, entry in other.items():
+def merge_answer(into: Report, answer: Answer) -> int:
+    """Merge the report of ``answer`` (see :func:`pack_answer`) into ``into`` (the entry of
+    a rank with the later event number wins); returns its ``handed_over`` count."""
+    if len(answer) == 2 and type(answer[1]) is dict:
+        _merge(into, answer[1])
+    else:
+        _merge(into, {answer[i]: (answer[i + 1], [], [], [])
+                      for i in range(1, len(answer), 2)})
+    return answer[0]
+
+
+def _merge(into: Report, report: Report) -> None:
+    for rank, entry in report.items():
         old = into.get(rank)
         if old is None or entry[0] >= old[0]:
             into[rank] = entry
@@ -203,6 +226,8 @@ class GradientsEvent:
     message_id: int
     grads: list[torch.Tensor | None] | None
     reply: torch.futures.Future | None
+    #: a notification from a rank this one engaged, which this rank waits for in its place
+    to_parent: bool = False
 
 
 @dataclasses.dataclass(slots=True)
@@ -243,6 +268,10 @@ class PassState:
         self.running = False
         self.deficit = 0  # gradient calls made and not answered yet
         self.parent: torch.futures.Future | None = None  # answer of the engaging call
+        self.parent_rank: int | None = None  # the rank that made it (None: unknown)
+        self.handed_over = 0  # gradient notifications sent to the parent since engaged
+        self.owed = 0  # notifications the ranks this one engaged handed over to it
+        self.received = 0  # of those, processed here
         self.errors: list[BaseException] = []
         self.reports: Report = {}
         self.seq = 0
@@ -262,9 +291,10 @@ class PassState:
     def post(self, event: PassEvent) -> None:
         """Queue an event and process the queue unless another thread already does."""
         with self.lock:
-            if type(event) in _ANSWERED and self.parent is None:
+            if type(event) in _ANSWERED and self.parent is None and event.reply is not None:
                 self.parent = event.reply  # engaged: answered when everything is done
                 event.reply = None
+                self.parent_rank = self._caller(event)
             self.events.append(event)
             if self.running:
                 return
@@ -282,7 +312,7 @@ class PassState:
             except Exception as exc:
                 self._failed(exc)
             if reply is not None:  # the answer first: the caller's pass waits for it
-                reply.set_result(pack_report(self._own_report()))
+                reply.set_result(pack_answer(self._own_report()))
             if leaves:  # read only once the pass has ended, and it has not: still running
                 try:
                     store = self.ctx.gradients
@@ -290,7 +320,18 @@ class PassState:
                         store.add(variable, grad)
                 except Exception as exc:
                     self._failed(exc)
+            if type(event) is GradientsEvent and event.to_parent:
+                with self.lock:  # handed over by a rank this one engaged: processed
+                    self.received += 1
         self._maybe_finish()
+
+    def _caller(self, event: PassEvent) -> int | None:
+        """The rank whose call brought ``event``: the rank a gradient's send function sent
+        to (``None`` for other events: their gradients are not handed over)."""
+        if type(event) is not GradientsEvent:
+            return None
+        send = self.ctx.sends.get(event.message_id)
+        return None if send is None else send.peer
 
     def _failed(self, exc: Exception) -> None:
         """This rank's share of the pass raised ``exc``: kept for the root, which raises it."""
@@ -464,9 +505,22 @@ class PassState:
         if grads is None:
             flags |= NO_GRADIENT
             grads = []
-        self._call(peer, self.autograd.gradients_handler,
-                   (self.ctx.context_id, self.pass_id, message_id, flags,
-                    *[_dense(g) for g in grads]))
+        args = (self.ctx.context_id, self.pass_id, message_id, flags,
+                *[_dense(g) for g in grads])
+        with self.lock:  # (engaged while this rank runs: the parent stays until the answer)
+            to_parent = self.parent is not None and peer == self.parent_rank
+            if to_parent:
+                self.handed_over += 1
+        if not to_parent:
+            self._call(peer, self.autograd.gradients_handler, args)
+            return
+        try:  # the parent waits for it in this rank's place: no answer to wait for
+            self.agent.notify(peer, self.autograd.gradients_handler,
+                              (*args[:3], flags | TO_PARENT, *args[4:]))
+        except BaseException:
+            with self.lock:
+                self.handed_over -= 1
+            raise
 
     def _call(self, peer: int, handler: Any, args: tuple) -> None:
         """A call of the termination protocol: counted until answered."""
@@ -487,7 +541,7 @@ class PassState:
             if error is not None:
                 self.errors.append(error)
             else:
-                merge_report(self.reports, fut.value())
+                self.owed += merge_answer(self.reports, fut.value())
         self._maybe_finish()
 
     # -------------------------------------------------------- termination
@@ -506,20 +560,22 @@ class PassState:
 
     def _maybe_finish(self) -> None:
         with self.lock:
-            if self.running or self.events or self.deficit or self.parent is None:
+            if self.running or self.events or self.deficit or self.parent is None or \
+                    self.received != self.owed:
                 return
             parent, self.parent = self.parent, None
+            handed_over, self.handed_over, self.parent_rank = self.handed_over, 0, None
             errors, self.errors = self.errors, []
             report, self.reports = self.reports, {}
-        merge_report(report, self._own_report())
+        _merge(report, self._own_report())
         if not self.root and (errors or (self.plan is not None and self.plan.complete)):
             with self.ctx.lock:
                 if self.ctx.passes.get(self.pass_id) is self:
                     del self.ctx.passes[self.pass_id]
-        if errors:
-            parent.set_exception(errors[0])
+        if errors:  # (the notifications handed over were processed: the parent is done
+            parent.set_exception(errors[0])  # once it has this error)
         else:
-            parent.set_result(pack_report(report))
+            parent.set_result(pack_answer(report, handed_over))
 
 
 
@@ -603,8 +659,16 @@ class DistAutograd:
         :data:`RETAIN_GRAPH`, :data:`SMART`, :data:`NO_GRADIENT`, none can come); answered
         per the protocol."""
         received = None if flags & NO_GRADIENT else list(grads)
-        return self._post(context_id, pass_id, bool(flags & RETAIN_GRAPH), bool(flags & SMART),
-                          lambda reply: GradientsEvent(message_id, received, reply))
+        to_parent = bool(flags & TO_PARENT)
+        reply = self._post(context_id, pass_id, bool(flags & RETAIN_GRAPH), bool(flags & SMART),
+                           lambda reply: GradientsEvent(message_id, received,
+                                                        None if to_parent else reply, to_parent))
+        if to_parent:  # a notification: its error is logged here and kept by the pass
+            error = future_error(reply) if reply.done() else None
+            if error is not None:
+                raise error
+            return None
+        return reply
 
     def _on_resolve(self, context_id: int, pass_id: int, message_id: int, retain_graph: bool
                     ) -> torch.futures.Future:
@@ -659,7 +723,7 @@ class DistAutograd:
                 agent.engine.wait_until(done.done, None)
                 asked: set[tuple[int, int]] = set()
                 while mode == "smart" and future_error(done) is None:
-                    merge_report(report, done.value())
+                    merge_answer(report, done.value())
                     waiting = {w for entry in report.values() for w in entry[3]}
                     new = waiting - asked
                     if not new:
@@ -676,7 +740,7 @@ class DistAutograd:
         error = future_error(done)
         if error is not None:
             raise detached_copy(error)
-        merge_report(report, done.value())
+        merge_answer(report, done.value())
         _check_report(report, ctx.context_id, mode)
 
 

@@ -15,6 +15,7 @@ import torch
 import mpidag.autograd as dist_autograd
 import mpidag.rpc as rpc
 from mpidag import _runtime
+from mpidag.agent.agent import RpcAgent
 from tests import autograd_funcs as af
 from tests import rpc_funcs
 
@@ -104,6 +105,44 @@ def test_gradient_messages_take_the_compiled_call_path(world, monkeypatch):
         close(grads[t1], torch.ones(3, 3))
     if agent.core is not None:
         assert "autograd.gradients" not in encoded, encoded
+
+
+def test_a_gradient_for_the_engaging_rank_is_handed_over_without_an_answer(
+        world, monkeypatch):
+    """The next rank is engaged by this rank's gradient call; the gradient it sends back is
+    a notification that this rank waits for in its place (the next rank's answer says so),
+    so no answer travels after this rank processed the last gradient."""
+    from mpidag.dist_autograd import engine
+
+    sent: list[tuple[int, int, str]] = []  # (sender, pass id, "call" | "notify")
+    call, notify = engine.PassState._call, RpcAgent.notify
+
+    def logged_call(self, peer, handler, args):  # noqa: ANN001, ANN202
+        if handler is self.autograd.gradients_handler:
+            sent.append((self.agent.rank, args[1], "call"))
+        return call(self, peer, handler, args)
+
+    def logged_notify(self, dst, func, args=(), kwargs=None):  # noqa: ANN001, ANN202
+        if getattr(func, "name", "") == "autograd.gradients":
+            sent.append((self.rank, args[1], "notify"))
+        return notify(self, dst, func, args, kwargs)
+
+    monkeypatch.setattr(engine.PassState, "_call", logged_call)
+    monkeypatch.setattr(RpcAgent, "notify", logged_notify)
+    x, w = _seeded(world.rank, (4,), (4,))
+    with dist_autograd.context() as context_id:
+        t = rpc.rpc_sync(world.next, af.my_add, args=(x * w, w))
+        dist_autograd.backward(context_id, [(t * x).sum()])
+        grads = dist_autograd.get_gradients(context_id)
+    local = (af.my_add(x * w, w) * x).sum()
+    ex, ew = torch.autograd.grad(local, [x, w])
+    close(grads[x], ex)
+    close(grads[w], ew)
+    ids = _runtime.current().agent.ids
+    seen = list(sent)  # the root calls; the rank it engaged hands its gradient back
+    assert all(kind == ("call" if ids.creator(pass_id) == sender else "notify")
+               for sender, pass_id, kind in seen), seen
+    assert (world.rank, "call") in {(sender, kind) for sender, _, kind in seen}, seen
 
 
 def test_tensor_subclass_travels_as_tensor_and_gets_gradients(world):
