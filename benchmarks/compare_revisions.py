@@ -39,6 +39,16 @@ BENCHMARKS = (("rpc", "bench_rpc.py", 2), ("autograd", "bench_autograd.py", 2),
 METRICS = ("mpidag", "mpidag_vs_torch", "mpidag_vs_raw", "interleaved")
 
 
+def clear_earlier_run(out: Path) -> int:
+    """Remove the rounds of an earlier run from ``out`` (its table reads every round there:
+    a run of fewer rounds into the same directory once showed a stale fifth); returns how
+    many files went."""
+    stale = [path for side in ("old", "new") for path in out.glob(f"*_{side}_*.*")]
+    for path in stale:
+        path.unlink()
+    return len(stale)
+
+
 def checkout(revision: str, where: Path) -> str:
     """A detached worktree of ``revision`` at ``where``; returns its commit."""
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "--force",
@@ -134,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = args.out or Path(tempfile.mkdtemp(prefix="mpidag-ab-"))
     out.mkdir(parents=True, exist_ok=True)
+    stale = clear_earlier_run(out)
+    if stale:
+        print(f"removed {stale} files of an earlier run from {out}", flush=True)
     trees = Path(tempfile.mkdtemp(prefix="mpidag-ab-trees-"))
     try:
         commits = {side: checkout(rev, trees / side)

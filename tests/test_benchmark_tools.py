@@ -58,3 +58,11 @@ def test_bad_arguments_are_named(args, message):
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "compare_revisions.py"), *args],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_a_new_comparison_removes_the_rounds_of_an_earlier_run(tmp_path):
+    for name in ("rpc_old_5.json", "rpc_new_5.log", "autograd_old_1.json", "notes.txt",
+                 "revisions.json"):
+        (tmp_path / name).write_text("{}")
+    assert compare_revisions.clear_earlier_run(tmp_path) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "revisions.json"]
