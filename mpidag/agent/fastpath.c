@@ -22,8 +22,12 @@
  *                         frame-0 probe and the C frame-0 decoder, which also makes the
  *                         tensors inline in frame 0, without the Python of poll), then
  *                         dispatch; False when nothing arrived;
+ *   Core.reply(...)       the answer of a call made after its function returned (an
+ *                         asynchronous handler's future): in C when it is plain;
  *   Counters              the per-peer message counts of graceful shutdown, changed
- *                         atomically under the GIL by C and Python alike.
+ *                         atomically under the GIL by C and Python alike;
+ *   plain_pickle(obj)     the pickle of a plain value as this module writes it (see "plain
+ *                         values as pickle bytes"; for the tests and the Python encoder).
  *
  * Anything that is not plain (kwargs, a new function, a profiler, a test's send hook, a
  * failed peer, a message to this rank) goes, untouched,

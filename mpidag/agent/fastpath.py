@@ -9,14 +9,19 @@ frame 0), and is made outside any profiler. For those the compiled :class:`Core`
 dispatch, :meth:`Server.serve_call <mpidag.agent.serving.Server.serve_call>` and
 :meth:`OutgoingCalls.complete <mpidag.agent.calls.OutgoingCalls.complete>` do in Python:
 the same ``PendingCall`` and ``Envelope`` objects, the same bytes on the wire (the header
-flag :data:`~mpidag.agent.messages.FLAG_PLAIN` says the pickle holds plain values only),
+flag :data:`~mpidag.agent.messages.FLAG_PLAIN` says the pickle holds plain values only; the
+module writes those pickles itself, and the Python encoder uses its writer too:
+:func:`mpidag.agent.encoding.pickle_plain`),
 the same message counters, the same errors. Inside a distributed autograd context it calls
 the agent's call observer where the Python path does (``outgoing``/``sent`` on the caller,
 ``received`` at dispatch and ``serving``/``served`` around the function on the callee,
 ``replying``/``sent`` for a result with tensors, and
 :meth:`OutgoingCalls.record_result <mpidag.agent.calls.OutgoingCalls.record_result>` for
 that result on the caller), so a call records the same send and recv functions on either
-path. Anything else goes untouched to the Python
+path. An asynchronous handler (:class:`~mpidag.agent.handlers.Handler` with
+``asynchronous=True``) is served here too: its future's value is the answer when it has
+one, else ``Server.answer_when_done`` answers later, through ``Core.reply`` (the agent's
+``Server.answer``). Anything else goes untouched to the Python
 code, which also raises every error a user sees. Its ``step(wait)`` is also the progress
 engine's leader step (:meth:`ProgressEngine.set_step
 <mpidag.transport.progress.ProgressEngine.set_step>`): the after-poll hook, one poll through

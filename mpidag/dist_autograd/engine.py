@@ -112,16 +112,18 @@ def _dense(grad: torch.Tensor | None) -> torch.Tensor | None:
 
 #: an answer of the termination protocol as it travels (see :func:`pack_answer`)
 Answer = tuple
+#: the attribute of a failed answer's exception that carries its ``handed_over`` count
+_HANDED_OVER = "_mpidag_handed_over"
 
 
 def pack_answer(report: Report, handed_over: int = 0) -> Answer:
     """The answer to a call of the termination protocol: ``handed_over``, the number of
     gradient notifications the answering rank sent to the caller for it to wait for (see
     :class:`PassState`), then the report. When no rank in the report has anything to say
-    (no unused RPC result, no send function waiting) and it has at most four ranks, the
-    report is flat, ``(handed_over, rank, event number, ...)``, a plain value that the
-    compiled call path sends in C; else ``(handed_over, report)``. :func:`merge_answer`
-    reads both.
+    (no unused RPC result, no send function waiting) and it has at most three ranks, the
+    report is flat, ``(handed_over, rank, event number, ...)``, a plain value (a tuple of at
+    most 8) that the compiled call path sends in C; else ``(handed_over, report)``.
+    :func:`merge_answer` reads both.
 
     Example::
 
@@ -131,7 +133,7 @@ def pack_answer(report: Report, handed_over: int = 0) -> Answer:
         >>> merge_answer(merged, (2, 1, 7)), merged
         (2, {1: (7, [], [], [])})
     """
-    if len(report) <= 4:
+    if len(report) <= 3:
         flat = [handed_over]
         for rank, (seq, unused, waiting, waiting_ids) in report.items():
             if unused or waiting or waiting_ids:
@@ -538,7 +540,8 @@ class PassState:
         error = future_error(fut)
         with self.lock:
             self.deficit -= 1
-            if error is not None:
+            if error is not None:  # (its count travels with it when it pickles)
+                self.owed += error.__dict__.pop(_HANDED_OVER, 0)
                 self.errors.append(error)
             else:
                 self.owed += merge_answer(self.reports, fut.value())
@@ -561,8 +564,8 @@ class PassState:
     def _maybe_finish(self) -> None:
         with self.lock:
             if self.running or self.events or self.deficit or self.parent is None or \
-                    self.received != self.owed:
-                return
+                    (self.received != self.owed and not self.errors):
+                return  # (a failed pass does not wait for notifications whose count was lost)
             parent, self.parent = self.parent, None
             handed_over, self.handed_over, self.parent_rank = self.handed_over, 0, None
             errors, self.errors = self.errors, []
@@ -572,8 +575,10 @@ class PassState:
             with self.ctx.lock:
                 if self.ctx.passes.get(self.pass_id) is self:
                     del self.ctx.passes[self.pass_id]
-        if errors:  # (the notifications handed over were processed: the parent is done
-            parent.set_exception(errors[0])  # once it has this error)
+        if errors:
+            if handed_over:  # the parent waits for them: their count goes with the error
+                errors[0].__dict__[_HANDED_OVER] = handed_over
+            parent.set_exception(errors[0])
         else:
             parent.set_result(pack_answer(report, handed_over))
 

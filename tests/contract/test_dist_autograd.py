@@ -372,6 +372,23 @@ def test_error_in_a_remote_backward_reaches_the_caller(world):
         close(dist_autograd.get_gradients(context_id)[x], 2 * x.detach())
 
 
+def test_an_error_after_a_hand_over_ends_the_pass(world):
+    """The next rank hands one gradient back to this rank (the rank that engaged it) and
+    fails on the other: its failed answer says how many it handed over, and the pass ends
+    with the error instead of waiting for a count that never came."""
+    (x,) = _seeded(world.rank, (3,))
+    for _ in range(2):  # (either call's gradient may be the one that engages the next rank)
+        with dist_autograd.context() as context_id:
+            good = rpc.rpc_sync(world.next, af.square, args=(x,))
+            bad = rpc.rpc_sync(world.next, af.fails_in_backward, args=(x,))
+            with pytest.raises(ValueError, match="failed on purpose"):
+                dist_autograd.backward(context_id, [good.sum() + bad.sum()])
+    with dist_autograd.context() as context_id:  # every rank goes on working
+        loss = rpc.rpc_sync(world.next, af.square, args=(x,)).sum()
+        dist_autograd.backward(context_id, [loss])
+        close(dist_autograd.get_gradients(context_id)[x], 2 * x.detach())
+
+
 def test_bad_calls_are_clear_errors(world):
     (x,) = _seeded(world.rank, (2,))
     with dist_autograd.context() as context_id:
