@@ -221,8 +221,7 @@ class Server:
                       "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
 
     # ----------------------------------------------------------------- answers
-    def _reply_future(self, env: Envelope, fut: torch.futures.Future,
-                      call: tuple | None = None) -> None:
+    def _reply_future(self, env: Envelope, fut: torch.futures.Future, call: tuple) -> None:
         error = future_error(fut)
         if error is not None:
             self._reply_error(env, error)
