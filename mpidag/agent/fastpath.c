@@ -358,6 +358,17 @@ static int is_plain(PyObject *obj)
     return 1;
 }
 
+/* the truth of value, a new reference that this drops (NULL: the error of making it): 1, 0,
+ * or -1 on error */
+static int truth_of(PyObject *value)
+{
+    if (value == NULL)
+        return -1;
+    int truth = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return truth;
+}
+
 /* 1 when rank is in the set (0 when the set is empty), -1 on error */
 static int in_set(PyObject *set, long rank)
 {
@@ -1053,11 +1064,7 @@ static PyObject *call_payload(Core *self, PyObject *func, PyObject *args, PyObje
  * autograd context: see observe_outgoing); 0: leave the call to Python; -1: error */
 static int may_send_plain(Core *self, long dst, int record)
 {
-    PyObject *open = PyObject_GetAttr(self->o[O_CALLS], self->s_open);
-    if (open == NULL)
-        return -1;
-    int is_open = PyObject_IsTrue(open);
-    Py_DECREF(open);
+    int is_open = truth_of(PyObject_GetAttr(self->o[O_CALLS], self->s_open));
     if (is_open <= 0)
         return is_open; /* shut down: Python raises the error */
     int failed = in_set(self->o[O_PEERS_FAILED], dst);
@@ -1067,15 +1074,11 @@ static int may_send_plain(Core *self, long dst, int record)
         PyObject *observer = PyObject_GetAttr(self->o[O_PLUGINS], self->s_observer);
         if (observer == NULL)
             return -1;
-        PyObject *active = PyObject_GetAttr(observer, self->s_active);
+        int active = truth_of(PyObject_GetAttr(observer, self->s_active));
         Py_DECREF(observer);
-        if (active == NULL)
+        if (active < 0)
             return -1;
-        int truth = PyObject_IsTrue(active);
-        Py_DECREF(active);
-        if (truth < 0)
-            return -1;
-        if (truth) {
+        if (active) {
             int can = can_send(self, dst);
             return can == 1 ? 2 : can;
         }
@@ -1409,11 +1412,7 @@ static PyObject *Core_rpc(Core *self, PyObject *const *argv, Py_ssize_t nargs)
     int left = in_set(self->o[O_PEERS_LEFT], dst);
     if (left != 0)
         return left < 0 ? NULL : Py_NewRef(Py_None);
-    PyObject *profiling = PyObject_CallNoArgs(self->o[O_CALL_PROFILING]);
-    if (profiling == NULL)
-        return NULL;
-    int profiled = PyObject_IsTrue(profiling);
-    Py_DECREF(profiling);
+    int profiled = truth_of(PyObject_CallNoArgs(self->o[O_CALL_PROFILING]));
     if (profiled != 0)
         return profiled < 0 ? NULL : Py_NewRef(Py_None);
     PyObject *rank = PyLong_FromLong(dst);
@@ -1485,11 +1484,7 @@ static int complete_plain(Core *self, PyObject *env, long long flags, long src,
         goto done;
     *with_future = future != Py_None;
     if (future != Py_None) {
-        PyObject *callbacks = PyObject_GetAttr(future, self->s_user_callbacks);
-        if (callbacks == NULL)
-            goto done;
-        int has = PyObject_IsTrue(callbacks);
-        Py_DECREF(callbacks);
+        int has = truth_of(PyObject_GetAttr(future, self->s_user_callbacks));
         if (has != 0) {
             result = has < 0 ? -1 : 0; /* completed off the leader: Python */
             goto done;
@@ -1597,12 +1592,7 @@ static int lookup_attr(PyObject *obj, PyObject *name, PyObject **value)
 static int is_asynchronous(Core *self, PyObject *func)
 {
     if (Py_TYPE(func) == (PyTypeObject *)self->o[O_HANDLER_TYPE]) {
-        PyObject *a = PyObject_GetAttr(func, self->s_asynchronous);
-        if (a == NULL)
-            return -1;
-        int truth = PyObject_IsTrue(a);
-        Py_DECREF(a);
-        return truth;
+        return truth_of(PyObject_GetAttr(func, self->s_asynchronous));
     }
     PyObject *wrapped; /* no AttributeError made for a function without it (0.3 us) */
     if (lookup_attr(func, self->s_wrapped_async, &wrapped) < 0)
@@ -1881,11 +1871,7 @@ static int answer_later(Core *self, PyObject *env, PyObject *func, PyObject *arg
     int is_future = PyObject_IsInstance(*value, self->o[O_CFUTURE]);
     if (is_future <= 0)
         return is_future;
-    PyObject *done = PyObject_CallMethodNoArgs(*value, self->s_done);
-    if (done == NULL)
-        return -1;
-    int finished = PyObject_IsTrue(done);
-    Py_DECREF(done);
+    int finished = truth_of(PyObject_CallMethodNoArgs(*value, self->s_done));
     if (finished < 0)
         return -1;
     if (finished) {
@@ -1931,11 +1917,7 @@ static int serve_plain(Core *self, PyObject *env, PyObject *received)
     if (!(flags & (FLAG_HANDLER | FLAG_FUNCTION_REF)) || src < 0 ||
         src >= ((Counters *)self->o[O_COUNTERS])->size)
         return 0;
-    PyObject *observing = PyObject_CallNoArgs(self->o[O_OBSERVING]);
-    if (observing == NULL)
-        return -1;
-    int observed = PyObject_IsTrue(observing);
-    Py_DECREF(observing);
+    int observed = truth_of(PyObject_CallNoArgs(self->o[O_OBSERVING]));
     if (observed != 0)
         return observed < 0 ? -1 : 0;
     PyObject *func, *args, *kwargs, *value = NULL;

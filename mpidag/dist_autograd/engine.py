@@ -659,16 +659,17 @@ class DistAutograd:
                                             f"{context_id}")
 
     def _on_gradients(self, context_id: int, pass_id: int, message_id: int, flags: int,
-                      *grads: torch.Tensor | None) -> torch.futures.Future:
-        """On the rank of a send function: its gradients arrived (``flags``: of
-        :data:`RETAIN_GRAPH`, :data:`SMART`, :data:`NO_GRADIENT`, none can come); answered
-        per the protocol."""
+                      *grads: torch.Tensor | None) -> torch.futures.Future | None:
+        """On the rank of a send function: its gradients arrived. ``flags``:
+        :data:`RETAIN_GRAPH`, :data:`SMART`, :data:`NO_GRADIENT` (none can come) and
+        :data:`TO_PARENT` (a notification handed over by a rank this one engaged: no answer);
+        a call is answered per the protocol."""
         received = None if flags & NO_GRADIENT else list(grads)
         to_parent = bool(flags & TO_PARENT)
         reply = self._post(context_id, pass_id, bool(flags & RETAIN_GRAPH), bool(flags & SMART),
                            lambda reply: GradientsEvent(message_id, received,
                                                         None if to_parent else reply, to_parent))
-        if to_parent:  # a notification: its error is logged here and kept by the pass
+        if to_parent:  # nothing answers it: an error here (no such context) is logged
             error = future_error(reply) if reply.done() else None
             if error is not None:
                 raise error
