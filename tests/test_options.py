@@ -103,7 +103,7 @@ def test_config_reads_every_variable_and_names_bad_values():
                               "MPIDAG_CUDA_AWARE": "1", "MPIDAG_OPTIM_LOCKS": "global",
                               "MPIDAG_ABORT_ON_ERROR": "0", "MPIDAG_POLL_SPIN_S": "0",
                               "MPIDAG_SENTINEL_S": "5e-3", "MPIDAG_FT": "1",
-                              "MPIDAG_COMPILED": "0"})
+                              "MPIDAG_COMPILED": "0", "MPIDAG_GLIBC_FASTBINS": "1"})
     assert (config.log_level, config.gc_freeze, config.backoff_max) == ("info", False, 2e-3)
     assert (config.recv_cache_bytes, config.cuda_aware, config.optim_locks) == (3 << 20, True,
                                                                                "global")
@@ -111,11 +111,12 @@ def test_config_reads_every_variable_and_names_bad_values():
                                                                                   5e-3)
     assert config.ft and not Config().ft
     assert not config.compiled and Config().compiled
+    assert config.glibc_fastbins and not Config().glibc_fastbins
     assert set(Config.variables().values()) == {
         "MPIDAG_LOG", "MPIDAG_GC_FREEZE", "MPIDAG_ABORT_ON_ERROR", "MPIDAG_BACKOFF_MAX",
         "MPIDAG_POLL_SPIN_S", "MPIDAG_SENTINEL_S", "MPIDAG_CUDA_AWARE",
         "MPIDAG_RECV_CACHE_MB", "MPIDAG_OPTIM_LOCKS", "MPIDAG_FT",
-        "MPIDAG_INSPECT_DIR", "MPIDAG_COMPILED"}
+        "MPIDAG_INSPECT_DIR", "MPIDAG_COMPILED", "MPIDAG_GLIBC_FASTBINS"}
     for variable, value, words in [("MPIDAG_BACKOFF_MAX", "fast", "number of seconds"),
                                    ("MPIDAG_SENTINEL_S", "-1", "number of seconds"),
                                    ("MPIDAG_GC_FREEZE", "maybe", "switch"),
@@ -164,3 +165,34 @@ def test_options_refuse_a_timedelta_timeout_with_torchs_words():
 
     with pytest.raises(TypeError, match="incompatible constructor arguments"):
         MPIRpcBackendOptions(rpc_timeout=timedelta(seconds=3))
+
+
+def test_glibc_fastbins_are_turned_off():
+    """What ``init_rpc`` does unless ``MPIDAG_GLIBC_FASTBINS=1``: afterwards small freed
+    chunks are merged at once instead of kept in fastbins (glibc's own count of bytes in
+    them stays 0), so no later allocation consolidates a backward pass's worth of them."""
+    import ctypes
+
+    from mpidag.rpc import api
+
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallinfo2") or not hasattr(libc, "mallopt"):
+        pytest.skip("not glibc 2.33 or later")
+
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+            "uordblks", "fordblks", "keepcost")]
+
+    libc.mallinfo2.restype = Mallinfo2
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+
+    def fastbin_bytes_after_freeing_small_blocks() -> int:
+        blocks = [libc.malloc(24) for _ in range(64)]  # (7 of a size fit glibc's tcache)
+        for block in blocks:
+            libc.free(block)
+        return libc.mallinfo2().fsmblks
+
+    assert api._without_fastbins() is True
+    assert fastbin_bytes_after_freeing_small_blocks() == 0

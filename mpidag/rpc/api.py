@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import gc
 import logging
 import os
@@ -202,6 +203,8 @@ def init_rpc(
         _runtime.install(runtime)
         if config.gc_freeze:
             _freeze_heap()
+        if not config.glibc_fastbins:
+            _without_fastbins()
         runtime.serve()
         watcher = StateWatcher(runtime, config.inspect_base)  # python -m mpidag.inspect
         watcher.start()
@@ -237,6 +240,34 @@ def _freeze_heap() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+def _without_fastbins() -> bool:
+    """Turn glibc's fastbins off for this process (``mallopt(M_MXFAST, 0)``); returns whether
+    it did (not under another C library). ``init_rpc`` calls it unless
+    ``MPIDAG_GLIBC_FASTBINS=1``.
+
+    With fastbins, glibc keeps small freed chunks unmerged until an allocation of 1 KiB or
+    more consolidates them all: after a backward pass freed its graph that one allocation
+    took 55-60 µs here (a 100-byte one 1 µs), and it fell on the next message or plan
+    (`docs/design.md`, "The compiled path"). Without them the chunks are merged as they are
+    freed; the one-rank 1,000-op loop of ``bench_autograd.py`` was no slower.
+
+    Example::
+
+        >>> _without_fastbins()   # on glibc
+        True
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt(_M_MXFAST, 0) == 1
+
+
+#: ``mallopt``'s parameter number of the fastbins' size limit (glibc's malloc.h)
+_M_MXFAST = 1
 
 
 def _check_init_arguments(name, backend, rank, world_size) -> Exception | None:
