@@ -188,11 +188,12 @@ def test_glibc_fastbins_are_turned_off():
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
 
-    def fastbin_bytes_after_freeing_small_blocks() -> int:
+    def fastbin_bytes_added_by_freeing_small_blocks() -> int:
+        before = libc.mallinfo2().fsmblks  # (over every arena: other threads' chunks too)
         blocks = [libc.malloc(24) for _ in range(64)]  # (7 of a size fit glibc's tcache)
         for block in blocks:
             libc.free(block)
-        return libc.mallinfo2().fsmblks
+        return libc.mallinfo2().fsmblks - before
 
     assert api._without_fastbins() is True
-    assert fastbin_bytes_after_freeing_small_blocks() == 0
+    assert fastbin_bytes_added_by_freeing_small_blocks() <= 0  # with fastbins: ~1.9 KB
