@@ -67,7 +67,6 @@ import logging
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -272,8 +271,9 @@ class PassState:
         self.parent: torch.futures.Future | None = None  # answer of the engaging call
         self.parent_rank: int | None = None  # the rank that made it (None: unknown)
         self.handed_over = 0  # gradient notifications sent to the parent since engaged
-        self.owed = 0  # notifications the ranks this one engaged handed over to it
-        self.received = 0  # of those, processed here
+        #: notifications handed over to this rank by ranks it engaged, not processed yet
+        #: (below 0 while one is processed before the answer that announces it arrives)
+        self.handed_to_me = 0
         self.errors: list[BaseException] = []
         self.reports: Report = {}
         self.seq = 0
@@ -324,7 +324,7 @@ class PassState:
                     self._failed(exc)
             if type(event) is GradientsEvent and event.to_parent:
                 with self.lock:  # handed over by a rank this one engaged: processed
-                    self.received += 1
+                    self.handed_to_me -= 1
         self._maybe_finish()
 
     def _caller(self, event: PassEvent) -> int | None:
@@ -503,22 +503,19 @@ class PassState:
         function (``None``: SMART mode's "no gradient can come"). The arguments are flat
         and the tensors contiguous (a loss's gradient is an expanded one): a message of a
         few small CPU gradients is a plain call, sent and served by the compiled path."""
-        flags = (RETAIN_GRAPH if self.retain_graph else 0) | (SMART if self.smart else 0)
-        if grads is None:
-            flags |= NO_GRADIENT
-            grads = []
-        args = (self.ctx.context_id, self.pass_id, message_id, flags,
-                *[_dense(g) for g in grads])
         with self.lock:  # (engaged while this rank runs: the parent stays until the answer)
             to_parent = self.parent is not None and peer == self.parent_rank
             if to_parent:
                 self.handed_over += 1
+        flags = (RETAIN_GRAPH if self.retain_graph else 0) | (SMART if self.smart else 0) | \
+            (NO_GRADIENT if grads is None else 0) | (TO_PARENT if to_parent else 0)
+        args = (self.ctx.context_id, self.pass_id, message_id, flags,
+                *[_dense(g) for g in grads or ()])
         if not to_parent:
             self._call(peer, self.autograd.gradients_handler, args)
             return
         try:  # the parent waits for it in this rank's place: no answer to wait for
-            self.agent.notify(peer, self.autograd.gradients_handler,
-                              (*args[:3], flags | TO_PARENT, *args[4:]))
+            self.agent.notify(peer, self.autograd.gradients_handler, args)
         except BaseException:
             with self.lock:
                 self.handed_over -= 1
@@ -541,10 +538,10 @@ class PassState:
         with self.lock:
             self.deficit -= 1
             if error is not None:  # (its count travels with it when it pickles)
-                self.owed += error.__dict__.pop(_HANDED_OVER, 0)
+                self.handed_to_me += error.__dict__.pop(_HANDED_OVER, 0)
                 self.errors.append(error)
             else:
-                self.owed += merge_answer(self.reports, fut.value())
+                self.handed_to_me += merge_answer(self.reports, fut.value())
         self._maybe_finish()
 
     # -------------------------------------------------------- termination
@@ -564,7 +561,7 @@ class PassState:
     def _maybe_finish(self) -> None:
         with self.lock:
             if self.running or self.events or self.deficit or self.parent is None or \
-                    (self.received != self.owed and not self.errors):
+                    (self.handed_to_me and not self.errors):
                 return  # (a failed pass does not wait for notifications whose count was lost)
             parent, self.parent = self.parent, None
             handed_over, self.handed_over, self.parent_rank = self.handed_over, 0, None
@@ -664,43 +661,42 @@ class DistAutograd:
         :data:`RETAIN_GRAPH`, :data:`SMART`, :data:`NO_GRADIENT` (none can come) and
         :data:`TO_PARENT` (a notification handed over by a rank this one engaged: no answer);
         a call is answered per the protocol."""
-        received = None if flags & NO_GRADIENT else list(grads)
         to_parent = bool(flags & TO_PARENT)
-        reply = self._post(context_id, pass_id, bool(flags & RETAIN_GRAPH), bool(flags & SMART),
-                           lambda reply: GradientsEvent(message_id, received,
-                                                        None if to_parent else reply, to_parent))
-        if to_parent:  # nothing answers it: an error here (no such context) is logged
-            error = future_error(reply) if reply.done() else None
-            if error is not None:
-                raise error
-            return None
+        reply = None if to_parent else torch.futures.Future()
+        self._post(context_id, pass_id, bool(flags & RETAIN_GRAPH), bool(flags & SMART),
+                   GradientsEvent(message_id, None if flags & NO_GRADIENT else list(grads),
+                                  reply, to_parent))
         return reply
 
     def _on_resolve(self, context_id: int, pass_id: int, message_id: int, retain_graph: bool
                     ) -> torch.futures.Future:
         """On the rank of a recv function: SMART mode asks whether it can still fire."""
-        return self._post(context_id, pass_id, retain_graph, True,
-                          lambda reply: ResolveEvent(message_id, reply))
+        reply: torch.futures.Future = torch.futures.Future()
+        self._post(context_id, pass_id, retain_graph, True, ResolveEvent(message_id, reply))
+        return reply
 
     def _post(self, context_id: int, pass_id: int, retain_graph: bool, smart: bool,
-              event: Callable[[torch.futures.Future], PassEvent]) -> torch.futures.Future:
-        """Hand a call of the termination protocol to this rank's share of the pass."""
-        reply: torch.futures.Future = torch.futures.Future()
+              event: GradientsEvent | ResolveEvent) -> None:
+        """Hand a message of the termination protocol to this rank's share of the pass. With
+        no such context, a call is answered with the error and a notification (no
+        ``event.reply``) raises it, which the server logs."""
         ctx = self.container.contexts.get(context_id)
         if ctx is None:
-            reply.set_exception(RuntimeError(
+            error = RuntimeError(
                 f"the backward pass reached {self.agent.where()}, which has no autograd "
                 f"context {context_id} (already released: did the `with context()` block end "
-                f"before backward() returned?)"))
-            return reply
+                f"before backward() returned?)")
+            if event.reply is None:
+                raise error
+            event.reply.set_exception(error)
+            return
         with ctx.lock:
             state = ctx.passes.get(pass_id)
             if state is None:
                 state = ctx.passes[pass_id] = PassState(self, ctx, pass_id, retain_graph,
                                                         smart=smart,
                                                         root=False)
-        state.post(event(reply))
-        return reply
+        state.post(event)
 
     def backward(self, context_id: int, roots: list[torch.Tensor],
                  retain_graph: bool = False, mode: str = "smart") -> None:

@@ -242,6 +242,10 @@ def _freeze_heap() -> None:
     gc.freeze()
 
 
+#: ``mallopt``'s parameter number of the fastbins' size limit (glibc's malloc.h)
+_M_MXFAST = 1
+
+
 def _without_fastbins() -> bool:
     """Turn glibc's fastbins off for this process (``mallopt(M_MXFAST, 0)``); returns whether
     it did (not under another C library). ``init_rpc`` calls it unless
@@ -265,9 +269,6 @@ def _without_fastbins() -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return mallopt(_M_MXFAST, 0) == 1
 
-
-#: ``mallopt``'s parameter number of the fastbins' size limit (glibc's malloc.h)
-_M_MXFAST = 1
 
 
 def _check_init_arguments(name, backend, rank, world_size) -> Exception | None:
