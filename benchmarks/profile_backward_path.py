@@ -11,8 +11,8 @@ The workload is ``bench_autograd.py``'s ``ops_1000``: 500 small ops on rank 0, a
 ``dist_autograd.backward``. The path is strictly sequential (each half waits for the
 other), so every step below is on the critical path. The script stamps, without changing
 mpidag: the steps of rank 0's iteration, the remote function's start and end on rank 1,
-and every call of ``torch.autograd.grad`` (each rank's engine runs its part of the
-backward pass as one such call: rank 0 twice, the loss's part and then its 500 ops).
+and every call of torch's engine (``graph.engine_grad``: each rank's engine runs its part
+of the backward pass as one such call: rank 0 twice, the loss's part and then its 500 ops).
 Medians over ``--steps`` iterations, µs, next to the same ops run on one rank
 (``loss.backward()``).
 """
@@ -33,16 +33,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_autograd as workload  # noqa: E402 - after the path set-up
 
 import mpidag.autograd as dist_autograd  # noqa: E402
+import mpidag.dist_autograd.graph as graph  # noqa: E402
 import mpidag.rpc as rpc  # noqa: E402
 
 clock = time.perf_counter_ns
 #: (name, ns) of this rank, in order
 stamps: list[tuple[str, int]] = []
-_grad = torch.autograd.grad
+_grad = graph.engine_grad
 
 
 def stamped_grad(*args, **kwargs):
-    """``torch.autograd.grad``, stamped (the engine's one native call per part)."""
+    """``engine_grad``, stamped (the engine's one native call per part)."""
     stamps.append(("grad_start", clock()))
     try:
         return _grad(*args, **kwargs)
@@ -125,7 +126,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=600, help="iterations measured")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    torch.autograd.grad = stamped_grad
+    graph.engine_grad = stamped_grad
     rank = MPI.COMM_WORLD.Get_rank()
     rpc.init_rpc(f"worker{rank}")
     local: list[int] = []

@@ -7,8 +7,9 @@ compares every decoded message of the C codec, which calls it, with the Python c
 ``record_recv`` must make what the Python records make (the same values, tensors that share
 the received storage, one recv node per message whose outputs are the tensors that require
 grad, in order), and free the record with the node, on whatever thread autograd frees it;
-``gradient_edges`` must find the edges torch's ``get_gradient_edge`` finds, and ``reach``
-walk to what the Python walk of ``Reach`` reaches. Graphs with
+``gradient_edges`` must find the edges torch's ``get_gradient_edge`` finds, ``reach``
+walk to what the Python walk of ``Reach`` reaches, and ``run_grad`` give what
+``torch.autograd.grad`` gives, with its errors. Graphs with
 C++ recv nodes go through the planner in ``tests/test_graph_plan.py`` and through every
 in-process and multi-rank test of a compiled agent.
 """
@@ -187,6 +188,74 @@ def test_the_walk_in_cpp_refuses_what_is_not_a_list_of_edges():
         native.reach([a], RECV_NODE_TYPES, AccumulateGrad)
 
 
+def _torch_grad(outputs, grads, inputs, retain_graph=False):  # noqa: ANN001, ANN202
+    return torch.autograd.grad([GradientEdge(*k) for k in outputs],
+                               [GradientEdge(*k) for k in inputs], grads,
+                               retain_graph=retain_graph, allow_unused=True)
+
+
+def test_one_engine_call_gives_what_torch_autograd_grad_gives():
+    w = torch.rand(5, requires_grad=True)
+    b = torch.rand(5, requires_grad=True)
+    unreached = torch.rand(2, requires_grad=True)
+    h = torch.tanh(torch.rand(5) * w) + b
+    mid = h * w
+    out = (mid.exp() * 2).sum()
+    acc_w, acc_b = get_gradient_edge(w), get_gradient_edge(b)
+    stops = [(acc_w.node, 0), (mid.grad_fn, 0), (get_gradient_edge(unreached).node, 0),
+             (acc_b.node, 0)]
+    expected = _torch_grad([(out.grad_fn, 0)], [torch.tensor(1.5)], stops, retain_graph=True)
+    got = native.run_grad([(out.grad_fn, 0)], [torch.tensor(1.5)], stops, False)
+    assert isinstance(got, tuple) and len(got) == 4
+    assert got[2] is None and expected[2] is None  # allow_unused
+    for ours, theirs in zip(got, expected, strict=True):
+        if theirs is not None:
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    assert w.grad is None and b.grad is None  # captured, never accumulated
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        native.run_grad([(out.grad_fn, 0)], [torch.tensor(1.5)], stops, False)
+
+
+def test_one_engine_call_keeps_the_graph_when_asked():
+    w = torch.rand(3, requires_grad=True)
+    y = w.sin() * 4
+    acc = [(get_gradient_edge(w).node, 0)]
+    first = native.run_grad([(y.grad_fn, 0)], [torch.ones(3)], acc, True)
+    second = native.run_grad([(y.grad_fn, 0)], [torch.ones(3)], acc, False)
+    torch.testing.assert_close(first[0], 4 * w.detach().cos())
+    torch.testing.assert_close(second[0], first[0], rtol=0, atol=0)
+
+
+def test_one_engine_call_raises_what_the_graph_raises_with_its_type():
+    class Refuses(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # noqa: ANN001, ANN205
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):  # noqa: ANN001, ANN205
+            raise ValueError("no gradient for you")
+
+    w = torch.rand(3, requires_grad=True)
+    y = Refuses.apply(w.exp()) * 2  # a native root; the Python node runs inside the engine
+    with pytest.raises(ValueError, match="no gradient for you"):
+        native.run_grad([(y.grad_fn, 0)], [torch.ones(3)], [(get_gradient_edge(w).node, 0)],
+                        False)
+    z = w * 2
+    with pytest.raises(RuntimeError, match=r"invalid gradient at index 0 - got \[4\]"):
+        native.run_grad([(z.grad_fn, 0)], [torch.ones(4)], [(get_gradient_edge(w).node, 0)],
+                        False)
+
+
+def test_one_engine_call_leaves_python_nodes_to_torch_autograd_grad():
+    w = torch.rand(3, requires_grad=True)
+    y = _Double.apply(w)
+    acc = [(get_gradient_edge(w).node, 0)]
+    assert native.run_grad([(y.grad_fn, 0)], [torch.ones(3)], acc, False) is None
+    z = w * 2
+    assert native.run_grad([(z.grad_fn, 0)], [torch.ones(3)], [(y.grad_fn, 0)], False) is None
+
+
 def test_bad_arguments_are_type_errors():
     with pytest.raises(TypeError, match="every item must be a tensor"):
         native.record_recv(_record(), [torch.ones(1), 5])
@@ -198,6 +267,18 @@ def test_bad_arguments_are_type_errors():
         native.gradient_edges((torch.ones(1),), GradientEdge)
     with pytest.raises(TypeError, match="must be a tuple type"):
         native.gradient_edges([torch.ones(1, requires_grad=True)], dict)
+    w = torch.rand(2, requires_grad=True)
+    y, acc = w * 2, (get_gradient_edge(w).node, 0)
+    with pytest.raises(TypeError, match="run_grad"):
+        native.run_grad(((y.grad_fn, 0),), [torch.ones(2)], [acc], False)
+    with pytest.raises(TypeError, match="every edge must be a"):
+        native.run_grad([y.grad_fn], [torch.ones(2)], [acc], False)
+    with pytest.raises(TypeError, match="every gradient must be a tensor"):
+        native.run_grad([(y.grad_fn, 0)], [1.0], [acc], False)
+    with pytest.raises(ValueError, match="one gradient per output"):
+        native.run_grad([(y.grad_fn, 0)], [], [acc], False)
+    with pytest.raises(ValueError, match="no inputs"):
+        native.run_grad([(y.grad_fn, 0)], [torch.ones(2)], [], False)
 
 
 def test_the_c_codec_makes_its_inline_tensors_here():

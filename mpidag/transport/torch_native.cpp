@@ -25,6 +25,13 @@
 //                                 over torch's C++ nodes (None where it starts at a Python
 //                                 node); send_reach(tensors, ...) gradient_edges and reach
 //                                 of a send function's tensors in one call.
+// 3. One call of torch's engine for a region of a backward pass (mpidag.dist_autograd.graph):
+//    run_grad(outputs, grads, inputs, keep_graph)  what torch.autograd.grad(outputs, inputs,
+//                                 grads, retain_graph=keep_graph, allow_unused=True) does
+//                                 with GradientEdges, without its Python (argument checks
+//                                 the engine repeats, the context stash per call: ~30 us
+//                                 and more per node); None where an edge starts at a Python
+//                                 node (the Python call then runs).
 //
 // Built per virtual environment against that environment's torch (python -m
 // mpidag.transport.wire_build, run by scripts/setup.sh; mpidag.transport.torch_native loads
@@ -33,15 +40,19 @@
 
 #include <torch/csrc/python_headers.h>
 
+#include <torch/csrc/Exceptions.h>
+
 #include <ATen/ATen.h>
 #include <torch/csrc/Dtype.h>
 
 #include <torch/csrc/autograd/edge.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "frame_tensor.h"
 
@@ -54,13 +65,14 @@
 
 namespace {
 
-constexpr long VERSION = 2;
+constexpr long VERSION = 3;
 
 #ifndef MPIDAG_TORCH_VERSION  // torch.__version__ at build time (the build defines it)
 #error "build with -DMPIDAG_TORCH_VERSION=\"<torch.__version__>\" (mpidag's wire_build does)"
 #endif
 
 using torch::autograd::Edge;
+using torch::autograd::Engine;
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
@@ -581,6 +593,106 @@ PyObject* send_reach(PyObject* module, PyObject* const* args, Py_ssize_t nargs) 
   return PyTuple_Pack(2, edges.get(), walked.get());
 }
 
+// ------------------------------------------------------------------ one engine call
+// The C++ edge of a (node, output_nr) tuple (a GradientEdge or a plain tuple); false where
+// the node is not a C++ node (a custom Function's Python node: the Python call runs) or
+// the tuple is malformed (a TypeError is set: see error).
+bool cpp_edge(PyObject* item, Edge& edge, bool& error) {
+  if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) < 2) {
+    PyErr_SetString(PyExc_TypeError, "run_grad: every edge must be a (node, number) tuple");
+    error = true;
+    return false;
+  }
+  PyObject* node = PyTuple_GET_ITEM(item, 0);
+  if (!torch::autograd::THPCppFunction_Check(node)) return false;
+  unsigned long number = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(item, 1));
+  if (number == static_cast<unsigned long>(-1) && PyErr_Occurred()) {
+    error = true;
+    return false;
+  }
+  edge = Edge(reinterpret_cast<torch::autograd::THPCppFunction*>(node)->cdata,
+              static_cast<uint32_t>(number));
+  return true;
+}
+
+// run_grad(outputs: list, grads: list[Tensor], inputs: list, keep_graph: bool)
+//   -> tuple[Tensor | None] | None
+// torch.autograd.grad(outputs, inputs, grads, retain_graph=keep_graph, allow_unused=True)
+// with edges for outputs and inputs, as torch's THPEngine_run_backward runs it (torch's
+// default engine, the GIL released while it runs, torch's errors translated as torch
+// translates them); None where an edge starts at a Python node.
+PyObject* run_grad(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 4 || !PyList_Check(args[0]) || !PyList_Check(args[1]) ||
+      !PyList_Check(args[2])) {
+    PyErr_SetString(PyExc_TypeError,
+                    "run_grad(outputs: list, grads: list, inputs: list, keep_graph: bool)");
+    return nullptr;
+  }
+  Py_ssize_t n_roots = PyList_GET_SIZE(args[0]);
+  if (n_roots == 0 || PyList_GET_SIZE(args[1]) != n_roots) {
+    PyErr_SetString(PyExc_ValueError, "run_grad: one gradient per output, at least one");
+    return nullptr;
+  }
+  int keep = PyObject_IsTrue(args[3]);
+  if (keep < 0) return nullptr;
+  torch::autograd::edge_list roots, outputs;
+  variable_list grads;
+  roots.reserve(n_roots);
+  grads.reserve(n_roots);
+  bool error = false;
+  for (Py_ssize_t i = 0; i < n_roots; i++) {
+    Edge edge;
+    if (!cpp_edge(PyList_GET_ITEM(args[0], i), edge, error)) {
+      if (error) return nullptr;
+      Py_RETURN_NONE;
+    }
+    PyObject* grad = PyList_GET_ITEM(args[1], i);
+    if (!THPVariable_Check(grad)) {
+      PyErr_SetString(PyExc_TypeError, "run_grad: every gradient must be a tensor");
+      return nullptr;
+    }
+    roots.push_back(std::move(edge));
+    grads.push_back(THPVariable_Unpack(grad));
+  }
+  Py_ssize_t n_inputs = PyList_GET_SIZE(args[2]);
+  if (n_inputs == 0) {
+    PyErr_SetString(PyExc_ValueError, "run_grad: no inputs (the edges to stop at)");
+    return nullptr;
+  }
+  outputs.reserve(n_inputs);
+  for (Py_ssize_t i = 0; i < n_inputs; i++) {
+    Edge edge;
+    if (!cpp_edge(PyList_GET_ITEM(args[2], i), edge, error)) {
+      if (error) return nullptr;
+      Py_RETURN_NONE;
+    }
+    outputs.push_back(std::move(edge));
+  }
+  variable_list results;
+  {
+    pybind11::gil_scoped_release no_gil;
+    results = Engine::get_default_engine().execute(roots, grads, keep != 0,
+                                                   /*create_graph=*/false,
+                                                   /*accumulate_grad=*/false, outputs);
+  }
+  THPObjectPtr tuple(PyTuple_New(n_inputs));
+  if (!tuple) return nullptr;
+  for (Py_ssize_t i = 0; i < n_inputs; i++) {
+    PyObject* item = nullptr;
+    if (static_cast<size_t>(i) < results.size() && results[i].defined()) {
+      item = THPVariable_Wrap(results[i]);
+      if (item == nullptr) return nullptr;
+    } else {
+      Py_INCREF(Py_None);
+      item = Py_None;
+    }
+    PyTuple_SET_ITEM(tuple.get(), i, item);
+  }
+  return tuple.release();
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef module_methods[] = {
     {"frame_tensor", frame_tensor_py, METH_VARARGS,
      "frame_tensor(frame, offset, dtype, sizes: tuple, requires_grad) -> Tensor: the tensor "
@@ -605,6 +717,11 @@ PyMethodDef module_methods[] = {
      "send_reach(tensors, GradientEdge, recv_types, AccumulateGrad) -> (edges, reach): "
      "gradient_edges() and reach() of a send function's tensors in one call (reach None: "
      "Python walks)"},
+    {"run_grad", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(run_grad)),
+     METH_FASTCALL,
+     "run_grad(outputs, grads, inputs, keep_graph) -> tuple: torch.autograd.grad(outputs, "
+     "inputs, grads, retain_graph=keep_graph, allow_unused=True) of (node, number) edges in "
+     "one C++ call (None where an edge starts at a Python node)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_mpidag_torch",
