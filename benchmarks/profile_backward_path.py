@@ -15,6 +15,13 @@ and every call of torch's engine (``graph.engine_grad``: each rank's engine runs
 of the backward pass as one such call: rank 0 twice, the loss's part and then its 500 ops).
 Medians over ``--steps`` iterations, µs, next to the same ops run on one rank
 (``loss.backward()``).
+
+Then the floor below any engine, after ``rpc.shutdown()``: the same split written by hand
+with raw mpi4py (``bench_autograd.py``'s ``mpi4py`` row, with stamps), its four 500-op
+stretches next to the same stretches run back to back in one process. A stretch that
+starts after its rank waited for the other runs slower than the same stretch run at once
+(on this VM), and that cost is in every split of the graph over two ranks, whatever
+carries the messages.
 """
 
 from __future__ import annotations
@@ -121,6 +128,90 @@ def critical_path(rank0: list[tuple[str, int]], rank1: list[tuple[str, int]],
     return out
 
 
+# ------------------------------------------------------------ the floor: raw mpi4py
+def split_rank0(comm: MPI.Comm, out: dict[str, list[int]]) -> None:
+    """Rank 0's part of one iteration of the hand-written split, stamped."""
+    t0 = clock()
+    h = workload.ops_half(torch.full((workload.OPS_SIZE,), 0.1), workload.W1)
+    t1 = clock()
+    comm.Send(h.detach().numpy(), dest=1)
+    result = torch.empty(workload.OPS_SIZE)
+    comm.Recv(result.numpy(), source=1)
+    result.requires_grad_()
+    result.sum().backward()
+    comm.Send(result.grad.numpy(), dest=1)
+    grad = torch.empty(workload.OPS_SIZE)
+    comm.Recv(grad.numpy(), source=1)
+    t2 = clock()
+    h.backward(grad)
+    t3 = clock()
+    workload.W1.grad = None
+    out["raw mpi4py split, rank 0: forward, 500 ops"].append(t1 - t0)
+    out["raw mpi4py split, rank 0: backward, 500 ops (after a wait)"].append(t3 - t2)
+    out["raw mpi4py split: whole iteration"].append(t3 - t0)
+
+
+def split_rank1(comm: MPI.Comm, out: dict[str, list[int]]) -> None:
+    """Rank 1's part of one iteration of the hand-written split, stamped."""
+    x = torch.empty(workload.OPS_SIZE)
+    comm.Recv(x.numpy(), source=0)
+    x.requires_grad_()
+    t0 = clock()
+    result = workload.ops_half(x, workload.W2)
+    t1 = clock()
+    comm.Send(result.detach().numpy(), dest=0)
+    grad = torch.empty(workload.OPS_SIZE)
+    comm.Recv(grad.numpy(), source=0)
+    t2 = clock()
+    result.backward(grad)
+    t3 = clock()
+    comm.Send(x.grad.numpy(), dest=0)
+    workload.W2.grad = None
+    out["raw mpi4py split, rank 1: forward, 500 ops (after a wait)"].append(t1 - t0)
+    out["raw mpi4py split, rank 1: backward, 500 ops (after a wait)"].append(t3 - t2)
+
+
+def split_one_process(out: dict[str, list[int]]) -> None:
+    """The same split, both halves in this process back to back: no wait before a stretch."""
+    t0 = clock()
+    h = workload.ops_half(torch.full((workload.OPS_SIZE,), 0.1), workload.W1)
+    t1 = clock()
+    x = h.detach().requires_grad_()
+    result = workload.ops_half(x, workload.W2)
+    t2 = clock()
+    tail = result.detach().requires_grad_()
+    tail.sum().backward()
+    t3 = clock()
+    result.backward(tail.grad)
+    t4 = clock()
+    h.backward(x.grad)
+    t5 = clock()
+    workload.W1.grad = workload.W2.grad = None
+    out["one process, the same split: forward, first 500 ops"].append(t1 - t0)
+    out["one process, the same split: forward, second 500 ops"].append(t2 - t1)
+    out["one process, the same split: backward, second 500 ops"].append(t4 - t3)
+    out["one process, the same split: backward, first 500 ops"].append(t5 - t4)
+    out["one process, the same split: whole iteration"].append(t5 - t0)
+
+
+def floor(comm: MPI.Comm, steps: int) -> dict[str, list[int]]:
+    """The raw split on both ranks and the one-process split on rank 0, in alternating
+    blocks (each block ``steps // 6`` iterations after 10 unstamped ones)."""
+    rank = comm.Get_rank()
+    out: dict[str, list[int]] = collections.defaultdict(list)
+    block = max(steps // 6, 1)
+    for _ in range(6):
+        scratch: dict[str, list[int]] = collections.defaultdict(list)
+        for i in range(10 + block):
+            (split_rank0 if rank == 0 else split_rank1)(comm, scratch if i < 10 else out)
+        comm.Barrier()
+        if rank == 0:
+            for i in range(10 + block):
+                split_one_process(scratch if i < 10 else out)
+        comm.Barrier()
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=600, help="iterations measured")
@@ -142,12 +233,18 @@ def main() -> int:
             local.append(clock() - t0)
     rpc.shutdown()  # (waits for every rank: rank 1's stamps are all there after it)
     records = list(stamps)
-    gathered = MPI.COMM_WORLD.gather(records, root=0)
+    comm = MPI.COMM_WORLD
+    gathered = comm.gather(records, root=0)
+    floors = comm.gather(floor(comm, args.steps), root=0)
     if rank == 0:  # (the one-rank reference calls backward(), not grad(): no stamps)
         table = critical_path(gathered[0], gathered[1], args.steps)
         table["one rank: the same ops, loss.backward()"] = local
         for name, values in table.items():
-            print(f"{name:55s} {statistics.median(values) / 1e3:9.1f}")
+            print(f"{name:58s} {statistics.median(values) / 1e3:9.1f}")
+        print("the floor below any engine (after rpc.shutdown()):")
+        for part in floors:
+            for name, values in sorted(part.items()):
+                print(f"{name:58s} {statistics.median(values) / 1e3:9.1f}")
     return 0
 
 

@@ -10,8 +10,9 @@ arrived. Every region upstream of it (nearer the sources) has a mask that is a s
 own, so it ran earlier or runs in the same native-engine call: a region's inputs from other
 regions are complete when it runs.
 
-Each run is one call of the native engine (``torch.autograd.grad`` with
-``GradientEdge`` outputs and inputs): the outputs are the region's entry edges with their
+Each run is one call of the native engine (:func:`engine_grad`: what
+``torch.autograd.grad`` does with ``GradientEdge`` outputs and inputs, in one C++ call where
+it can): the outputs are the region's entry edges with their
 summed gradients, the inputs are the edges where it stops: into leaves (their gradients go
 to the context, never to ``.grad``), into recv functions (their gradients go to the rank
 the tensor came from) and into regions that must wait for more sources. Nodes behind a
