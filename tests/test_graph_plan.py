@@ -79,6 +79,47 @@ def test_shared_node_runs_once_with_the_sum_of_all_sources(order, received):
     assert plan.complete and plan.waiting_sources() == []
 
 
+class _Counting:
+    """The C++ records module, counting its ``run_grad`` calls and their answers."""
+
+    def __init__(self, module) -> None:  # noqa: ANN001
+        self.module, self.calls = module, []
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.module, name)
+
+    def run_grad(self, *args):  # noqa: ANN002, ANN201
+        result = self.module.run_grad(*args)
+        self.calls.append(result is not None)
+        return result
+
+
+@pytest.mark.skipif(records_module() is None, reason="the C++ records module is not built")
+def test_every_region_of_native_nodes_is_one_cpp_engine_call():
+    native = _Counting(records_module())
+    received = records_module().record_recv
+    a, b, x, outs = _shared_graph(lambda v: received(
+        RecvRecord(1, 7, peer=1, n_outputs=1, what="test recv"), [v.detach().requires_grad_()])[0])
+    grads = [[torch.tensor(1.0)], [torch.randn(4)], [torch.randn(4)]]
+    expected = torch.autograd.grad(outs, [a, b, x], [g[0] for g in grads], retain_graph=True)
+    plan = Plan([[edge_of(o)] for o in outs], RECV_NODE_TYPES, native=native)
+    leaves, recvs = _run(plan, [1, 0, 2], grads)
+    torch.testing.assert_close(leaves[a], expected[0])
+    torch.testing.assert_close(leaves[b], expected[1])
+    assert native.calls and all(native.calls), native.calls  # none fell back to Python
+    inside = _Double.apply(a) * 2  # a Python node inside the region: still one C++ call
+    native.calls.clear()
+    plan = Plan([[edge_of(inside)]], RECV_NODE_TYPES, native=native)
+    leaves, _ = plan.arrive(0, [torch.ones(4)], retain_graph=False)
+    torch.testing.assert_close(dict(leaves)[a], torch.full((4,), 4.0))
+    assert native.calls == [True]
+    entry = _Double.apply(a)  # a region entered at a Python node: torch.autograd.grad
+    plan = Plan([[edge_of(entry)]], RECV_NODE_TYPES, native=native)
+    leaves, _ = plan.arrive(0, [torch.ones(4)], retain_graph=False)
+    torch.testing.assert_close(dict(leaves)[a], torch.full((4,), 2.0))
+    assert native.calls == [True, False]
+
+
 def test_recv_fires_only_when_every_source_reaching_it_arrived(received):
     a, b, x, outs = _shared_graph(received)
     plan = Plan([[edge_of(o)] for o in outs], RECV_NODE_TYPES, native=received.native)
