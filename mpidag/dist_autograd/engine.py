@@ -694,8 +694,7 @@ class DistAutograd:
             state = ctx.passes.get(pass_id)
             if state is None:
                 state = ctx.passes[pass_id] = PassState(self, ctx, pass_id, retain_graph,
-                                                        smart=smart,
-                                                        root=False)
+                                                        root=False, smart=smart)
         state.post(event)
 
     def backward(self, context_id: int, roots: list[torch.Tensor],

@@ -270,7 +270,6 @@ def _without_fastbins() -> bool:
     return mallopt(_M_MXFAST, 0) == 1
 
 
-
 def _check_init_arguments(name, backend, rank, world_size) -> Exception | None:
     if name is not None and (not isinstance(name, str) or not name or ":" in name):
         return ValueError(f"worker name must be a non-empty str without ':', got {name!r}")
