@@ -594,7 +594,9 @@ def test_the_api_hands_common_calls_to_the_compiled_path_and_checks_the_rest(wor
                 assert world[0].agent.calls.finish(call) == 3
             fut = core.rpc(to, rf.add, (4, 5), {}, -1.0, True)
             # made in C as RpcFuture.__init__ makes it
-            assert type(fut) is RpcFuture and vars(fut) == vars(RpcFuture(world[0].agent.engine))
+            made = RpcFuture(world[0].agent.engine)
+            assert type(fut) is RpcFuture and fut.engine is made.engine
+            assert vars(fut) == vars(made) == {}  # the engine in its slot, no dict made
             assert fut.wait() == 9
         info = rpc.get_worker_info("worker1")
         for to, args, kwargs, timeout in [
@@ -741,5 +743,65 @@ def test_a_failing_step_names_the_message_and_loses_none_after_a_failing_hook(mo
         work = callee.core.step(0.0)  # the call, still there
         work()
         assert caller.core.step(0.0) is None and record.value == 3 and failures == [1]
+    finally:
+        ranks.close()
+
+
+def test_the_compiled_step_runs_the_agents_tick_hooks_and_expires_calls():
+    """``Core.step`` runs ``RpcAgent._tick`` in C: each layer's hook whose queue holds work
+    (read from the live list, so a hook added after the start runs), and the expiry of
+    calls past their deadline, as the Python step does."""
+    import collections
+    import time
+    ranks = HandDriven()
+    try:
+        caller, callee = ranks.agents
+        queue, ran = collections.deque(), []
+        caller.add_hooks(tick=lambda: ran.append(queue.popleft()), tick_queue=queue)
+        assert caller.core.step(0.0) is False and ran == []  # an empty queue: not called
+        queue.extend("ab")
+        caller.core.step(0.0)
+        caller.core.step(0.0)
+        assert ran == ["a", "b"] and not queue
+        record = caller.calls.send_call(1, rf.add, (1, 2), {}, 0.05, True, False)
+        time.sleep(0.1)  # past its deadline, and past the scan interval
+        assert caller.core.step(0.0) is False  # nothing arrived, but the call expired
+        assert record.done and isinstance(record.error, RPCTimeoutError)
+        assert len(caller.calls) == 0
+        callee.core.step(0.0)()  # served late: its answer is dropped, not completed twice
+        assert caller.core.step(0.0) is None and isinstance(record.error, RPCTimeoutError)
+    finally:
+        ranks.close()
+
+
+def test_profilers_are_seen_in_c_as_call_profiling_and_observing_see_them(monkeypatch):
+    """The caller's check of ``call_profiling()`` and the callee's of ``observing()`` read
+    their globals in C: a call made under a profiler (``torch.profiler`` or the legacy one
+    on this thread) is left to Python, and so is a call served while the callee observes
+    calls (a server-wide profile, GIL profiling); with neither, both ends take C."""
+    from mpidag import _remote_profiling
+    ranks = HandDriven()
+    try:
+        caller, callee = ranks.agents
+        ranks.call(rf.add, 1, 2)  # the function's reference made
+        core = caller.core
+
+        def sent_in_c() -> bool:
+            call = core.rpc(1, rf.add, (1, 2), None, TIMEOUT, False)
+            ranks.world.deliver_all([agent.dispatch for agent in ranks.agents])
+            return call is not None
+
+        assert not _remote_profiling.call_profiling() and sent_in_c()
+        with torch.profiler.profile():
+            assert _remote_profiling.call_profiling() and not sent_in_c()
+        with torch.autograd.profiler.profile():
+            assert _remote_profiling.call_profiling() and not sent_in_c()
+        assert sent_in_c()
+        for observed in (False, True):
+            monkeypatch.setattr(_remote_profiling, "_observing", observed)
+            assert _remote_profiling.observing() is observed
+            with PythonCalls() as python:
+                assert ranks.call(rf.add, 2, 3) == 5
+            assert ("serve_call" in python.seen) is observed, python.seen
     finally:
         ranks.close()

@@ -9,7 +9,8 @@ the received storage, one recv node per message whose outputs are the tensors th
 grad, in order), and free the record with the node, on whatever thread autograd frees it;
 ``gradient_edges`` must find the edges torch's ``get_gradient_edge`` finds, ``reach``
 walk to what the Python walk of ``Reach`` reaches, and ``run_grad`` give what
-``torch.autograd.grad`` gives, with its errors. Graphs with
+``torch.autograd.grad`` gives, with its errors; ``new_future`` and ``set_future_result``
+must make and complete the futures torch's bindings make and complete. Graphs with
 C++ recv nodes go through the planner in ``tests/test_graph_plan.py`` and through every
 in-process and multi-rank test of a compiled agent.
 """
@@ -25,6 +26,7 @@ import pytest
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from mpidag.agent.futures import RpcFuture
 from mpidag.dist_autograd.context import RECV_NODE_TYPES, LiveCount, RecvRecord, RecvRPC
 from mpidag.dist_autograd.graph import AccumulateGrad, Reach, edge_of, edges_of
 from mpidag.dist_autograd.native import records_module
@@ -344,3 +346,60 @@ def test_a_build_for_another_torch_is_not_even_imported(monkeypatch):
     assert why == (f"Python torch calls: _mpidag_torch was built against torch 1.0.0, this "
                    f"environment has {torch.__version__}; rebuild it with "
                    f"'python -m mpidag.transport.wire_build'")
+
+
+@pytest.mark.parametrize("cls", [torch._C.Future, torch.futures.Future, RpcFuture])
+def test_a_future_made_in_cpp_is_the_one_torchs_init_makes(cls):
+    """``new_future(type)`` makes what ``type()`` makes with ``torch._C.Future.__init__(self,
+    [])``: an unfinished future of no devices, which callbacks, ``then``, ``collect_all`` and
+    ``wait`` use as torch's; ``set_future_result`` completes it as ``set_result`` does."""
+    fut = native.new_future(cls)
+    assert type(fut) is cls and not fut.done()
+    seen: list = []
+    fut.add_done_callback(lambda f: seen.append(f.value()))
+    chained = fut.then(lambda f: f.value() + 1)
+    together = torch.futures.collect_all([fut])
+    assert native.set_future_result(fut, 41) is None
+    assert fut.done() and fut.value() == 41 and fut.wait() == 41 and seen == [41]
+    assert chained.wait() == 42 and together.wait()[0].value() == 41
+    tensor = native.new_future(cls)
+    native.set_future_result(tensor, torch.ones(2))
+    assert torch.equal(tensor.wait(), torch.ones(2))
+
+
+def test_a_future_completed_twice_raises_torchs_error():
+    reference = torch.futures.Future()
+    reference.set_result(1)
+    with pytest.raises(RuntimeError) as expected:
+        reference.set_result(2)
+    fut = native.new_future(torch.futures.Future)
+    native.set_future_result(fut, 1)
+    with pytest.raises(RuntimeError) as got:
+        native.set_future_result(fut, 2)
+    assert str(got.value) == str(expected.value) and fut.value() == 1
+
+
+def test_a_future_made_in_cpp_frees_its_value_with_it():
+    class Value:
+        pass
+
+    value = Value()
+    alive = __import__("weakref").ref(value)
+    fut = native.new_future(RpcFuture)
+    native.set_future_result(fut, value)
+    del value
+    assert alive() is not None
+    del fut
+    gc.collect()
+    assert alive() is None
+
+
+def test_futures_in_cpp_refuse_what_is_not_a_future():
+    with pytest.raises(TypeError, match="int is not a torch._C.Future"):
+        native.new_future(int)
+    with pytest.raises(TypeError, match="a type expected"):
+        native.new_future(5)
+    with pytest.raises(TypeError, match="a torch._C.Future expected, got int"):
+        native.set_future_result(3, 4)
+    with pytest.raises(TypeError, match=r"set_future_result\(future, value\)"):
+        native.set_future_result(native.new_future(RpcFuture))

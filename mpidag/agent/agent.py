@@ -125,7 +125,7 @@ class RpcAgent:
         #: its dispatch hands what is not plain to the Python one, :meth:`dispatch`;
         #: ``call_path`` says which path this agent takes, and why
         self.core, self.call_path = make_core(self.calls, self.server, transport,
-                                              self.dispatch, self._tick, config.compiled)
+                                              self.dispatch, config.compiled)
         if self.core is not None:
             self.calls.core = self.core
             self.server.answer = self.core.reply
@@ -358,7 +358,8 @@ class RpcAgent:
         return None
 
     def _tick(self) -> None:
-        """Called by the leader after each poll: the layers' hooks, then expired calls."""
+        """Called by the leader after each poll: the layers' hooks, then expired calls (the
+        compiled step does the same in C: ``tick`` in ``mpidag/agent/fastpath.c``)."""
         for queue, hook in self.plugins.tick_hooks:
             if queue:
                 hook()

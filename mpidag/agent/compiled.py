@@ -19,14 +19,15 @@ from typing import Any
 
 import torch
 
+from mpidag import _remote_profiling
 from mpidag._remote_profiling import call_profiling, observing
 from mpidag.agent import fastpath
-from mpidag.agent.calls import OutgoingCalls, PendingCall
+from mpidag.agent.calls import EXPIRY_SCAN_INTERVAL, OutgoingCalls, PendingCall
 from mpidag.agent.futures import RpcFuture
 from mpidag.agent.handlers import Handler
 from mpidag.agent.serving import Server
 from mpidag.errors import WorkerFailedError
-from mpidag.transport import frames
+from mpidag.transport import frames, torch_native
 from mpidag.transport.base import FramedTransport
 
 __all__ = ["make_core", "slots_drift"]
@@ -38,6 +39,17 @@ def _set_result() -> Any:
     if RpcFuture.set_result is torch.futures.Future.set_result:
         return torch._C.Future.set_result
     return RpcFuture.set_result
+
+
+def _torch_futures() -> Any:
+    """``_mpidag_torch``'s ``futures_api`` capsule: ``rpc_async``'s futures made and completed
+    in C++ (torch's ``__init__`` without its binding, ``set_result`` without dropping the
+    GIL); ``None`` where that module is not built or a class between ``RpcFuture`` and
+    torch's overrides ``set_result`` (then torch's bindings run)."""
+    native = torch_native.torch_module()
+    if native is None or _set_result() is not torch._C.Future.set_result:
+        return None
+    return native.futures_api
 
 
 def slots_drift(module: Any) -> str:
@@ -56,14 +68,16 @@ def slots_drift(module: Any) -> str:
 
 
 def make_core(calls: OutgoingCalls, server: Server, transport: Any,
-              python_dispatch: Callable[[Any], Any], on_idle: Callable[[], None],
-              compiled: bool = True) -> tuple[Any, str]:
+              python_dispatch: Callable[[Any], Any], compiled: bool = True
+              ) -> tuple[Any, str]:
     """``(core, why)``: the compiled plain-call path of an agent's parts, or ``None`` (see
     the module's doc), and which path the agent takes and why (the agent's ``call_path``).
 
     ``python_dispatch(env)``: the agent's Python dispatch, for every message the C path
-    leaves to Python; ``on_idle()``: the leader's after-poll hook (the core's ``step`` is the
-    progress engine's leader step, see ``ProgressEngine.set_step``). The sender's counters
+    leaves to Python. The core's ``step`` is the progress engine's leader step (see
+    ``ProgressEngine.set_step``), whose after-poll hook is ``RpcAgent._tick`` done in C: the
+    layers' tick hooks (``calls.plugins.tick_hooks``, read live) and ``calls.expire_due``
+    at most every :data:`~mpidag.agent.calls.EXPIRY_SCAN_INTERVAL`. The sender's counters
     must be the C ones (:func:`mpidag.agent.fastpath.make_counters`).
     """
     module = fastpath.compiled_module()
@@ -102,12 +116,17 @@ def make_core(calls: OutgoingCalls, server: Server, transport: Any,
         lone_tensor=frames.LONE_TENSOR_PAYLOAD, inline_limit=frames.INLINE_LIMIT,
         loopback=transport.loopback,
         decode_message=frames.decode_message, receive_rest=transport.receive_rest,
-        poll_wait=transport.poll_wait, on_idle=on_idle, partial=functools.partial,
+        poll_wait=transport.poll_wait, partial=functools.partial,
         what_sent=calls.arguments_sent, what_from=server.arguments_from,
         what_served=server.arguments_served, what_result=server.result_sent,
         record_result=calls.record_result, py_unsendable=server.reply_unsendable,
         py_serve_notify=server.serve_notify, py_notify_failed=server.notify_failed,
         cfuture_type=torch._C.Future, py_answer_when_done=server.answer_when_done,
+        torch_futures=_torch_futures(), tick_hooks=calls.plugins.tick_hooks,
+        expire_due=calls.expire_due, expiry_interval=EXPIRY_SCAN_INTERVAL,
+        # what call_profiling() and observing() read, read in C (their Python frames less)
+        profiler_globals=vars(_remote_profiling._profiler),
+        profiler_enabled=_remote_profiling._enabled, observing_globals=vars(_remote_profiling),
     )
     return core, f"compiled call path ({module.__file__})"
 

@@ -50,7 +50,9 @@
 #include <math.h>
 #include <time.h>
 
-#define VERSION 5
+#include "../transport/torch_futures.h"
+
+#define VERSION 6
 
 /* the protocol's constants (messages.py); Core.__init__ checks them against Python's */
 #define CALL 1
@@ -259,7 +261,6 @@ enum {
     O_DECODE_MESSAGE,   /* frames.decode_message(frame0, src) -> (env, header | None) */
     O_RECEIVE_REST,     /* transport.receive_rest(env, header, frame0, src) */
     O_POLL_WAIT,        /* transport.poll_wait(seconds), or None */
-    O_ON_IDLE,          /* the leader's after-poll hook (RpcAgent's tick) */
     O_PARTIAL,          /* functools.partial: the lazy names of recorded messages */
     O_WHAT_SENT,        /* OutgoingCalls.arguments_sent(func, args, dst) -> str */
     O_WHAT_FROM,        /* Server.arguments_from(src) -> str */
@@ -271,6 +272,12 @@ enum {
     O_PY_NOTIFY_FAILED, /* Server.notify_failed(env, exc): log a failed notification */
     O_CFUTURE,          /* torch._C.Future: what an asynchronous handler answers with */
     O_PY_ANSWER_WHEN_DONE, /* Server.answer_when_done(env, future, (func, args)) */
+    O_TORCH_FUTURES,    /* _mpidag_torch's futures_api capsule (torch_futures.h), or None */
+    O_TICK_HOOKS,       /* the layers' after-poll hooks: the live list of (queue, hook) */
+    O_EXPIRE_DUE,       /* OutgoingCalls.expire_due(): expire the calls past their deadline */
+    O_PROFILER_GLOBALS, /* torch.autograd.profiler's globals (._is_profiler_enabled) */
+    O_PROFILER_ENABLED, /* torch._C._autograd._profiler_enabled() */
+    O_OBSERVING_GLOBALS, /* mpidag._remote_profiling's globals (._observing) */
     N_OBJECTS
 };
 static const char *OBJECT_NAMES[N_OBJECTS] = {
@@ -282,9 +289,10 @@ static const char *OBJECT_NAMES[N_OBJECTS] = {
     "py_dispatch", "py_complete", "py_serve", "py_reply_value", "py_fail",
     "failed_error", "worker_failed_error", "by_name", "peers_left", "call_profiling",
     "tensor_type", "strided", "lone_tensor", "loopback", "decode_message",
-    "receive_rest", "poll_wait", "on_idle", "partial", "what_sent", "what_from",
+    "receive_rest", "poll_wait", "partial", "what_sent", "what_from",
     "what_served", "what_result", "record_result", "py_unsendable", "py_serve_notify",
-    "py_notify_failed", "cfuture_type", "py_answer_when_done"};
+    "py_notify_failed", "cfuture_type", "py_answer_when_done", "torch_futures",
+    "tick_hooks", "expire_due", "profiler_globals", "profiler_enabled", "observing_globals"};
 
 typedef struct {
     PyObject_HEAD
@@ -297,13 +305,18 @@ typedef struct {
     PyObject *protocol; /* pickle.HIGHEST_PROTOCOL */
     int proto;          /* the same, as a C int (plain_pickle writes protocol 4 and up) */
     PyObject *empty_dict, *empty_tuple;
+    /* rpc_async's futures made and completed in C++ (torch_futures= a capsule), or NULL:
+     * through torch._C.Future's Python bindings */
+    const mpidag_torch_futures *torch_futures;
+    /* the leader's tick: expire_due() at most every expiry_interval seconds */
+    double expiry_interval, next_expiry;
     /* interned attribute names */
     PyObject *s_open, *s_default_timeout, *s_send_hook, *s_send_frame0, *s_encode,
         *s_observer, *s_active, *s_user_callbacks, *s_asynchronous, *s_wrapped_async,
         *s_layout, *s_is_cpu, *s_is_contiguous,
         *s_nbytes, *s_cpu, *s_id, *s_engine, *s_popleft, *s_probe_frame0,
         *s_outgoing, *s_received, *s_serving, *s_served, *s_replying, *s_sent, *s_mode,
-        *s_control, *s_done, *s_value;
+        *s_control, *s_done, *s_value, *s_is_profiler_enabled, *s_observing;
 } Core;
 
 static PyTypeObject *ServeWorkType;
@@ -553,7 +566,8 @@ static int Core_init(Core *self, PyObject *args, PyObject *kwds)
         !PyAnySet_Check(self->o[O_TRANSPORT_FAILED]) ||
         !PyAnySet_Check(self->o[O_PEERS_LEFT]) || !PyDict_Check(self->o[O_BY_NAME]) ||
         !PyType_Check(self->o[O_ENVELOPE]) || !PyType_Check(self->o[O_PENDING_CALL]) ||
-        !PyType_Check(self->o[O_FUTURE_TYPE]) ||
+        !PyType_Check(self->o[O_FUTURE_TYPE]) || !PyDict_Check(self->o[O_PROFILER_GLOBALS]) ||
+        !PyDict_Check(self->o[O_OBSERVING_GLOBALS]) ||
         !PyObject_TypeCheck(self->o[O_COUNTERS], &CountersType)) {
         PyErr_SetString(PyExc_TypeError, "Core: an argument has the wrong type");
         return -1;
@@ -564,12 +578,22 @@ static int Core_init(Core *self, PyObject *args, PyObject *kwds)
                             PyDict_GetItemString(kwds, "payload_limit"),
                             PyDict_GetItemString(kwds, "inline_limit")};
     PyObject *protocol = PyDict_GetItemString(kwds, "protocol");
+    PyObject *interval = PyDict_GetItemString(kwds, "expiry_interval");
     if (numbers[0] == NULL || numbers[1] == NULL || numbers[2] == NULL ||
-        numbers[3] == NULL || numbers[4] == NULL || protocol == NULL) {
+        numbers[3] == NULL || numbers[4] == NULL || protocol == NULL || interval == NULL) {
         PyErr_SetString(PyExc_TypeError, "Core needs id_base=, id_max=, rank=, "
-                                         "payload_limit=, inline_limit=, protocol=");
+                                         "payload_limit=, inline_limit=, protocol=, "
+                                         "expiry_interval=");
         return -1;
     }
+    if (!PyList_CheckExact(self->o[O_TICK_HOOKS])) {
+        PyErr_SetString(PyExc_TypeError, "Core: tick_hooks= must be a list");
+        return -1;
+    }
+    self->expiry_interval = PyFloat_AsDouble(interval);
+    if (self->expiry_interval == -1.0 && PyErr_Occurred())
+        return -1;
+    self->next_expiry = 0.0;
     if (!PyBytes_CheckExact(self->o[O_LONE_TENSOR])) {
         PyErr_SetString(PyExc_TypeError, "Core: lone_tensor= must be bytes");
         return -1;
@@ -607,6 +631,13 @@ static int Core_init(Core *self, PyObject *args, PyObject *kwds)
             return -1;
         }
     }
+    self->torch_futures = NULL;
+    if (self->o[O_TORCH_FUTURES] != Py_None) {
+        self->torch_futures = (const mpidag_torch_futures *)PyCapsule_GetPointer(
+            self->o[O_TORCH_FUTURES], MPIDAG_TORCH_FUTURES_CAPSULE);
+        if (self->torch_futures == NULL)
+            return -1;
+    }
     if (self->empty_dict == NULL && (self->empty_dict = PyDict_New()) == NULL)
         return -1;
     if (self->empty_tuple == NULL && (self->empty_tuple = PyTuple_New(0)) == NULL)
@@ -625,7 +656,8 @@ static int Core_init(Core *self, PyObject *args, PyObject *kwds)
     NAME(s_outgoing, "outgoing") NAME(s_received, "received") NAME(s_serving, "serving")
     NAME(s_served, "served") NAME(s_replying, "replying") NAME(s_sent, "sent")
     NAME(s_mode, "mode") NAME(s_control, "control") NAME(s_done, "done")
-    NAME(s_value, "value")
+    NAME(s_value, "value") NAME(s_is_profiler_enabled, "_is_profiler_enabled")
+    NAME(s_observing, "_observing")
 #undef NAME
     return 0;
 }
@@ -664,7 +696,8 @@ static void Core_dealloc(Core *self)
                          self->s_popleft, self->s_probe_frame0, self->s_outgoing,
                          self->s_received, self->s_serving, self->s_served,
                          self->s_replying, self->s_sent, self->s_mode, self->s_control,
-                         self->s_done, self->s_value};
+                         self->s_done, self->s_value, self->s_is_profiler_enabled,
+                         self->s_observing};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         Py_XDECREF(names[i]);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -1086,11 +1119,47 @@ static int may_send_plain(Core *self, long dst, int record)
     return can_send(self, dst);
 }
 
+/* the bool of globals[name], or of fallback() where globals has no such name: 1, 0, -1 */
+static int global_flag(PyObject *globals, PyObject *name, PyObject *fallback)
+{
+    PyObject *flag = PyDict_GetItemWithError(globals, name); /* borrowed */
+    if (flag != NULL)
+        return PyObject_IsTrue(flag);
+    return PyErr_Occurred() ? -1 : truth_of(PyObject_CallNoArgs(fallback));
+}
+
+/* mpidag._remote_profiling.call_profiling() without its Python frame: torch.profiler runs
+ * in this process (torch.autograd.profiler._is_profiler_enabled), or a profiler runs on
+ * this thread (torch._C._autograd._profiler_enabled()); the Python function itself where
+ * torch has no such global. 1, 0, or -1 with an error. */
+static int call_profiling(Core *self)
+{
+    int on = global_flag(self->o[O_PROFILER_GLOBALS], self->s_is_profiler_enabled,
+                         self->o[O_CALL_PROFILING]);
+    return on != 0 ? on : truth_of(PyObject_CallNoArgs(self->o[O_PROFILER_ENABLED]));
+}
+
+/* mpidag._remote_profiling.observing() without its Python frame: torch.profiler runs, or
+ * a server-wide profile or GIL profiling (its module's _observing). 1, 0, or -1. */
+static int observing(Core *self)
+{
+    int on = global_flag(self->o[O_PROFILER_GLOBALS], self->s_is_profiler_enabled,
+                         self->o[O_OBSERVING]);
+    return on != 0 ? on : global_flag(self->o[O_OBSERVING_GLOBALS], self->s_observing,
+                                      self->o[O_OBSERVING]);
+}
+
 /* An RpcFuture of the engine, made as RpcFuture.__init__ makes it (torch's C future with
  * no devices, then its engine), without its Python frame */
 static PyObject *new_future(Core *self)
 {
     PyTypeObject *type = (PyTypeObject *)self->o[O_FUTURE_TYPE];
+    if (self->torch_futures != NULL) { /* torch's __init__ done in C++, no bindings */
+        PyObject *future = self->torch_futures->new_future(type);
+        if (future != NULL && PyObject_SetAttr(future, self->s_engine, self->o[O_ENGINE]) < 0)
+            Py_CLEAR(future);
+        return future;
+    }
     PyObject *future = type->tp_new(type, self->empty_tuple, NULL);
     if (future == NULL)
         return NULL;
@@ -1412,7 +1481,7 @@ static PyObject *Core_rpc(Core *self, PyObject *const *argv, Py_ssize_t nargs)
     int left = in_set(self->o[O_PEERS_LEFT], dst);
     if (left != 0)
         return left < 0 ? NULL : Py_NewRef(Py_None);
-    int profiled = truth_of(PyObject_CallNoArgs(self->o[O_CALL_PROFILING]));
+    int profiled = call_profiling(self);
     if (profiled != 0)
         return profiled < 0 ? NULL : Py_NewRef(Py_None);
     PyObject *rank = PyLong_FromLong(dst);
@@ -1532,8 +1601,13 @@ static int complete_plain(Core *self, PyObject *env, long long flags, long src,
         if (slot_set(self->pc_slots[PC_VALUE], call, Py_NewRef(value)) < 0)
             goto processed;
     } else {
-        PyObject *set_args[2] = {future, value};
-        PyObject *r = PyObject_Vectorcall(self->o[O_SET_RESULT], set_args, 2, NULL);
+        PyObject *r;
+        if (self->torch_futures != NULL) { /* no callback of the user's: the GIL kept */
+            r = self->torch_futures->set_result(future, value);
+        } else {
+            PyObject *set_args[2] = {future, value};
+            r = PyObject_Vectorcall(self->o[O_SET_RESULT], set_args, 2, NULL);
+        }
         if (r == NULL)
             goto processed;
         Py_DECREF(r);
@@ -1917,7 +1991,7 @@ static int serve_plain(Core *self, PyObject *env, PyObject *received)
     if (!(flags & (FLAG_HANDLER | FLAG_FUNCTION_REF)) || src < 0 ||
         src >= ((Counters *)self->o[O_COUNTERS])->size)
         return 0;
-    int observed = truth_of(PyObject_CallNoArgs(self->o[O_OBSERVING]));
+    int observed = observing(self);
     if (observed != 0)
         return observed < 0 ? -1 : 0;
     PyObject *func, *args, *kwargs, *value = NULL;
@@ -2309,6 +2383,39 @@ static void name_failed_message(int ok, long long kind, long long src)
     Py_DECREF(error);
 }
 
+/* The leader's after-poll hook, RpcAgent._tick without its two Python frames a step: each
+ * layer's hook whose queue holds work, then expire_due() when a scan is due (it keeps its
+ * own interval too); 0, or -1 with the hook's error (raised before the poll: no message
+ * is taken and lost with it). */
+static int tick(Core *self)
+{
+    PyObject *hooks = self->o[O_TICK_HOOKS];
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(hooks); i++) {
+        PyObject *entry = PyList_GET_ITEM(hooks, i);
+        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2) {
+            PyErr_SetString(PyExc_TypeError, "a tick hook must be a (queue, hook) tuple");
+            return -1;
+        }
+        Py_INCREF(entry); /* (a hook may change the list) */
+        int has_work = PyObject_IsTrue(PyTuple_GET_ITEM(entry, 0));
+        PyObject *r = has_work > 0 ? PyObject_CallNoArgs(PyTuple_GET_ITEM(entry, 1))
+                                   : (has_work == 0 ? Py_NewRef(Py_None) : NULL);
+        Py_DECREF(entry);
+        if (r == NULL)
+            return -1;
+        Py_DECREF(r);
+    }
+    double now = monotonic_s();
+    if (now < self->next_expiry)
+        return 0;
+    self->next_expiry = now + self->expiry_interval;
+    PyObject *r = PyObject_CallNoArgs(self->o[O_EXPIRE_DUE]);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
 /* step(wait) -> False, None or a work item: one step of the progress engine's leader
  * (ProgressEngine.set_step): the after-poll hook, one poll (waiting up to ``wait`` seconds
  * where the transport can), the dispatch of what arrived. False: nothing arrived; None:
@@ -2319,10 +2426,8 @@ static PyObject *Core_step(Core *self, PyObject *arg)
     double seconds = PyFloat_AsDouble(arg);
     if (seconds == -1.0 && PyErr_Occurred())
         return NULL;
-    PyObject *r = PyObject_CallNoArgs(self->o[O_ON_IDLE]);
-    if (r == NULL)
+    if (tick(self) < 0)
         return NULL;
-    Py_DECREF(r);
     PyObject *env = receive(self, seconds);
     if (env == NULL)
         return NULL;
