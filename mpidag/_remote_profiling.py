@@ -54,6 +54,7 @@ __all__ = [
     "legacy_profiling",
     "observing",
     "profiled_call",
+    "profiling_flags",
     "rpc_profiling_key",
     "serve_profiled",
 ]
@@ -428,6 +429,21 @@ _observing = False  # a server-wide profile runs, or GIL profiling is on
 def _update_observing() -> None:
     global _observing
     _observing = bool(_servers) or _gil is not None
+
+
+def profiling_flags() -> tuple[dict[str, Any], Callable[[], bool], dict[str, Any]]:
+    """What :func:`call_profiling` and :func:`observing` read, for the compiled call path,
+    which reads them in C (their Python frames less a call): torch's profiler module's
+    globals (``_is_profiler_enabled``), torch's ``_profiler_enabled`` and this module's
+    globals (``_observing``).
+
+    Example::
+
+        >>> torch_globals, enabled, own_globals = profiling_flags()
+        >>> torch_globals["_is_profiler_enabled"] or enabled() or own_globals["_observing"]
+        False
+    """
+    return vars(_profiler), _enabled, globals()
 
 
 def observing() -> bool:

@@ -19,8 +19,7 @@ from typing import Any
 
 import torch
 
-from mpidag import _remote_profiling
-from mpidag._remote_profiling import call_profiling, observing
+from mpidag._remote_profiling import call_profiling, observing, profiling_flags
 from mpidag.agent import fastpath
 from mpidag.agent.calls import EXPIRY_SCAN_INTERVAL, OutgoingCalls, PendingCall
 from mpidag.agent.futures import RpcFuture
@@ -94,6 +93,7 @@ def make_core(calls: OutgoingCalls, server: Server, transport: Any,
     if drift:
         return None, (f"Python call path: {module.__file__} fills other slots than {drift}; "
                       f"rebuild it with 'python -m mpidag.transport.wire_build'")
+    profiler_globals, profiler_enabled, observing_globals = profiling_flags()
     core = module.Core(
         calls=calls, pending=calls.table, peers_failed=calls.peers.failed,
         prefixes=codec.prefixes, targets=codec.targets, id_counter=ids.counter,
@@ -124,9 +124,8 @@ def make_core(calls: OutgoingCalls, server: Server, transport: Any,
         cfuture_type=torch._C.Future, py_answer_when_done=server.answer_when_done,
         torch_futures=_torch_futures(), tick_hooks=calls.plugins.tick_hooks,
         expire_due=calls.expire_due, expiry_interval=EXPIRY_SCAN_INTERVAL,
-        # what call_profiling() and observing() read, read in C (their Python frames less)
-        profiler_globals=vars(_remote_profiling._profiler),
-        profiler_enabled=_remote_profiling._enabled, observing_globals=vars(_remote_profiling),
+        profiler_globals=profiler_globals, profiler_enabled=profiler_enabled,
+        observing_globals=observing_globals,
     )
     return core, f"compiled call path ({module.__file__})"
 
