@@ -394,6 +394,15 @@ def test_a_future_made_in_cpp_frees_its_value_with_it():
     assert alive() is None
 
 
+def test_the_futures_in_cpp_fit_this_torch_and_the_call_path_takes_them():
+    """``futures_problem()`` is ``None`` where pybind11 holds torch's futures in a
+    ``std::shared_ptr`` (torch 2.13 and 2.14), and the compiled call path then takes the
+    capsule; elsewhere it names the problem and the path keeps torch's bindings."""
+    from mpidag.agent import compiled
+    assert native.futures_problem() is None
+    assert compiled._torch_futures() is native.futures_api
+
+
 def test_futures_in_cpp_refuse_what_is_not_a_future():
     with pytest.raises(TypeError, match="int is not a torch._C.Future"):
         native.new_future(int)

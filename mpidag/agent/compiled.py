@@ -43,10 +43,12 @@ def _set_result() -> Any:
 def _torch_futures() -> Any:
     """``_mpidag_torch``'s ``futures_api`` capsule: ``rpc_async``'s futures made and completed
     in C++ (torch's ``__init__`` without its binding, ``set_result`` without dropping the
-    GIL); ``None`` where that module is not built or a class between ``RpcFuture`` and
-    torch's overrides ``set_result`` (then torch's bindings run)."""
+    GIL); ``None`` where that module is not built, where a class between ``RpcFuture`` and
+    torch's overrides ``set_result``, or where this torch holds its futures otherwise than
+    the C++ expects (``futures_problem()``): then torch's bindings run."""
     native = torch_native.torch_module()
-    if native is None or _set_result() is not torch._C.Future.set_result:
+    if native is None or _set_result() is not torch._C.Future.set_result or \
+            native.futures_problem() is not None:
         return None
     return native.futures_api
 

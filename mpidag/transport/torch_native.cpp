@@ -726,6 +726,20 @@ bool futures_ready() {
     PyErr_SetString(PyExc_TypeError, "torch._C.Future is not the pybind11 class of futures");
     return false;
   }
+  // new_future hands pybind11's init_instance a std::shared_ptr holder: only right for a
+  // class held by one (torch 2.13 and 2.14 hold PythonFutureWrapper so)
+#if PYBIND11_VERSION_MAJOR >= 3
+  bool shared_holder = info->holder_enum_v == pybind11::detail::holder_enum_t::std_shared_ptr;
+#else
+  bool shared_holder = !info->default_holder &&
+                       info->holder_size_in_ptrs == pybind11::detail::size_in_ptrs(
+                                                        sizeof(FutureHolder));
+#endif
+  if (!shared_holder) {
+    PyErr_SetString(PyExc_TypeError,
+                    "torch._C.Future is not held by a std::shared_ptr in this torch");
+    return false;
+  }
   cfuture_type = reinterpret_cast<PyTypeObject*>(type.release());  // (kept)
   future_info = info;
   return true;
@@ -779,6 +793,19 @@ PyObject* set_result(PyObject* future, PyObject* value) {
 
 mpidag_torch_futures futures_api = {new_future, set_result};
 
+// futures_problem() -> None, or why the two cannot be used with this torch (then the
+// compiled call path leaves its futures to torch's bindings)
+PyObject* futures_problem_py(PyObject* /*module*/, PyObject* /*unused*/) {
+  if (futures_ready()) Py_RETURN_NONE;
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  PyObject* text = value != nullptr ? PyObject_Str(value) : PyUnicode_FromString("unknown");
+  Py_XDECREF(type);
+  Py_XDECREF(value);
+  Py_XDECREF(traceback);
+  return text;
+}
+
 // Python faces of the two, for tests: new_future(type), set_future_result(future, value)
 PyObject* new_future_py(PyObject* /*module*/, PyObject* type) {
   if (!PyType_Check(type)) {
@@ -825,6 +852,8 @@ PyMethodDef module_methods[] = {
      "run_grad(outputs, grads, inputs, keep_graph) -> tuple: torch.autograd.grad(outputs, "
      "inputs, grads, retain_graph=keep_graph, allow_unused=True) of (node, number) edges in "
      "one C++ call (None where an edge starts at a Python node)"},
+    {"futures_problem", futures_problem_py, METH_NOARGS,
+     "futures_problem() -> None, or why new_future and set_future_result cannot be used"},
     {"new_future", new_future_py, METH_O,
      "new_future(type) -> type instance: a new torch._C.Future (or subclass) of no devices, "
      "without __init__; fastpath.c calls the same function through the capsule futures_api"},
