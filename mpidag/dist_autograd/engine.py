@@ -99,6 +99,9 @@ _event_numbers = itertools.count(1)
 #: ``TO_PARENT``: a notification to the rank whose call engaged the sender, which waits for
 #: it in the sender's place (see "Termination" in :class:`PassState`)
 RETAIN_GRAPH, SMART, NO_GRADIENT, TO_PARENT = 1, 2, 4, 8
+#: the most send functions one gradient message serves: their ids travel as a tuple, which
+#: the compiled call path sends as a plain value up to this length
+MAX_BATCH = 8
 
 
 def _dense(grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -222,9 +225,11 @@ class RootsEvent:
 @dataclasses.dataclass(slots=True)
 class GradientsEvent:
     """Gradients arrived for the send function ``message_id`` (``grads=None``: SMART mode
-    says none can come); ``reply`` answers the call that brought them."""
+    says none can come), or for each send function of a tuple of ids, their gradients one
+    after the other in ``grads`` (one message for several recv functions of one rank that
+    fired together); ``reply`` answers the call that brought them."""
 
-    message_id: int
+    message_id: int | tuple[int, ...]
     grads: list[torch.Tensor | None] | None
     reply: torch.futures.Future | None
     #: a notification from a rank this one engaged, which this rank waits for in its place
@@ -332,7 +337,7 @@ class PassState:
         to (``None`` for other events: their gradients are not handed over)."""
         if type(event) is not GradientsEvent:
             return None
-        send = self.ctx.sends.get(event.message_id)
+        send = self.ctx.sends.get(_first(event.message_id))
         return None if send is None else send.peer
 
     def _failed(self, exc: Exception) -> None:
@@ -361,26 +366,53 @@ class PassState:
             if type(event) is RootsEvent:
                 leaves, fired = plan.arrive(0, event.grads, self.retain_graph)
             else:
-                message_id, grads = event.message_id, event.grads
-                index = self.source_of.get(message_id)
-                if index is None:
-                    raise RuntimeError(
-                        f"gradients arrived for autograd message 0x{message_id:x}, but "
-                        f"{self.agent.where()} has no send function with that id in context "
-                        f"{self.ctx.context_id}")
-                if grads is None:  # SMART: no gradient can ever reach that recv function
-                    grads = [None] * len(plan.sources[index])
-                leaves, fired = plan.arrive(index, grads, self.retain_graph)
+                leaves, fired = plan.arrive_many(self._arrivals(event), self.retain_graph)
+            by_peer: dict[int, list[tuple[int, list[torch.Tensor | None]]]] = {}
             for node, slots in fired:
                 record = node.record
                 if record.context_id != self.ctx.context_id:
                     log.debug("gradient for %r of another context dropped", record)
                     continue
-                self._send(record.peer, record.message_id,
-                           [slots.get(i) for i in range(record.n_outputs)])
+                by_peer.setdefault(record.peer, []).append(
+                    (record.message_id, [slots.get(i) for i in range(record.n_outputs)]))
+            for peer, ready in by_peer.items():  # one message per peer (up to MAX_BATCH)
+                for start in range(0, len(ready), MAX_BATCH):
+                    chunk = ready[start:start + MAX_BATCH]
+                    if len(chunk) == 1:
+                        self._send(peer, *chunk[0])
+                    else:
+                        self._send(peer, tuple(mid for mid, _ in chunk),
+                                   [g for _, grads in chunk for g in grads])
             if plan.completed:  # after the sends: a DDP all-reduce waits for the peers
                 self._complete_leaves(plan.take_completed())
             return leaves
+
+    def _arrivals(self, event: GradientsEvent) -> list[tuple[int, list[torch.Tensor | None]]]:
+        """The ``(source index, gradients)`` of a gradient message: one per send function
+        it serves (several share the message's flat gradients, in order)."""
+        plan = self.plan
+        ids = event.message_id if type(event.message_id) is tuple else (event.message_id,)
+        arrivals: list[tuple[int, list[torch.Tensor | None]]] = []
+        offset = 0
+        for message_id in ids:
+            index = self.source_of.get(message_id)
+            if index is None:
+                raise RuntimeError(
+                    f"gradients arrived for autograd message 0x{message_id:x}, but "
+                    f"{self.agent.where()} has no send function with that id in context "
+                    f"{self.ctx.context_id}")
+            n = len(plan.sources[index])
+            if event.grads is None:  # SMART: no gradient can ever reach that recv function
+                arrivals.append((index, [None] * n))
+            else:
+                arrivals.append((index, event.grads[offset:offset + n]))
+                offset += n
+        if event.grads is not None and offset != len(event.grads):
+            raise RuntimeError(
+                f"a gradient message for {len(ids)} send function(s) of context "
+                f"{self.ctx.context_id} carried {len(event.grads)} gradients, but they take "
+                f"{offset}")
+        return arrivals
 
     def _complete_leaves(self, completed: list[tuple[torch.Tensor, torch.Tensor | None]]
                          ) -> None:
@@ -420,7 +452,7 @@ class PassState:
             return "mpidag.autograd.gradients(roots)"
         if type(event) is not GradientsEvent:
             return f"mpidag.autograd.resolve({self.agent.info.name})"
-        send = self.ctx.sends.get(event.message_id)  # the gradients come from where it sent to
+        send = self.ctx.sends.get(_first(event.message_id))  # from where it sent to
         origin = "?" if send is None else self.agent.workers[send.peer].name
         return f"mpidag.autograd.gradients({origin} -> {self.agent.info.name})"
 
@@ -497,12 +529,14 @@ class PassState:
         self._call(peer, self.autograd.resolve_handler,
                    (self.ctx.context_id, self.pass_id, message_id, self.retain_graph))
 
-    def _send(self, peer: int, message_id: int, grads: list[torch.Tensor | None] | None
-              ) -> None:
+    def _send(self, peer: int, message_id: int | tuple[int, ...],
+              grads: list[torch.Tensor | None] | None) -> None:
         """The gradients of this rank's recv function ``message_id`` to the rank of its send
-        function (``None``: SMART mode's "no gradient can come"). The arguments are flat
-        and the tensors contiguous (a loss's gradient is an expanded one): a message of a
-        few small CPU gradients is a plain call, sent and served by the compiled path."""
+        function (``None``: SMART mode's "no gradient can come"); for a tuple of ids (recv
+        functions of one peer that fired together), all their gradients one after the
+        other. The arguments are flat and the tensors contiguous (a loss's gradient is an
+        expanded one): a message of a few small CPU gradients is a plain call, sent and
+        served by the compiled path."""
         with self.lock:  # (engaged while this rank runs: the parent stays until the answer)
             to_parent = self.parent is not None and peer == self.parent_rank
             if to_parent:
@@ -582,6 +616,12 @@ class PassState:
 
 
 
+def _first(message_id: int | tuple[int, ...]) -> int:
+    """The (first) send function a gradient message is for: all of its send functions sent
+    to the same rank."""
+    return message_id[0] if type(message_id) is tuple else message_id
+
+
 def check_roots(roots: Any) -> list[torch.Tensor]:
     """The roots as a list, or a clear error naming the bad one (torch's types and words
     first, then what to do).
@@ -657,7 +697,8 @@ class DistAutograd:
 
     def _on_gradients(self, context_id: int, pass_id: int, message_id: int, flags: int,
                       *grads: torch.Tensor | None) -> torch.futures.Future | None:
-        """On the rank of a send function: its gradients arrived. ``flags``:
+        """On the rank of a send function: its gradients arrived (``message_id`` a tuple:
+        several send functions', their gradients one after the other). ``flags``:
         :data:`RETAIN_GRAPH`, :data:`SMART`, :data:`NO_GRADIENT` (none can come) and
         :data:`TO_PARENT` (a notification handed over by a rank this one engaged: no answer);
         a call is answered per the protocol."""

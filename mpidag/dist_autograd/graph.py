@@ -449,18 +449,37 @@ class Plan:
         the context, and ``(recv node, {output number: gradient})`` for each recv function
         whose gradient is now complete.
         """
-        bit = 1 << index
-        if self.arrived & bit:
-            raise RuntimeError(f"source {index} of this backward pass got gradients twice")
-        edges = self.sources[index]
-        if len(grads) != len(edges):
-            raise RuntimeError(f"source {index} expects {len(edges)} gradients, got "
-                               f"{len(grads)}")
-        self.arrived |= bit
+        return self.arrive_many([(index, grads)], retain_graph)
+
+    def arrive_many(self, arrivals: list[tuple[int, list[torch.Tensor | None]]],
+                    retain_graph: bool
+                    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[Any, list]]]:
+        """:meth:`arrive` for several sources at once (one gradient message for several
+        send functions): every ``(index, grads)`` first, then what is now runnable, in one
+        engine call.
+
+        Example::
+
+            >>> a = torch.ones(2, requires_grad=True); sent = a * 2; root = (sent * 3).sum()
+            >>> plan = Plan([[edge_of(root)], [edge_of(sent)]], recv_types=type(None))
+            >>> leaves, recvs = plan.arrive_many([(0, [torch.tensor(1.0)]),
+            ...                                   (1, [torch.ones(2)])], retain_graph=False)
+            >>> leaves[0][1]               # both sources at once: 6 + 2, in one engine call
+            tensor([8., 8.])
+        """
+        for index, grads in arrivals:  # check all before taking any
+            edges = self.sources[index]
+            if self.arrived >> index & 1 or sum(i == index for i, _ in arrivals) > 1:
+                raise RuntimeError(f"source {index} of this backward pass got gradients twice")
+            if len(grads) != len(edges):
+                raise RuntimeError(f"source {index} expects {len(edges)} gradients, got "
+                                   f"{len(grads)}")
         leaves: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for key, grad in zip(edges, grads, strict=True):
-            if key is not None and grad is not None:
-                self._deliver(key, grad, leaves)
+        for index, grads in arrivals:
+            self.arrived |= 1 << index
+            for key, grad in zip(self.sources[index], grads, strict=True):
+                if key is not None and grad is not None:
+                    self._deliver(key, grad, leaves)
         batch = [r for m, r in self.regions.items() if not r.done and m & ~self.arrived == 0]
         if batch:
             self._run(batch, retain_graph, leaves)

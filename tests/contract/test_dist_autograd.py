@@ -145,6 +145,63 @@ def test_a_gradient_for_the_engaging_rank_is_handed_over_without_an_answer(
     assert (world.rank, "call") in {(sender, kind) for sender, _, kind in seen}, seen
 
 
+def _gradient_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, object]]:
+    """(sender rank, message id or tuple of ids) of every gradient message sent as a call."""
+    from mpidag.dist_autograd import engine
+
+    sent: list[tuple[int, object]] = []
+    call = engine.PassState._call
+
+    def logged_call(self, peer, handler, args):  # noqa: ANN001, ANN202
+        if handler is self.autograd.gradients_handler:
+            sent.append((self.agent.rank, args[2]))
+        return call(self, peer, handler, args)
+
+    monkeypatch.setattr(engine.PassState, "_call", logged_call)
+    return sent
+
+
+def test_gradients_for_one_rank_that_fire_together_travel_in_one_message(
+        world, monkeypatch):
+    """A parameter server's step: an RPC's result and two fetched RRefs of the next rank
+    get their gradients in the roots' region; one gradient message carries all three (its
+    ids a tuple), and every gradient equals local autograd's."""
+    sent = _gradient_calls(monkeypatch)
+    x, w = _seeded(world.rank, (4,), (4,))
+    with dist_autograd.context() as context_id:
+        y = rpc.rpc_sync(world.next, af.my_add, args=(x, w))
+        a = rpc.remote(world.next, af.square, args=(w,)).to_here()
+        b = rpc.remote(world.next, af.mul_sin, args=(x, w)).to_here()
+        dist_autograd.backward(context_id, [(y * a + b).sum()])
+        grads = dist_autograd.get_gradients(context_id)
+    ex, ew = torch.autograd.grad((af.my_add(x, w) * af.square(w) + af.mul_sin(x, w)).sum(),
+                                 [x, w])
+    close(grads[x], ex)
+    close(grads[w], ew)
+    mine = [ids for sender, ids in sent if sender == world.rank]
+    assert len(mine) == 1 and type(mine[0]) is tuple and len(mine[0]) == 3, sent
+
+
+def test_more_recv_functions_than_one_message_takes(world, monkeypatch):
+    """Ten results of the next rank fire together: MAX_BATCH of them go in one message and
+    the rest in the next, and the gradients are local autograd's."""
+    from mpidag.dist_autograd.engine import MAX_BATCH
+
+    sent = _gradient_calls(monkeypatch)
+    x, w = _seeded(world.rank, (3,), (3,))
+    scales = [float(k + 1) for k in range(10)]
+    with dist_autograd.context() as context_id:
+        parts = [rpc.rpc_sync(world.next, af.my_add, args=(x * s, w)) for s in scales]
+        dist_autograd.backward(context_id, [sum(p.sin().sum() for p in parts)])
+        grads = dist_autograd.get_gradients(context_id)
+    local = sum(af.my_add(x * s, w).sin().sum() for s in scales)
+    ex, ew = torch.autograd.grad(local, [x, w])
+    close(grads[x], ex)
+    close(grads[w], ew)
+    mine = [ids for sender, ids in sent if sender == world.rank]
+    assert [len(ids) for ids in mine] == [MAX_BATCH, 10 - MAX_BATCH], sent
+
+
 def test_tensor_subclass_travels_as_tensor_and_gets_gradients(world):
     """A torch.Tensor subclass (not an nn.Parameter) arrives as its class with its
     attributes, and takes part in distributed autograd both ways (before: it was pickled
