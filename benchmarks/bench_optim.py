@@ -26,6 +26,14 @@ whole runs):
   mpidag with its per-parameter locks vs mpidag with one global lock per rank (torch's
   scheme, ``MPIDAG_OPTIM_LOCKS=global``) vs torch.
 
+Both rows also run ``mpi4py``: the same training written by hand with raw mpi4py
+(:class:`RawServer`), the floor below any RPC stack here. It computes exactly what the
+others do (the table's gradient by autograd through the lookup, one ``SGD`` per trainer on
+the server), with the fewest messages: three round trips a step (the lookup, one fetch of
+the weight and bias together, the gradients with the step) and no recording, no
+termination protocol, no locks, no threads. ``mpidag_vs_mpi4py`` says how far a stack is
+from it.
+
 Rank 0 writes ``benchmarks/results/optim.json``; ``benchmarks/plot.py`` draws it.
 """
 
@@ -113,6 +121,153 @@ def train(rpc: ModuleType, dist_autograd: ModuleType, optim_cls: type, model: st
     return time.perf_counter() - start
 
 
+# ------------------------------------------------- the same server by hand, raw mpi4py
+#: the tags of the hand-written server's messages (a reply has its request's tag)
+LOOKUP, FETCH, GRADS, STOP = 1, 2, 3, 4
+#: the hand-written server's model ids (the first element of a LOOKUP or FETCH)
+SHARED_ID = 0
+
+
+def _flat_grads_size() -> int:
+    return BATCH * DIM + CLASSES * DIM + CLASSES
+
+
+class RawServer:
+    """Rank 0 of the parameter server written by hand with raw mpi4py: the floor below any
+    RPC stack for this workload. One thread serves one message at a time (blocking
+    ``Probe``/``Recv`` from any trainer), so nothing is locked and nothing is handed from
+    thread to thread; each trainer makes three round trips a step:
+
+    * LOOKUP ``[model, idx...]`` -> the embedding rows, computed with autograd (kept for the
+      trainer's GRADS);
+    * FETCH ``[model]`` -> the linear layer's weight and bias, packed;
+    * GRADS (the rows' gradient, the weight's and the bias's, packed) -> the table's
+      gradient by ``torch.autograd.grad`` through the lookup, then the trainer's own
+      ``SGD(lr=0.05, momentum=0.9)`` steps the three parameters (one optimizer per trainer
+      and model, as each ``DistributedOptimizer`` has its own on the server); the reply is
+      an empty acknowledgement.
+
+    Example (rank 0; ranks 1 and 2 call :func:`raw_train`, then send STOP)::
+
+        RawServer(comm).serve(trainers=2)
+    """
+
+    def __init__(self, comm: MPI.Comm) -> None:
+        self.comm = comm
+        self.shards: dict[int, Shard] = {}
+        self.optimizers: dict[tuple[int, int], torch.optim.SGD] = {}
+        #: trainer rank -> (model id, the rows of its last lookup, with their graph)
+        self.looked_up: dict[int, tuple[int, torch.Tensor]] = {}
+
+    def shard(self, model: int) -> Shard:
+        if model not in self.shards:
+            self.shards[model] = Shard(len(self.shards))
+        return self.shards[model]
+
+    def serve(self, trainers: int) -> None:
+        """Serve until ``trainers`` trainers sent STOP."""
+        comm, status = self.comm, MPI.Status()
+        request = torch.empty(BATCH + 1, dtype=torch.int64)
+        grads = torch.empty(_flat_grads_size())
+        ack = torch.zeros(1, dtype=torch.int64)
+        stopped = 0
+        while stopped < trainers:
+            comm.Probe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            src, tag = status.Get_source(), status.Get_tag()
+            if tag == LOOKUP:
+                comm.Recv(request.numpy(), src, LOOKUP)
+                model = int(request[0])
+                rows = self.shard(model).lookup(request[1:].clone())
+                self.looked_up[src] = (model, rows)
+                comm.Send(rows.detach().numpy(), src, LOOKUP)
+            elif tag == FETCH:
+                comm.Recv(request[:1].numpy(), src, FETCH)
+                fc = self.shard(int(request[0])).fc
+                packed = torch.cat([fc.weight.detach().flatten(), fc.bias.detach()])
+                comm.Send(packed.numpy(), src, FETCH)
+            elif tag == GRADS:
+                comm.Recv(grads.numpy(), src, GRADS)
+                model, rows = self.looked_up.pop(src)
+                self.step(src, model, rows, grads)
+                comm.Send(ack.numpy(), src, GRADS)
+            else:
+                comm.Recv(ack.numpy(), src, STOP)
+                stopped += 1
+
+    def step(self, trainer: int, model: int, rows: torch.Tensor, grads: torch.Tensor) -> None:
+        shard = self.shard(model)
+        key = (trainer, model)
+        if key not in self.optimizers:
+            self.optimizers[key] = torch.optim.SGD(shard.parameters(), lr=0.05, momentum=0.9)
+        n_rows, n_weight = BATCH * DIM, CLASSES * DIM
+        (table_grad,) = torch.autograd.grad(rows, [shard.emb.weight],
+                                            grads[:n_rows].view(BATCH, DIM))
+        shard.emb.weight.grad = table_grad
+        shard.fc.weight.grad = grads[n_rows:n_rows + n_weight].view(CLASSES, DIM).clone()
+        shard.fc.bias.grad = grads[n_rows + n_weight:].clone()
+        try:
+            self.optimizers[key].step()
+        finally:
+            for param in shard.parameters():
+                param.grad = None
+
+
+def raw_train(comm: MPI.Comm, model: int, steps: int, warmup: int, trainers: MPI.Comm
+              ) -> float:
+    """A trainer of :class:`RawServer`: the same steps as :func:`train`; returns the
+    seconds the timed part took."""
+    gen = torch.Generator().manual_seed(trainers.Get_rank())
+    rows = torch.empty(BATCH, DIM)
+    packed = torch.empty(CLASSES * DIM + CLASSES)
+    header = torch.tensor([model], dtype=torch.int64)
+    ack = torch.empty(1, dtype=torch.int64)
+
+    def step() -> None:
+        idx = torch.randint(0, ROWS_, (BATCH,), generator=gen)
+        target = torch.randint(0, CLASSES, (BATCH,), generator=gen)
+        comm.Send(torch.cat([header, idx]).numpy(), 0, LOOKUP)
+        comm.Recv(rows.numpy(), 0, LOOKUP)
+        comm.Send(header.numpy(), 0, FETCH)
+        comm.Recv(packed.numpy(), 0, FETCH)
+        hidden = rows.clone().requires_grad_()
+        weight = packed[:CLASSES * DIM].view(CLASSES, DIM).clone().requires_grad_()
+        bias = packed[CLASSES * DIM:].clone().requires_grad_()
+        loss = torch.nn.functional.cross_entropy(
+            torch.nn.functional.linear(hidden, weight, bias), target)
+        grads = torch.autograd.grad(loss, [hidden, weight, bias])
+        comm.Send(torch.cat([g.flatten() for g in grads]).numpy(), 0, GRADS)
+        comm.Recv(ack.numpy(), 0, GRADS)
+
+    for _ in range(warmup):
+        step()
+    trainers.Barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return time.perf_counter() - start
+
+
+def raw_session(comm: MPI.Comm, trainers: MPI.Comm | None, phases: list[tuple[str, str]],
+                steps: int, warmup: int, reps: int) -> dict[str, list[float]]:
+    """The hand-written server's session: rank 0 serves; each trainer runs ``phases``."""
+    if trainers is None:
+        RawServer(comm).serve(comm.Get_size() - 1)
+        return {}
+    me = trainers.Get_rank()
+    out: dict[str, list[float]] = {}
+    for row, _ in phases:
+        model = SHARED_ID if row.startswith("ps_shared") else 1 + me
+        rates = []
+        for _ in range(reps):
+            seconds = raw_train(comm, model, steps, warmup, trainers)
+            rates.append(2 * steps / trainers.allreduce(seconds, op=MPI.MAX))
+        out[row] = rates
+        if me == 0:
+            log(f"mpi4py {row}: {statistics.median(rates):.1f} steps/s")
+    comm.Send(torch.zeros(1, dtype=torch.int64).numpy(), 0, STOP)
+    return out
+
+
 def start(key: str, comm: MPI.Comm) -> tuple[ModuleType, ModuleType, type]:
     if key == "mpidag":
         import mpidag.autograd as dist_autograd
@@ -132,6 +287,8 @@ def start(key: str, comm: MPI.Comm) -> tuple[ModuleType, ModuleType, type]:
 def session(key: str, comm: MPI.Comm, trainers: MPI.Comm | None, phases: list[tuple[str, str]],
             steps: int, warmup: int, reps: int) -> dict[str, list[float]]:
     """One RPC session: rank 0 serves; each trainer runs ``phases`` (row, lock mode)."""
+    if key == "mpi4py":
+        return raw_session(comm, trainers, phases, steps, warmup, reps)
     rpc, dist_autograd, optim_cls = start(key, comm)
     out: dict[str, list[float]] = {}
     if trainers is not None:
@@ -176,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                    ("ps_disjoint_steps_per_s", "parameter"),
                    ("ps_disjoint_global_lock_steps_per_s", "global")],
         "torch_rpc": [("ps_shared_steps_per_s", "-"), ("ps_disjoint_steps_per_s", "-")],
+        "mpi4py": [("ps_shared_steps_per_s", "-"), ("ps_disjoint_steps_per_s", "-")],
     }
     for key, phases in plan.items():
         if rank == 0:
@@ -190,10 +348,14 @@ def main(argv: list[str] | None = None) -> int:
         for row in ("ps_shared_steps_per_s", "ps_disjoint_steps_per_s"):
             mp = statistics.median(measured["mpidag"][row])
             tp = statistics.median(measured["torch_rpc"][row])
+            rp = statistics.median(measured["mpi4py"][row])
             entry: dict[str, Any] = {"unit": "steps/s", "better": "higher", "mpidag": mp,
-                                     "torch_rpc": tp, "mpidag_vs_torch": mp / tp,
+                                     "torch_rpc": tp, "mpi4py": rp,
+                                     "mpidag_vs_torch": mp / tp, "mpidag_vs_mpi4py": mp / rp,
+                                     "torch_vs_mpi4py": tp / rp,
                                      "samples": {"mpidag": measured["mpidag"][row],
-                                                 "torch_rpc": measured["torch_rpc"][row]}}
+                                                 "torch_rpc": measured["torch_rpc"][row],
+                                                 "mpi4py": measured["mpi4py"][row]}}
             if row == "ps_disjoint_steps_per_s":
                 g = measured["mpidag"]["ps_disjoint_global_lock_steps_per_s"]
                 entry["mpidag_global_lock"] = statistics.median(g)
@@ -212,8 +374,9 @@ def main(argv: list[str] | None = None) -> int:
             extra = (f", global lock {e['mpidag_global_lock']:.1f} "
                      f"(per-parameter locks {e['parameter_vs_global_lock']:.2f}x)"
                      if "mpidag_global_lock" in e else "")
-            print(f"{name}: mpidag {e['mpidag']:.1f}, torch {e['torch_rpc']:.1f} steps/s "
-                  f"({e['mpidag_vs_torch']:.2f}x){extra}")
+            print(f"{name}: mpidag {e['mpidag']:.1f}, torch {e['torch_rpc']:.1f}, mpi4py "
+                  f"{e['mpi4py']:.1f} steps/s ({e['mpidag_vs_torch']:.2f}x torch, "
+                  f"{e['mpidag_vs_mpi4py']:.2f}x mpi4py){extra}")
         log(f"wrote {args.out}")
     comm.Free()
     return 0

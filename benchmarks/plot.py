@@ -3,8 +3,8 @@
 One panel per benchmark row, one bar per implementation on a log scale, each labelled with
 its value: raw mpi4py, torch.distributed.rpc and mpidag for RPC; one rank with
 ``loss.backward()``, a hand-written raw mpi4py split, torch.distributed.autograd and mpidag
-for distributed autograd; torch's DistributedOptimizer and mpidag's with one global lock and
-with per-parameter locks for the parameter server::
+for distributed autograd; a hand-written raw mpi4py server, torch's DistributedOptimizer and
+mpidag's with one global lock and with per-parameter locks for the parameter server::
 
     python benchmarks/plot.py                      # every results file that exists
     python benchmarks/plot.py --json PATH --out PATH
@@ -41,6 +41,7 @@ AUTOGRAD_IMPLS: list[tuple[str, str, str]] = [
     ("mpidag", "mpidag.autograd", "#0077bb"),
 ]
 OPTIM_IMPLS: list[tuple[str, str, str]] = [
+    ("mpi4py", "the same server by hand, raw mpi4py", "#7f7f7f"),
     ("torch_rpc", "torch DistributedOptimizer (TensorPipe)", "#ee7733"),
     ("mpidag_global_lock", "mpidag, one global lock per rank (torch's scheme)", "#77aadd"),
     ("mpidag", "mpidag, per-parameter locks", "#0077bb"),

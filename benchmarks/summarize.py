@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                        "mpidag_vs_all_used"]), ""]
     if args.optim:
         out += [f"Parameter server, steps/s ({len(args.optim)} runs)", "",
-                table(args.optim, ["torch_rpc", "mpidag_global_lock", "mpidag"],
-                      ["mpidag_vs_torch"]), ""]
+                table(args.optim, ["mpi4py", "torch_rpc", "mpidag_global_lock", "mpidag"],
+                      ["mpidag_vs_torch", "mpidag_vs_mpi4py"]), ""]
     print("\n".join(out))
     return 0
 
