@@ -161,7 +161,7 @@ class RawServer:
 
     def shard(self, model: int) -> Shard:
         if model not in self.shards:
-            self.shards[model] = Shard(len(self.shards))
+            self.shards[model] = Shard(model)
         return self.shards[model]
 
     def serve(self, trainers: int) -> None:

@@ -1,4 +1,5 @@
-"""benchmarks/compare_revisions.py: the table it prints from the runs' JSON files."""
+"""benchmarks/compare_revisions.py: the table it prints from the runs' JSON files; and
+bench_optim.py's hand-written raw mpi4py parameter server (the floor it reports)."""
 
 from __future__ import annotations
 
@@ -66,3 +67,51 @@ def test_a_new_comparison_removes_the_rounds_of_an_earlier_run(tmp_path):
         (tmp_path / name).write_text("{}")
     assert compare_revisions.clear_earlier_run(tmp_path) == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "revisions.json"]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_hand_written_parameter_server_trains_as_local_autograd():
+    """bench_optim.py's raw mpi4py floor does the same work as the RPC stacks: after three
+    steps of each trainer (each on its own model), the server's parameters equal those of
+    the same steps run locally with autograd and ``SGD(lr=0.05, momentum=0.9)``."""
+    import bench_optim
+    import torch
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD.Dup()
+    rank = comm.Get_rank()
+    trainers = comm.Split(1 if rank > 0 else MPI.UNDEFINED, rank)
+    steps = 3
+    try:
+        if rank == 0:
+            server = bench_optim.RawServer(comm)
+            server.serve(trainers=comm.Get_size() - 1)
+            for trainer in range(comm.Get_size() - 1):
+                model = 1 + trainer
+                ref = bench_optim.Shard(model)
+                optimizer = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+                gen = torch.Generator().manual_seed(trainer)
+                for _ in range(steps):
+                    idx = torch.randint(0, bench_optim.ROWS_, (bench_optim.BATCH,),
+                                        generator=gen)
+                    target = torch.randint(0, bench_optim.CLASSES, (bench_optim.BATCH,),
+                                           generator=gen)
+                    loss = torch.nn.functional.cross_entropy(ref.fc(ref.emb(idx)), target)
+                    optimizer.zero_grad()
+                    loss.backward()
+                    optimizer.step()
+                got = server.shard(model)
+                initial = bench_optim.Shard(model)
+                for (name, want), have, before in zip(ref.named_parameters(),
+                                                      got.parameters(), initial.parameters(),
+                                                      strict=True):
+                    assert not torch.equal(want, before), name  # the steps changed it
+                    torch.testing.assert_close(have, want, msg=name)
+        else:
+            me = trainers.Get_rank()
+            bench_optim.raw_train(comm, 1 + me, steps - 1, 1, trainers)  # 1 warm-up + 2
+            comm.Send(torch.zeros(1, dtype=torch.int64).numpy(), 0, bench_optim.STOP)
+    finally:
+        if trainers != MPI.COMM_NULL:
+            trainers.Free()
+        comm.Free()
