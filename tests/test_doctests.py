@@ -104,6 +104,7 @@ MODULES = (
     "mpidag.transport.inproc",
     "mpidag.transport.mpi",
     "mpidag.transport.naps",
+    "mpidag.transport.parking",
     "mpidag.transport.progress",
     "mpidag.transport.torch_native",
     "mpidag.transport.wire",

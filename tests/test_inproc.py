@@ -623,3 +623,42 @@ def test_a_failing_leader_step_is_logged_and_the_leader_goes_on(caplog):
         engine.stop()
     assert failures == [0] and len(hooks) >= 3
     assert caplog.text.count("the progress leader's step failed") == 3
+
+
+def test_requests_one_at_a_time_stay_on_the_threads_that_parked_last():
+    """Long requests that come one after another: while one runs, the sentinel wakes an
+    idle pool thread to lead, and that must be the thread that parked last (its memory is
+    warm), not the one idle longest. With four pool threads, the requests ran on two of
+    them; woken oldest first (``threading.Condition``) they went round all four."""
+    import queue
+
+    from mpidag.transport.progress import ProgressEngine
+
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    ran: list[str] = []
+    done = threading.Semaphore(0)
+
+    def poll():
+        try:
+            return inbox.get_nowait()
+        except queue.Empty:
+            return None
+
+    def dispatch(env):
+        def work():
+            ran.append(threading.current_thread().name)
+            time.sleep(0.01)  # ten sentinel intervals: another thread is woken to lead
+            done.release()
+        return work
+
+    engine = ProgressEngine(poll, dispatch, lambda: None, num_threads=4,
+                            sentinel_interval=1e-3)
+    engine.start()
+    try:
+        for i in range(12):
+            inbox.put(Envelope(kind=1, request_id=i))
+            assert done.acquire(timeout=10), f"request {i} did not run: {engine.snapshot()}"
+    finally:
+        engine.stop()
+    assert len(ran) == 12
+    assert len(set(ran)) <= 2, ran

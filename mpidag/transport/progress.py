@@ -47,6 +47,7 @@ from mpidag._backoff import PURE_SPIN, Backoff
 from mpidag.transport.frames import Envelope
 from mpidag.transport.growth import PoolGrowth
 from mpidag.transport.naps import MainThreadCPU, Naps
+from mpidag.transport.parking import Parking
 from mpidag.transport.sentinel import Sentinel
 
 __all__ = ["EngineSnapshot", "MainThreadCPU", "ProgressEngine"]
@@ -161,7 +162,8 @@ class ProgressEngine:
         self._min_sleep = min_sleep
         self._max_sleep = max_sleep
         self._lock = threading.Lock()
-        self._pool_cv = threading.Condition(self._lock)
+        #: idle pool threads, woken newest first (their memory is warm: parking.py)
+        self._pool_cv = Parking(self._lock)
         self._user_cv = threading.Condition(self._lock)
         self._leader_busy = False
         self._waiters = 0  # user threads that want to lead
