@@ -45,6 +45,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -94,6 +95,19 @@ def set_lock_mode(mode: str) -> str:
     return previous
 
 
+def timed_steps(step: Callable[[], None], steps: int, warmup: int, trainers: MPI.Comm
+                ) -> float:
+    """Run ``warmup`` + ``steps`` calls of ``step`` (the trainers start the timed part
+    together); returns the seconds the timed part took."""
+    for _ in range(warmup):
+        step()
+    trainers.Barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return time.perf_counter() - start
+
+
 def train(rpc: ModuleType, dist_autograd: ModuleType, optim_cls: type, model: str,
           steps: int, warmup: int, trainers: MPI.Comm) -> float:
     """Run ``warmup`` + ``steps`` training steps; returns the seconds the timed part took."""
@@ -112,13 +126,7 @@ def train(rpc: ModuleType, dist_autograd: ModuleType, optim_cls: type, model: st
             dist_autograd.backward(context_id, [loss])
             opt.step(context_id)
 
-    for _ in range(warmup):
-        step()
-    trainers.Barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return time.perf_counter() - start
+    return timed_steps(step, steps, warmup, trainers)
 
 
 # ------------------------------------------------- the same server by hand, raw mpi4py
@@ -238,13 +246,7 @@ def raw_train(comm: MPI.Comm, model: int, steps: int, warmup: int, trainers: MPI
         comm.Send(torch.cat([g.flatten() for g in grads]).numpy(), 0, GRADS)
         comm.Recv(ack.numpy(), 0, GRADS)
 
-    for _ in range(warmup):
-        step()
-    trainers.Barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return time.perf_counter() - start
+    return timed_steps(step, steps, warmup, trainers)
 
 
 def raw_session(comm: MPI.Comm, trainers: MPI.Comm | None, phases: list[tuple[str, str]],
