@@ -9,7 +9,9 @@ records' ``RecvRPC`` and, where it is built, the C++ records' ``RecvRpcBackward`
 
 from __future__ import annotations
 
+import gc
 import itertools
+import threading
 
 import pytest
 import torch
@@ -297,3 +299,79 @@ def test_disjoint_reaches_are_told_from_overlapping_ones_whatever_their_order():
     for order in itertools.permutations(["b", "1", "2"]):
         assert not _disjoint([reach[name] for name in order])
     assert _disjoint([]) and _disjoint([reach["1"]])
+
+
+class _Alive:
+    """Counts the objects alive that a graph's Python nodes keep."""
+
+    count = 0
+
+    def __init__(self) -> None:
+        _Alive.count += 1
+
+    def __del__(self) -> None:
+        _Alive.count -= 1
+
+
+class _Kept(torch.autograd.Function):
+    """A node that keeps an :class:`_Alive` for as long as it lives."""
+
+    @staticmethod
+    def forward(ctx, t):
+        ctx.alive = _Alive()
+        return t * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _Fails(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("fails on purpose")
+
+
+@pytest.mark.parametrize("dropped", [True, False])
+def test_a_failed_engine_call_leaves_no_node_queued_on_its_thread(dropped, monkeypatch):
+    """Three nodes are ready when the one built last raises: torch's engine leaves them in
+    the thread's ready queue, and ``engine_grad`` frees them before it raises (a pool thread
+    that runs no other engine call would keep them, and a failed pass's recv functions,
+    alive). The thread stays alive while the count is read, as a pool thread does."""
+    from mpidag.dist_autograd import graph
+
+    if not dropped:  # the same without the drop: the test can tell
+        monkeypatch.setattr(graph, "drop_unrun_tasks", lambda: None)
+    before = _Alive.count
+    failed: list[str] = []
+    read, done = threading.Event(), threading.Event()
+
+    def pool_thread() -> None:
+        a = torch.ones(3, requires_grad=True)
+        kept = [_Kept.apply(a) for _ in range(3)]
+        bad = _Fails.apply(a)
+        root = sum(k.sum() for k in kept) + bad.sum()
+        try:
+            graph.engine_grad(None, [edge_of(root)], [torch.tensor(1.0)],
+                              [edge_of(a)], False)
+        except ValueError as exc:  # (its traceback would keep the graph alive)
+            failed.append(str(exc))
+        del a, kept, bad, root
+        done.set()
+        read.wait(10)  # still alive, as a parked pool thread
+
+    thread = threading.Thread(target=pool_thread)
+    thread.start()
+    try:
+        assert done.wait(10)
+        gc.collect()
+        alive = _Alive.count - before
+    finally:
+        read.set()
+        thread.join()
+    assert failed == ["fails on purpose"]
+    assert alive == (0 if dropped else 3)

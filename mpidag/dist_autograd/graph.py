@@ -61,8 +61,8 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["AccumulateGrad", "EdgeKey", "Plan", "Reach", "edge_of", "edges_of", "tensor_hooks",
-           "track_intermediate_hooks"]
+__all__ = ["AccumulateGrad", "EdgeKey", "Plan", "Reach", "drop_unrun_tasks", "edge_of",
+           "edges_of", "tensor_hooks", "track_intermediate_hooks"]
 
 #: the node type of a leaf tensor's gradient accumulator
 AccumulateGrad: type = type(get_gradient_edge(torch.empty(0, requires_grad=True)).node)
@@ -602,14 +602,44 @@ def engine_grad(native: Any, outputs: list[EdgeKey], grads: list[torch.Tensor],
         >>> engine_grad(None, [(y.grad_fn, 0)], [torch.ones(2)], [acc], False)
         (tensor([3., 3.]),)
     """
-    if native is not None and all(g.is_cpu for g in grads) \
-            and _autograd_log.getEffectiveLevel() > logging.DEBUG:
-        results = native.run_grad(outputs, grads, inputs, retain_graph)
-        if results is not None:
-            return results
-    return torch.autograd.grad([GradientEdge(*key) for key in outputs],
-                               [GradientEdge(*key) for key in inputs], grads,
-                               retain_graph=retain_graph, allow_unused=True)
+    try:
+        if native is not None and all(g.is_cpu for g in grads) \
+                and _autograd_log.getEffectiveLevel() > logging.DEBUG:
+            results = native.run_grad(outputs, grads, inputs, retain_graph)
+            if results is not None:
+                return results
+        return torch.autograd.grad([GradientEdge(*key) for key in outputs],
+                                   [GradientEdge(*key) for key in inputs], grads,
+                                   retain_graph=retain_graph, allow_unused=True)
+    except BaseException:
+        drop_unrun_tasks()
+        raise
+
+
+def drop_unrun_tasks() -> None:
+    """Free the nodes that a failed engine call left queued on this thread.
+
+    When a node raises, torch's engine ends the call at once: the nodes that were ready to
+    run stay in the calling thread's ready queue (with their input gradients and, through
+    their edges, the graph behind them, recv functions included) until the next engine
+    call on that thread pops and discards them. A pool thread may not run another for a
+    long time, so a failed pass would keep part of its graph alive after its context is
+    released (torch's distributed engine drains its queue on errors too). One tiny engine
+    call on this thread discards them now.
+
+    Example::
+
+        >>> a = torch.ones(2, requires_grad=True)
+        >>> kept, bad = a * 2, a * 3
+        >>> _ = bad.register_hook(lambda g: g[:1])  # breaks the engine call: wrong size
+        >>> try:
+        ...     torch.autograd.grad(kept.sum() + bad.sum(), [a])
+        ... except RuntimeError:
+        ...     drop_unrun_tasks()  # kept's node, queued but never run, is freed now
+    """
+    anchor = torch.zeros((), requires_grad=True)
+    with torch.enable_grad():
+        torch.autograd.grad(anchor * 1, [anchor])
 
 
 #: torch's autograd logger (at DEBUG, torch.autograd.grad hooks every node to log it)
