@@ -375,3 +375,18 @@ def test_a_failed_engine_call_leaves_no_node_queued_on_its_thread(dropped, monke
         thread.join()
     assert failed == ["fails on purpose"]
     assert alive == (0 if dropped else 3)
+
+
+@pytest.mark.parametrize("mode", [torch.inference_mode, torch.no_grad])
+def test_a_failed_engine_call_raises_its_own_error_in_any_grad_mode(mode):
+    """The drop after a failure runs its tiny engine call whatever the caller's mode, and
+    never replaces the caller's error with one of its own."""
+    from mpidag.dist_autograd import graph
+
+    a = torch.ones(2, requires_grad=True)
+    root = (a * 2).sum()
+    out, leaf = edge_of(root), edge_of(a)
+    with mode(), pytest.raises(RuntimeError, match="Mismatch in shape"):
+        graph.engine_grad(None, [out], [torch.ones(3)], [leaf], False)
+    with mode():
+        graph.drop_unrun_tasks()  # no error of its own

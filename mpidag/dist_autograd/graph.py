@@ -64,6 +64,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 __all__ = ["AccumulateGrad", "EdgeKey", "Plan", "Reach", "drop_unrun_tasks", "edge_of",
            "edges_of", "tensor_hooks", "track_intermediate_hooks"]
 
+log = logging.getLogger(__name__)
+
 #: the node type of a leaf tensor's gradient accumulator
 AccumulateGrad: type = type(get_gradient_edge(torch.empty(0, requires_grad=True)).node)
 
@@ -637,9 +639,12 @@ def drop_unrun_tasks() -> None:
         ... except RuntimeError:
         ...     drop_unrun_tasks()  # kept's node, queued but never run, is freed now
     """
-    anchor = torch.zeros((), requires_grad=True)
-    with torch.enable_grad():
-        torch.autograd.grad(anchor * 1, [anchor])
+    try:  # never in place of the error being raised
+        with torch.inference_mode(False), torch.enable_grad():
+            anchor = torch.zeros((), requires_grad=True)
+            torch.autograd.grad(anchor * 1, [anchor])
+    except Exception:  # noqa: BLE001 - the caller raises its own error next
+        log.debug("could not discard the nodes a failed engine call left", exc_info=True)
 
 
 #: torch's autograd logger (at DEBUG, torch.autograd.grad hooks every node to log it)
