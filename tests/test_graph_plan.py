@@ -19,6 +19,7 @@ import torch
 from mpidag.dist_autograd.context import RECV_NODE_TYPE, RECV_NODE_TYPES, RecvRecord, RecvRPC
 from mpidag.dist_autograd.graph import Plan, edge_of
 from mpidag.dist_autograd.native import records_module
+from tests import autograd_funcs as af
 
 RECORDS = ["python"] + (["c++"] if records_module() is not None else [])
 
@@ -326,16 +327,6 @@ class _Kept(torch.autograd.Function):
         return g
 
 
-class _Fails(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t):
-        return t * 1
-
-    @staticmethod
-    def backward(ctx, g):
-        raise ValueError("fails on purpose")
-
-
 @pytest.mark.parametrize("dropped", [True, False])
 def test_a_failed_engine_call_leaves_no_node_queued_on_its_thread(dropped, monkeypatch):
     """Three nodes are ready when the one built last raises: torch's engine leaves them in
@@ -353,7 +344,7 @@ def test_a_failed_engine_call_leaves_no_node_queued_on_its_thread(dropped, monke
     def pool_thread() -> None:
         a = torch.ones(3, requires_grad=True)
         kept = [_Kept.apply(a) for _ in range(3)]
-        bad = _Fails.apply(a)
+        bad = af.fails_in_backward(a)
         root = sum(k.sum() for k in kept) + bad.sum()
         try:
             graph.engine_grad(None, [edge_of(root)], [torch.tensor(1.0)],
@@ -373,7 +364,7 @@ def test_a_failed_engine_call_leaves_no_node_queued_on_its_thread(dropped, monke
     finally:
         read.set()
         thread.join()
-    assert failed == ["fails on purpose"]
+    assert failed == ["backward of FailingBackward failed on purpose"]
     assert alive == (0 if dropped else 3)
 
 
