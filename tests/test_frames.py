@@ -249,6 +249,28 @@ def test_parameters_travel_detached_like_torch_pickles_them():
     assert tensors[0].data_ptr() == p.data_ptr()  # the same memory, not a copy
 
 
+def test_a_lone_parameter_travels_as_its_rule_says():
+    """A lone ``nn.Parameter`` that travels as the tensor it is (an RRef's value: the rule
+    says "do not detach") is a lone tensor, as a plain tensor is (no pickler), and arrives as
+    the tensor with its ``requires_grad``; one that the rule detaches arrives as a new leaf
+    ``Parameter``, the rule asked once either way."""
+    p = torch.nn.Parameter(torch.randn(3, 2))
+    asked = []
+
+    def rule(answer):
+        return lambda: asked.append(answer) or answer
+
+    payload, tensors = frames.dumps(p, rule(False))
+    assert payload == frames.LONE_TENSOR_PAYLOAD and tensors[0] is p
+    got = frames.loads(payload, [tensors[0].detach().requires_grad_()])
+    assert type(got) is torch.Tensor and got.requires_grad and torch.equal(got, p)
+    payload, tensors = frames.dumps(p, rule(True))
+    assert payload != frames.LONE_TENSOR_PAYLOAD and not tensors[0].requires_grad
+    got = frames.loads(payload, [tensors[0]])
+    assert type(got) is torch.nn.Parameter and got.requires_grad and got.is_leaf
+    assert asked == [False, True]
+
+
 def test_no_tensor_message_is_header_plus_pickle():
     payload, tensors = frames.dumps(("hello", 3))
     frame0, separate = frames.encode(Envelope(kind=2, payload=payload), [], 0)

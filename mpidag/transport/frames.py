@@ -452,6 +452,13 @@ def dumps(obj: Any, detach_parameters: Callable[[], bool] = _always,
         return prefix + pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), []
     if type(obj) is _Tensor and not prefix and _contiguous(obj):
         return _LONE_TENSOR, [obj]
+    detach_answer = None
+    if type(obj) is _Parameter and not prefix and _contiguous(obj):
+        # an RRef's value or a builtin op's argument travels as the tensor it is, as the
+        # pickler's rule sends it: a lone tensor (no pickler; the receiver's fast path)
+        detach_answer = bool(detach_parameters())
+        if not detach_answer:
+            return _LONE_TENSOR, [obj]
     pickler = getattr(_local, "pickler", None)
     if pickler is None or pickler.busy:  # busy: a __reduce__ that pickles again
         pickler = _TensorPickler()
@@ -464,7 +471,7 @@ def dumps(obj: Any, detach_parameters: Callable[[], bool] = _always,
         buffer.write(prefix)
     pickler.tensors = tensors = []
     pickler.busy = True
-    pickler.detach_rule, pickler.detach_answer = detach_parameters, None
+    pickler.detach_rule, pickler.detach_answer = detach_parameters, detach_answer
     pickler.context = context
     if pickler._using[0] is not codecs or pickler._using[1] != codecs.version:
         pickler.use(codecs)
@@ -541,6 +548,7 @@ def _storage_span(tensor: torch.Tensor) -> torch.Tensor | None:
 
 
 _Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
 #: the payload of a message whose whole value is one plain tensor (a result, most often)
 _LONE_TENSOR = b""  # set below, once the pickler exists
 
