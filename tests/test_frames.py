@@ -268,7 +268,24 @@ def test_a_lone_parameter_travels_as_its_rule_says():
     assert payload != frames.LONE_TENSOR_PAYLOAD and not tensors[0].requires_grad
     got = frames.loads(payload, [tensors[0]])
     assert type(got) is torch.nn.Parameter and got.requires_grad and got.is_leaf
+    assert torch.equal(got, p) and got.data_ptr() == tensors[0].data_ptr()
     assert asked == [False, True]
+
+
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_a_lone_detached_parameter_is_the_picklers_own_payload(requires_grad, monkeypatch):
+    """A function's lone ``Parameter`` result skips the pickler: its payload is the bytes
+    the pickler writes for it (so any receiver reads it), and ``loads`` makes the new leaf
+    ``Parameter`` without unpickling, with its ``requires_grad``."""
+    p = torch.nn.Parameter(torch.randn(4), requires_grad=requires_grad)
+    payload, tensors = frames.dumps(p)
+    with monkeypatch.context() as patch:
+        patch.setattr(frames, "_LONE_PARAMETER", {})
+        pickled, _ = frames.dumps(p)
+    assert payload == pickled
+    got = frames.loads(payload, tensors)
+    assert type(got) is torch.nn.Parameter and got.requires_grad == requires_grad
+    assert torch.equal(got, p) and got is not p
 
 
 def test_no_tensor_message_is_header_plus_pickle():

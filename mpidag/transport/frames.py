@@ -459,6 +459,9 @@ def dumps(obj: Any, detach_parameters: Callable[[], bool] = _always,
         detach_answer = bool(detach_parameters())
         if not detach_answer:
             return _LONE_TENSOR, [obj]
+        payload = _LONE_PARAMETER.get(obj.requires_grad)  # what the pickler would write
+        if payload is not None:
+            return payload, [obj.detach()]
     pickler = getattr(_local, "pickler", None)
     if pickler is None or pickler.busy:  # busy: a __reduce__ that pickles again
         pickler = _TensorPickler()
@@ -563,6 +566,14 @@ _LONE_TENSOR = _lone_tensor_payload()
 #: the payload of a message whose whole value is one plain tensor (the compiled call path
 #: sends it too)
 LONE_TENSOR_PAYLOAD = _LONE_TENSOR
+#: requires_grad -> the payload of a message whose whole value is one ``nn.Parameter`` that
+#: travels detached (a function's result): the pickler's own bytes, made once here
+_LONE_PARAMETER: dict[bool, bytes] = {}
+_LONE_PARAMETER.update(
+    (rg, bytes(dumps(_Parameter(torch.zeros(1), requires_grad=rg))[0])) for rg in (False, True))
+#: the same, the other way round, for :func:`loads`
+_PARAMETER_OF_PAYLOAD = {payload: rg for rg, payload in _LONE_PARAMETER.items()}
+_LONE_PARAMETER_LENGTHS = frozenset(len(p) for p in _LONE_PARAMETER.values())
 
 
 def loads(payload: bytes | memoryview, tensors: list[torch.Tensor],
@@ -574,6 +585,10 @@ def loads(payload: bytes | memoryview, tensors: list[torch.Tensor],
             return pickle.loads(payload)
     elif len(payload) == len(_LONE_TENSOR) and payload == _LONE_TENSOR:
         return tensors[0]
+    elif len(tensors) == 1 and len(payload) in _LONE_PARAMETER_LENGTHS:
+        requires_grad = _PARAMETER_OF_PAYLOAD.get(bytes(payload))
+        if requires_grad is not None:  # (as _parameter_from_table makes it)
+            return _Parameter(tensors[0], requires_grad=requires_grad)
     local = _local
     local.table, local.codecs = tensors, codecs
     try:
