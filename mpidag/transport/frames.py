@@ -568,9 +568,9 @@ _LONE_TENSOR = _lone_tensor_payload()
 LONE_TENSOR_PAYLOAD = _LONE_TENSOR
 #: requires_grad -> the payload of a message whose whole value is one ``nn.Parameter`` that
 #: travels detached (a function's result): the pickler's own bytes, made once here
-_LONE_PARAMETER: dict[bool, bytes] = {}
+_LONE_PARAMETER: dict[bool, bytes] = {}  # empty while dumps makes them: the pickler writes
 _LONE_PARAMETER.update(
-    (rg, bytes(dumps(_Parameter(torch.zeros(1), requires_grad=rg))[0])) for rg in (False, True))
+    (rg, dumps(_Parameter(torch.zeros(1), requires_grad=rg))[0]) for rg in (False, True))
 #: the same, the other way round, for :func:`loads`
 _PARAMETER_OF_PAYLOAD = {payload: rg for rg, payload in _LONE_PARAMETER.items()}
 _LONE_PARAMETER_LENGTHS = frozenset(len(p) for p in _LONE_PARAMETER.values())
