@@ -625,38 +625,78 @@ def test_a_failing_leader_step_is_logged_and_the_leader_goes_on(caplog):
     assert caplog.text.count("the progress leader's step failed") == 3
 
 
-def test_requests_one_at_a_time_stay_on_the_threads_that_parked_last():
-    """Long requests that come one after another: while one runs, the sentinel wakes an
-    idle pool thread to lead, and that must be the thread that parked last (its memory is
-    warm), not the one idle longest. With four pool threads, the requests ran on two of
-    them; woken oldest first (``threading.Condition``) they went round all four."""
-    import queue
+def _wait_for(condition, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(1e-4)
 
+
+def test_parking_wakes_the_thread_that_parked_last():
+    """Three threads park one after the other; each ``notify`` wakes the newest still
+    parked (``threading.Condition`` would wake the oldest), ``notify_all`` the rest."""
+    from mpidag.transport.parking import Parking
+
+    lock = threading.Lock()
+    parking = Parking(lock)
+    woken: list[int] = []
+
+    def park(i: int) -> None:
+        with lock:
+            parking.wait()
+            woken.append(i)
+
+    threads = []
+    for i in range(3):
+        threads.append(threading.Thread(target=park, args=(i,), daemon=True))
+        threads[-1].start()
+        _wait_for(lambda n=i + 1: len(parking) == n, f"thread {i} did not park")
+    with lock:
+        parking.notify()
+    threads[2].join(10)
+    assert woken == [2] and len(parking) == 2
+    with lock:
+        parking.notify()
+    threads[1].join(10)
+    assert woken == [2, 1] and len(parking) == 1
+    with lock:
+        parking.notify_all()
+    threads[0].join(10)
+    assert woken == [2, 1, 0] and len(parking) == 0
+
+
+def test_requests_one_at_a_time_stay_on_the_threads_that_parked_last():
+    """Work queued one item at a time wakes the idle pool thread that parked last (its
+    memory is warm), not the one idle longest. With four pool threads (one leading, three
+    parked) every item runs on the thread that ran the one before it, or on the leader,
+    which then swaps roles with it: two threads at most. Woken oldest first
+    (``threading.Condition``) the items went round all of them. The sentinel wakes a pool
+    thread only for a lead vacant a whole interval (a second here: only a thread starved that
+    long would let it), so no wake-up but ``submit``'s is in play, and each item is queued
+    only once every thread is back in its place: one leading, three parked, none woken and
+    on its way (such a thread counts as idle but is no longer parked: the next ``submit``
+    would wake another)."""
     from mpidag.transport.progress import ProgressEngine
 
-    inbox: queue.SimpleQueue = queue.SimpleQueue()
     ran: list[str] = []
     done = threading.Semaphore(0)
 
-    def poll():
-        try:
-            return inbox.get_nowait()
-        except queue.Empty:
-            return None
+    def work():
+        ran.append(threading.current_thread().name)
+        done.release()
 
-    def dispatch(env):
-        def work():
-            ran.append(threading.current_thread().name)
-            time.sleep(0.01)  # ten sentinel intervals: another thread is woken to lead
-            done.release()
-        return work
+    def settled():
+        s = engine.snapshot()
+        return (s.leader_busy and s.idle_pool_threads == s.parked_pool_threads == 3
+                and not s.queued_requests and not s.running_requests)
 
-    engine = ProgressEngine(poll, dispatch, lambda: None, num_threads=4,
-                            sentinel_interval=1e-3)
+    engine = ProgressEngine(lambda: None, lambda env: None, lambda: None, num_threads=4,
+                            sentinel_interval=1.0)
     engine.start()
     try:
         for i in range(12):
-            inbox.put(Envelope(kind=1, request_id=i))
+            _wait_for(settled, f"before request {i}: {engine.snapshot()}")
+            engine.submit(work)
             assert done.acquire(timeout=10), f"request {i} did not run: {engine.snapshot()}"
     finally:
         engine.stop()

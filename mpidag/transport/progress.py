@@ -91,6 +91,9 @@ class EngineSnapshot:
     pool_threads: int
     #: the sentinel sleeps until the next lazy vacancy (a leader or a waiter holds the lead)
     sentinel_parked: bool = False
+    #: idle pool threads still parked: the others were woken and have not yet looked for
+    #: work (``idle_pool_threads - parked_pool_threads`` are on their way)
+    parked_pool_threads: int = 0
 
 
 def _run(work: Work) -> None:
@@ -246,7 +249,7 @@ class ProgressEngine:
         with self._lock:
             return EngineSnapshot(self._leader_busy, self._waiters, self._idle,
                                   len(self._work), self._running_work, self.pool_size,
-                                  self._sentinel.parked)
+                                  self._sentinel.parked, len(self._pool_cv))
 
     @property
     def busy(self) -> bool:
