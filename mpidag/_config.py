@@ -33,7 +33,9 @@ those chunks are merged as they are freed; the one-rank 1,000-op loop was no slo
 
 The launcher's variables (:class:`LaunchConfig`): ``MPIDAG_MPIRUN`` (the ``mpirun`` to
 use), ``MPIDAG_SRUN_MPI`` (``srun --mpi=`` plugin), ``MPIDAG_OVERSUBSCRIBE`` (1/0: force or
-forbid ``--oversubscribe``) and ``MPIDAG_FT`` (``--ft``).
+forbid ``--oversubscribe``), ``MPIDAG_FT`` (``--ft``) and ``MPIDAG_KEEP_FREED_MEMORY``
+(``--keep-freed-memory``: glibc's allocator settings that keep freed memory in the ranks,
+:data:`mpidag.run.KEEP_FREED_MEMORY`).
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ _LAUNCH_VARIABLES: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "srun_mpi": ("MPIDAG_SRUN_MPI", _text),
     "oversubscribe": ("MPIDAG_OVERSUBSCRIBE", _flag),
     "ft": ("MPIDAG_FT", _flag),
+    "keep_freed_memory": ("MPIDAG_KEEP_FREED_MEMORY", _flag),
 }
 
 
@@ -218,6 +221,9 @@ class LaunchConfig:
     srun_mpi: str | None = None  # MPIDAG_SRUN_MPI: srun's --mpi plugin
     oversubscribe: bool | None = None  # MPIDAG_OVERSUBSCRIBE: None decides from the cores
     ft: bool = False  # MPIDAG_FT: start the job with fault tolerance (as ``--ft``)
+    #: MPIDAG_KEEP_FREED_MEMORY: start the ranks with glibc keeping freed memory (as
+    #: ``--keep-freed-memory``)
+    keep_freed_memory: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LaunchConfig:

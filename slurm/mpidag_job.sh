@@ -18,6 +18,11 @@
 #   OMPI_ALLOW_RUN_AS_ROOT / OMPI_ALLOW_RUN_AS_ROOT_CONFIRM
 #                     Open MPI refuses to start as root without both set to 1; set for you
 #                     when the job runs as root (containers, test clusters).
+#   MPIDAG_KEEP_FREED_MEMORY=1
+#                     start the ranks with glibc keeping the memory they free, as
+#                     `python -m mpidag.run --keep-freed-memory` does (faster steps that
+#                     reallocate large tensors, e.g. a parameter server's gradients;
+#                     resident memory stays at its peak); MALLOC_* values of your own win.
 
 # The first line of the version string of the MPI library that mpi4py loads, and the srun
 # --mpi plugin for it (one line each), from mpidag's launcher (mpidag.run), which decides
@@ -45,6 +50,17 @@ mpidag_setup() {
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
   fi
   export PYTHONUNBUFFERED=1
+  if [ "${MPIDAG_KEEP_FREED_MEMORY:-0}" = 1 ]; then
+    local setting settings
+    settings=$("$PYTHON" -c 'from mpidag.run import keep_freed_memory_env
+for name, value in keep_freed_memory_env().items(): print(f"{name}={value}")') || exit 2
+    while IFS= read -r setting; do
+      [ -n "$setting" ] && export "${setting?}"
+    done <<<"$settings"
+    echo "mpidag: glibc keeps freed memory: MALLOC_ARENA_MAX=$MALLOC_ARENA_MAX" \
+         "MALLOC_TOP_PAD_=$MALLOC_TOP_PAD_ MALLOC_TRIM_THRESHOLD_=$MALLOC_TRIM_THRESHOLD_" \
+         "MALLOC_MMAP_THRESHOLD_=$MALLOC_MMAP_THRESHOLD_"
+  fi
   # Threads of torch and OpenMP inside each rank: the cores Slurm gave the task.
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
   echo "mpidag: job ${SLURM_JOB_ID:-?} on ${SLURM_JOB_NUM_NODES:-?} node(s)" \

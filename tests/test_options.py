@@ -1,12 +1,21 @@
-"""Backend options, WorkerInfo and the launcher's command line (no MPI job needed)."""
+"""Backend options, WorkerInfo and the launcher's command line (one test starts a small MPI
+job: the launcher's allocator settings as the ranks' glibc sees them)."""
 
+import ctypes
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
 from mpidag.rpc.options import MPIRpcBackendOptions, TensorPipeRpcBackendOptions, WorkerInfo
-from mpidag.run import _split_program, build_command, mpi_library_version, srun_mpi_plugin
+from mpidag.run import (
+    KEEP_FREED_MEMORY,
+    _split_program,
+    build_command,
+    mpi_library_version,
+    srun_mpi_plugin,
+)
 
 
 def test_options_defaults_match_torch():
@@ -62,6 +71,56 @@ def test_launcher_command(monkeypatch):
     assert argv[:4] == ["srun", "--mpi=pmix", "-n", "2"] and argv[-1] == "s.py"
     with pytest.raises(ValueError, match="at least 1"):
         build_command(0, ["s.py"], use_srun=True)
+
+
+def test_keep_freed_memory_is_passed_to_every_rank_and_a_users_own_value_wins(monkeypatch):
+    for name in KEEP_FREED_MEMORY:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    argv, env = build_command(2, ["s.py"], use_srun=False)
+    assert not set(KEEP_FREED_MEMORY) & set(env) and "-x" not in argv
+    argv, env = build_command(2, ["s.py"], use_srun=False, keep_freed_memory=True)
+    assert {k: env[k] for k in KEEP_FREED_MEMORY} == KEEP_FREED_MEMORY
+    assert env["MALLOC_MMAP_THRESHOLD_"] == str(32 * 2**20)
+    named = [argv[i + 1] for i, arg in enumerate(argv) if arg == "-x"]  # Open MPI's mpirun
+    assert named == list(KEEP_FREED_MEMORY) and argv.index("-x") < argv.index("-n")
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")  # the user's: kept, and still passed on
+    monkeypatch.setenv("MALLOC_TOP_PAD_", "")  # no setting for glibc: replaced
+    argv, env = build_command(2, ["s.py"], use_srun=False, keep_freed_memory=True)
+    assert "MALLOC_ARENA_MAX" not in env and env["MALLOC_TOP_PAD_"] == str(64 * 2**20)
+    assert [argv[i + 1] for i, arg in enumerate(argv) if arg == "-x"] == list(KEEP_FREED_MEMORY)
+    argv, env = build_command(2, ["s.py"], use_srun=True, keep_freed_memory=True)
+    assert "-x" not in argv and "MALLOC_TOP_PAD_" in env  # srun passes the environment
+    assert _split_program(["--keep-freed-memory", "-n", "2", "s.py"]) == (
+        ["--keep-freed-memory", "-n", "2"], ["s.py"])
+
+
+GLIBC_CHECK = Path(__file__).resolve().parents[1] / "slurm" / "programs" / "glibc_check.py"
+
+
+@pytest.mark.parametrize("how", ["flag", "variable"])
+def test_keep_freed_memory_reaches_glibc_on_every_rank(job, how, monkeypatch):
+    """A 5 MiB block, which glibc's defaults map fresh and unmap at its free (the parameter
+    server's page faults), comes from the heap and stays there once freed."""
+    if not hasattr(ctypes.CDLL(None), "mallinfo2"):
+        pytest.skip("not glibc 2.33 or later")
+    probe = GLIBC_CHECK.read_text()
+    for name in KEEP_FREED_MEMORY:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("MPIDAG_KEEP_FREED_MEMORY", raising=False)
+    if how == "flag":
+        done = job(probe, launcher=("--keep-freed-memory",), timeout=60)
+    else:
+        done = job(probe, env={"MPIDAG_KEEP_FREED_MEMORY": "1"}, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank "))
+    assert lines == [f"rank {r}: MALLOC_ARENA_MAX=1 mapped=0 kept=True" for r in (0, 1)], (
+        done.stdout + done.stderr)
+    assert "OK glibc: world_size=2 keeps_freed_memory=True" in done.stdout
+    default = job(probe, timeout=60)
+    assert default.returncode == 0, default.stderr
+    assert "rank 0: MALLOC_ARENA_MAX=None mapped=1 kept=False" in default.stdout, default.stdout
+    assert "OK glibc: world_size=2 keeps_freed_memory=False" in default.stdout
 
 
 def test_srun_plugin_follows_the_mpi_library(monkeypatch):

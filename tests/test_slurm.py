@@ -318,6 +318,21 @@ def test_param_server(slurm: SlurmCluster) -> None:
     assert "parameter server = rank 0, trainers = ranks 1..2" in job.output
 
 
+def test_keep_freed_memory_reaches_every_rank(slurm: SlurmCluster) -> None:
+    """MPIDAG_KEEP_FREED_MEMORY=1: the templates start the ranks with glibc keeping freed
+    memory (glibc_check.py: a 5 MiB block from the heap, kept after its free, on both
+    nodes' ranks), as ``python -m mpidag.run --keep-freed-memory`` does."""
+    job = slurm.submit("glibc", "multi_node.sbatch",
+                       str(SLURM_DIR / "programs" / "glibc_check.py"),
+                       options=("--ntasks-per-node=1",), env={"MPIDAG_KEEP_FREED_MEMORY": "1"})
+    assert job.returncode == 0, job.describe()
+    assert "mpidag: glibc keeps freed memory: MALLOC_ARENA_MAX=1" in job.output, job.describe()
+    for rank in (0, 1):
+        assert f"rank {rank}: MALLOC_ARENA_MAX=1 mapped=0 kept=True" in job.output, (
+            job.describe())
+    assert "OK glibc: world_size=2 keeps_freed_memory=True" in job.output, job.describe()
+
+
 def test_failing_program_fails_the_job(slurm: SlurmCluster, tmp_path: Path) -> None:
     """A user program that fails on one rank makes the job (and sbatch --wait) fail."""
     program = tmp_path / "fail_on_rank1.py"
