@@ -265,6 +265,30 @@ class RawMPI(Impl):
             comm.recv(source=1, tag=_TAG_DATA)
         return time.perf_counter() - t0
 
+    def async_noop_batch(self, n: int) -> float | None:
+        """``rpc_async``'s row written by hand on mpi4py, as the no-op row is (pickled
+        ``send``/``recv``): ``n`` requests (a request id each) sent with ``isend``, a torch
+        ``Future`` made for each, then the ``n`` answers received, each completing its
+        future, and ``wait_all``; rank 1 answers each request as it comes (the no-op
+        server's loop). One thread per rank and nothing else: no function reference,
+        arguments, deadline, table of calls under a lock or progress thread, and so no
+        overlap of the caller's sends with its receipts either (an RPC layer's progress
+        thread receives answers while the caller still sends)."""
+        comm, future = self.comm, torch.futures.Future
+        comm.send(("noop", n), dest=1, tag=_TAG_CMD)
+        t0 = time.perf_counter()
+        pending: dict[int, torch.futures.Future] = {}
+        sends = []
+        for request_id in range(n):
+            sends.append(comm.isend(request_id, dest=1, tag=_TAG_DATA))
+            pending[request_id] = future()
+        futures = list(pending.values())
+        for _ in range(n):  # (an id answered twice, or never sent: KeyError)
+            pending.pop(comm.recv(source=1, tag=_TAG_DATA)).set_result(None)
+        MPI.Request.waitall(sends)
+        torch.futures.wait_all(futures)
+        return time.perf_counter() - t0
+
     def echo_batch(self, x: torch.Tensor, n: int, check: bool = False) -> float | None:
         comm = self.comm
         nbytes = x.numel() * x.element_size()
