@@ -762,7 +762,7 @@ class DistAutograd:
         try:
             with span(lambda: "mpidag.autograd.backward"):
                 state.post(RootsEvent(edges, grads))
-                _wait_for(agent, done)
+                agent.engine.wait_until(done.done, None)
                 asked: set[tuple[int, int]] = set()
                 while mode == "smart" and future_error(done) is None:
                     merge_answer(report, done.value())
@@ -775,7 +775,7 @@ class DistAutograd:
                     with state.lock:
                         state.parent = done
                     state.post(AskEvent(sorted(new)))
-                    _wait_for(agent, done)
+                    agent.engine.wait_until(done.done, None)
         finally:
             with ctx.lock:
                 ctx.passes.pop(pass_id, None)
@@ -784,16 +784,6 @@ class DistAutograd:
             raise detached_copy(error)
         merge_answer(report, done.value())
         _check_report(report, ctx.context_id, mode)
-
-
-def _wait_for(agent: RpcAgent, done: torch.futures.Future) -> None:
-    """The root's wait for its pass: as a follower (``ProgressEngine.wait_as_follower``),
-    because what completes it comes as requests (the gradients of the other ranks, their
-    answers' reports), which the polling pool thread then runs itself instead of handing
-    each to another thread."""
-    woken = threading.Event()
-    done.add_done_callback(lambda _: woken.set())
-    agent.engine.wait_as_follower(done.done, woken)
 
 
 def _check_report(report: Report, context_id: int, mode: str) -> None:

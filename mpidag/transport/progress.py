@@ -558,38 +558,6 @@ class ProgressEngine:
                     self._waiters -= 1
                     self._pass_on_vacancy_locked()
 
-    def wait_as_follower(self, done: Callable[[], bool], woken: threading.Event) -> bool:
-        """Wait until ``done()`` without leading: a pool thread polls meanwhile and runs each
-        request it polls itself, with no hand-off to this thread or another.
-
-        For a thread that waits for work that comes as requests (the root of a backward
-        pass: the other ranks' gradients come back as calls); a thread that waits for a
-        reply should lead instead (:meth:`wait_until`), since a reply completes on the
-        thread that polls it. ``woken`` must be set by whoever makes ``done()`` true. A
-        work item that waits (a pool thread) goes to :meth:`wait_until`, which counts it
-        as blocked. Returns ``done()``: ``False`` only when the engine stops first.
-
-        Example::
-
-            >>> woken = threading.Event()
-            >>> threading.Timer(0.01, woken.set).start()
-            >>> runtime.agent.engine.wait_as_follower(woken.is_set, woken)
-            True
-        """
-        if done():
-            return True
-        if _in_work.active:
-            return self.wait_until(done, None)
-        with self._lock:
-            if not (self._leader_busy or self._waiters or self._stopping) and self._idle:
-                self._pool_cv.notify()  # the lead is vacant: a pool thread takes it now
-        with self._naps.parked():  # (not computing: the leader spins rather than naps)
-            while not done():
-                if self._stopping:
-                    return done()
-                woken.wait(0.05)
-        return True
-
     def _lead_as_user(self, done: Callable[[], bool], deadline: float | None) -> bool:
         step = self._step
         # a reply mostly arrives within PURE_SPIN: until then poll in a tight loop, and make
