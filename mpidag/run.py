@@ -33,7 +33,7 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from mpidag._config import LaunchConfig
@@ -131,7 +131,7 @@ def srun_mpi_plugin(library_version: str | None = None) -> str:
     return "pmix"
 
 
-def keep_freed_memory_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+def keep_freed_memory_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The variables of :data:`KEEP_FREED_MEMORY` that ``environ`` (default: this
     process's) does not set already: a value of the user's own wins (an empty one, which
     glibc ignores, does not).
