@@ -1,5 +1,6 @@
-"""benchmarks/compare_revisions.py: the table it prints from the runs' JSON files; and
-bench_optim.py's hand-written raw mpi4py parameter server (the floor it reports)."""
+"""benchmarks/compare_revisions.py: the table it prints from the runs' JSON files; and the
+hand-written raw mpi4py columns that the benchmarks report: bench_optim.py's parameter
+server (the floor) and bench_rpc.py's ``rpc_async`` row."""
 
 from __future__ import annotations
 
@@ -114,4 +115,39 @@ def test_the_hand_written_parameter_server_trains_as_local_autograd():
     finally:
         if trainers != MPI.COMM_NULL:
             trainers.Free()
+        comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_hand_written_rpc_async_row_completes_one_future_per_call(monkeypatch):
+    """bench_rpc.py's raw column of ``rpc_async``: every one of the ``n`` calls gets its own
+    torch ``Future``, completed by the answer to its own request id (an id answered twice,
+    or never sent, raises), and rank 1's server loop ends when told to."""
+    import bench_rpc
+    import torch
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD.Split(0 if MPI.COMM_WORLD.Get_rank() < 2 else MPI.UNDEFINED, 0)
+    if comm == MPI.COMM_NULL:
+        return  # ranks past the first two take no part
+    made: list[torch.futures.Future] = []
+
+    class Recorded(torch.futures.Future):
+        def __init__(self) -> None:
+            super().__init__()
+            made.append(self)
+
+    raw = bench_rpc.RawMPI(comm, bench_rpc.Config())
+    try:
+        if comm.Get_rank() == 1:
+            raw.serve()
+            return
+        monkeypatch.setattr(torch.futures, "Future", Recorded)
+        for n in (1, 300):
+            made.clear()
+            elapsed = raw.async_noop_batch(n)
+            assert elapsed is not None and elapsed > 0
+            assert len(made) == n and all(f.done() and f.value() is None for f in made)
+        raw.stop()
+    finally:
         comm.Free()
