@@ -625,13 +625,6 @@ def test_a_failing_leader_step_is_logged_and_the_leader_goes_on(caplog):
     assert caplog.text.count("the progress leader's step failed") == 3
 
 
-def _wait_for(condition, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(1e-4)
-
-
 def test_parking_wakes_the_thread_that_parked_last():
     """Three threads park one after the other; each ``notify`` wakes the newest still
     parked (``threading.Condition`` would wake the oldest), ``notify_all`` the rest."""
@@ -650,7 +643,7 @@ def test_parking_wakes_the_thread_that_parked_last():
     for i in range(3):
         threads.append(threading.Thread(target=park, args=(i,), daemon=True))
         threads[-1].start()
-        _wait_for(lambda n=i + 1: len(parking) == n, f"thread {i} did not park")
+        _until(lambda n=i + 1: len(parking) == n, f"thread {i} parked")
     with lock:
         parking.notify()
     threads[2].join(10)
@@ -695,7 +688,7 @@ def test_requests_one_at_a_time_stay_on_the_threads_that_parked_last():
     engine.start()
     try:
         for i in range(12):
-            _wait_for(settled, f"before request {i}: {engine.snapshot()}")
+            _until(settled, f"every pool thread in its place before request {i}")
             engine.submit(work)
             assert done.acquire(timeout=10), f"request {i} did not run: {engine.snapshot()}"
     finally:
