@@ -134,14 +134,18 @@ class RRefHandle:
         return self._fork_id is None
 
     def confirmed_by_owner(self) -> bool:
-        """Whether the owner knows of this reference (always true on the owner).
+        """Whether the owner knows of this reference (always true on the owner). A user's
+        reference made by ``remote()`` is confirmed by the owner's answer to that call, which
+        may come after the answer to a ``to_here()`` (as in torch, whose tests wait for it).
 
         Example::
 
             >>> rref = rpc.remote("worker1", torch.ones, args=(2,))
-            >>> rref.to_here()                 # answered by the owner: it knows of rref
+            >>> rref.to_here()
             tensor([1., 1.])
-            >>> rref.confirmed_by_owner()
+            >>> while not rref.confirmed_by_owner():   # the answer to remote() is on its way
+            ...     time.sleep(0.001)
+            >>> rpc.RRef(torch.zeros(1)).confirmed_by_owner()   # owned here
             True
         """
         if self._fork_id is None:
