@@ -9,6 +9,7 @@ the C path where it is built; the test matrix runs it again with ``MPIDAG_COMPIL
 
 from __future__ import annotations
 
+import math
 import pickle
 import sys
 from collections.abc import Iterator
@@ -770,6 +771,46 @@ def test_the_compiled_step_runs_the_agents_tick_hooks_and_expires_calls():
         assert len(caller.calls) == 0
         callee.core.step(0.0)()  # served late: its answer is dropped, not completed twice
         assert caller.core.step(0.0) is None and isinstance(record.error, RPCTimeoutError)
+    finally:
+        ranks.close()
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_the_table_is_scanned_for_late_calls_only_once_the_earliest_deadline_passed(
+        compiled, monkeypatch):
+    """Every call added lowers ``OutgoingCalls.earliest_deadline``, on the compiled path and
+    in Python; the leader's look for late calls scans the table only once that bound has
+    passed (or ``FULL_SCAN_INTERVAL`` after the last scan), and each scan sets the bound to
+    the earliest deadline left: a scan of thousands of calls in flight is not repeated every
+    5 ms while none of them can be late."""
+    import time
+
+    from mpidag.agent import calls as calls_module
+    monkeypatch.setattr(calls_module, "EXPIRY_SCAN_INTERVAL", 0.0)  # every look may scan
+    monkeypatch.setattr(calls_module, "FULL_SCAN_INTERVAL", 1.0)
+    ranks = HandDriven(compiled=compiled)
+    try:
+        caller = ranks.agents[0]
+        calls = caller.calls
+        assert ranks.call(rf.add, 1, 2) == 3  # the function's reference: plain from now on
+        taken_by = caller.core.send_call if compiled else calls.send_call
+        long = taken_by(1, rf.add, (1, 2), {}, 30, True, False)
+        short = taken_by(1, rf.add, (3, 4), {}, 0.05, True, False)
+        assert long is not None and short is not None  # (None: the compiled path declined)
+        assert calls.earliest_deadline == short.deadline < long.deadline
+        time.sleep(0.1)  # past the short call's deadline
+        calls.expire_due()  # the bound passed: a scan
+        assert short.done and isinstance(short.error, RPCTimeoutError) and not long.done
+        assert calls.earliest_deadline == long.deadline
+        long.deadline = time.monotonic() - 1.0  # late behind the bound's back (a lost update)
+        calls.expire_due()
+        assert not long.done  # the bound says none is late, and the last scan was just now
+        time.sleep(1.0)
+        calls.expire_due()  # FULL_SCAN_INTERVAL after the last scan: a scan whatever it says
+        assert long.done and isinstance(long.error, RPCTimeoutError)
+        assert len(calls) == 0 and calls.earliest_deadline == math.inf
+        ranks.world.deliver_all([agent.dispatch for agent in ranks.agents])  # late: dropped
+        assert ranks.call(rf.add, 5, 6) == 11
     finally:
         ranks.close()
 

@@ -9,6 +9,7 @@ or a waiting thread found it late.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,12 +43,18 @@ from mpidag.errors import (
 from mpidag.transport.frames import Envelope, loads
 from mpidag.transport.progress import ProgressEngine
 
-__all__ = ["EXPIRY_SCAN_INTERVAL", "OutgoingCalls", "PendingCall", "PendingCallView"]
+__all__ = ["EXPIRY_SCAN_INTERVAL", "FULL_SCAN_INTERVAL", "OutgoingCalls", "PendingCall",
+           "PendingCallView"]
 
 log = logging.getLogger(__name__)
 
-#: how often the leader scans pending calls for expired deadlines, seconds
+#: how often the leader looks for expired deadlines, seconds; it scans the table only when
+#: :attr:`OutgoingCalls.earliest_deadline` has passed (or every :data:`FULL_SCAN_INTERVAL`)
 EXPIRY_SCAN_INTERVAL = 5e-3
+#: a scan of the whole table at least this often, seconds, whatever ``earliest_deadline``
+#: says: should an update of it ever be lost to a race of threads, a call expires this much
+#: later at most
+FULL_SCAN_INTERVAL = 0.25
 
 
 class PendingCall:
@@ -134,6 +141,11 @@ class OutgoingCalls:
         self._on_peer_failed = on_peer_failed
         self._pending: dict[int, PendingCall] = {}
         self._next_expiry_scan = 0.0
+        self._next_full_scan = 0.0
+        #: no call in the table has an earlier deadline (a lower bound; ``math.inf``: none
+        #: has one): every call added lowers it (the compiled path too), each scan sets it
+        #: to the earliest deadline left, so the leader scans only when one may be due
+        self.earliest_deadline = math.inf
         #: (sync, async) handlers that run a call under the callee's profile
         self.profiled: tuple[Handler, Handler] | None = None
         #: the compiled path of plain calls (:mod:`mpidag.agent.fastpath`), or ``None``
@@ -248,6 +260,8 @@ class OutgoingCalls:
         seconds, deadline = self.deadline_after(timeout, now)
         call = self._pending[request_id] = PendingCall(request_id, future, dst, now, deadline,
                                                        func, seconds, args)
+        if deadline is not None and deadline < self.earliest_deadline:
+            self.earliest_deadline = deadline
         env = Envelope(CALL, request_id, flags, context_id, message_id, payload, tensors)
         try:
             self.sender.send(dst, env, reply=False)
@@ -311,20 +325,48 @@ class OutgoingCalls:
         self._settle(call, None, error)
 
     def expire_due(self) -> None:
-        """Expire the calls past their deadline (the leader, after a poll; a scan at most
-        every :data:`EXPIRY_SCAN_INTERVAL`).
+        """Expire the calls past their deadline (the leader, after a poll; at most every
+        :data:`EXPIRY_SCAN_INTERVAL`, and a scan of the table only once
+        :attr:`earliest_deadline` has passed or :data:`FULL_SCAN_INTERVAL` after the last:
+        a scan of 5,000 calls in flight costs 0.25 ms, which every 5 ms was 5 % of a core
+        in an ``rpc_async`` burst).
 
         The table is copied with ``dict.copy()``, never iterated or listed: building a list
         of its items allocates, an allocation can run the garbage collector and a
         ``__del__`` that releases the GIL, and another thread that adds a call meanwhile
-        made the scan fail with "dictionary changed size during iteration"."""
+        made the scan fail with "dictionary changed size during iteration". A call added
+        during the scan lowers ``earliest_deadline`` from ``math.inf`` again, and the scan
+        only lowers it further.
+
+        Example (a call of 30 s is not late: it stays and completes)::
+
+            >>> calls = runtime.agent.calls
+            >>> fut = calls.call(1, torch.add, (torch.ones(1), 1), {}, timeout=30)
+            >>> calls.earliest_deadline <= time.monotonic() + 30
+            True
+            >>> calls.expire_due()
+            >>> fut.wait()
+            tensor([2.])
+        """
         now = time.monotonic()
         if now < self._next_expiry_scan or not self._pending:
             return
         self._next_expiry_scan = now + EXPIRY_SCAN_INTERVAL
+        if now < self.earliest_deadline and now < self._next_full_scan:
+            return
+        self._next_full_scan = now + FULL_SCAN_INTERVAL
+        self.earliest_deadline = math.inf
+        earliest = math.inf
         for request_id, call in self._pending.copy().items():
-            if call.deadline is not None and call.deadline <= now:
+            deadline = call.deadline
+            if deadline is None:
+                continue
+            if deadline <= now:
                 self.expire(request_id)
+            elif deadline < earliest:
+                earliest = deadline
+        if earliest < self.earliest_deadline:
+            self.earliest_deadline = earliest
 
     # ----------------------------------------------------------------- answers
     def complete(self, env: Envelope) -> Callable[[], None] | None:

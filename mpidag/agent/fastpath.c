@@ -52,7 +52,7 @@
 
 #include "../transport/torch_futures.h"
 
-#define VERSION 6
+#define VERSION 7
 
 /* the protocol's constants (messages.py); Core.__init__ checks them against Python's */
 #define CALL 1
@@ -316,7 +316,8 @@ typedef struct {
         *s_layout, *s_is_cpu, *s_is_contiguous,
         *s_nbytes, *s_cpu, *s_id, *s_engine, *s_popleft, *s_probe_frame0,
         *s_outgoing, *s_received, *s_serving, *s_served, *s_replying, *s_sent, *s_mode,
-        *s_control, *s_done, *s_value, *s_is_profiler_enabled, *s_observing;
+        *s_control, *s_done, *s_value, *s_is_profiler_enabled, *s_observing,
+        *s_earliest_deadline;
 } Core;
 
 static PyTypeObject *ServeWorkType;
@@ -657,7 +658,7 @@ static int Core_init(Core *self, PyObject *args, PyObject *kwds)
     NAME(s_served, "served") NAME(s_replying, "replying") NAME(s_sent, "sent")
     NAME(s_mode, "mode") NAME(s_control, "control") NAME(s_done, "done")
     NAME(s_value, "value") NAME(s_is_profiler_enabled, "_is_profiler_enabled")
-    NAME(s_observing, "_observing")
+    NAME(s_observing, "_observing") NAME(s_earliest_deadline, "earliest_deadline")
 #undef NAME
     return 0;
 }
@@ -697,7 +698,7 @@ static void Core_dealloc(Core *self)
                          self->s_received, self->s_serving, self->s_served,
                          self->s_replying, self->s_sent, self->s_mode, self->s_control,
                          self->s_done, self->s_value, self->s_is_profiler_enabled,
-                         self->s_observing};
+                         self->s_observing, self->s_earliest_deadline};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         Py_XDECREF(names[i]);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -1210,6 +1211,24 @@ static int resolve_timeout(Core *self, PyObject *timeout, double now, PyObject *
     return 0;
 }
 
+/* OutgoingCalls.earliest_deadline lowered to ``deadline`` where that is earlier (as the
+ * Python path does when it adds a call): the leader scans the table only once it passed */
+static int note_deadline(Core *self, PyObject *deadline)
+{
+    if (deadline == Py_None)
+        return 0;
+    PyObject *earliest = PyObject_GetAttr(self->o[O_CALLS], self->s_earliest_deadline);
+    if (earliest == NULL)
+        return -1;
+    double known = PyFloat_AsDouble(earliest);
+    Py_DECREF(earliest);
+    if (known == -1.0 && PyErr_Occurred())
+        return -1;
+    if (PyFloat_AS_DOUBLE(deadline) >= known)
+        return 0;
+    return PyObject_SetAttr(self->o[O_CALLS], self->s_earliest_deadline, deadline);
+}
+
 static PyObject *new_pending_call(Core *self, PyObject *request_id, PyObject *future, long dst,
                                   double now, PyObject *seconds, PyObject *deadline,
                                   PyObject *func, PyObject *args)
@@ -1336,6 +1355,10 @@ static PyObject *Core_send_call(Core *self, PyObject *const *argv, Py_ssize_t na
     call = new_pending_call(self, request_id, future, dst, now, seconds, deadline, func, args);
     if (call == NULL || PyDict_SetItem(self->o[O_PENDING], request_id, call) < 0)
         goto fail;
+    if (note_deadline(self, deadline) < 0) {
+        PyDict_DelItem(self->o[O_PENDING], request_id);
+        goto fail;
+    }
     env = make_envelope(self, CALL, request_id, flags, context_id, message_id, payload,
                         tensors);
     payload = tensors = NULL; /* (stolen) */
