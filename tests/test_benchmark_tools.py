@@ -151,3 +151,28 @@ def test_the_hand_written_rpc_async_row_completes_one_future_per_call(monkeypatc
         raw.stop()
     finally:
         comm.Free()
+
+
+def test_the_async_floor_carries_every_call_through_both_columns(tmp_path):
+    """benchmarks/async_floor.py: both columns complete every call of every burst (each
+    raises otherwise) and report each step's time, the caller's share their sum."""
+    out = tmp_path / "floor.json"
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "async_floor.py"), "--calls", "200",
+                           "--bursts", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert set(result) == {"mpidag", "hand-written"}
+    for steps in result.values():
+        assert set(steps) == {"issue", "callee", "answers", "wait_all", "caller"}
+        assert all(value > 0 for value in steps.values())
+        assert steps["caller"] == pytest.approx(
+            steps["issue"] + steps["answers"] + steps["wait_all"])
+    assert "caller" in proc.stdout and "hand-written" in proc.stdout
+
+
+def test_the_async_floor_names_bad_arguments():
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "async_floor.py"), "--calls", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--calls and --bursts must be at least 1, got 0" in \
+        proc.stderr
