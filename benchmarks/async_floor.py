@@ -59,7 +59,7 @@ def mpidag_burst(ranks: TwoRanks, calls: int) -> list[float]:
     t3 = time.perf_counter()
     torch.futures.wait_all(futures)
     t4 = time.perf_counter()
-    if not all(f.done() for f in futures) or None in futures:
+    if None in futures or not all(f.done() for f in futures):
         raise AssertionError("mpidag: a call was not completed (or left the compiled path)")
     return [(b - a) / calls * 1e6 for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4))]
 
