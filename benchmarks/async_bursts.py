@@ -9,10 +9,10 @@ Rank 0's main thread issues ``--calls`` ``rpc_async`` no-ops to rank 1 and waits
 with ``torch.futures.wait_all``, again and again for ``--seconds`` (after a warm-up). For
 every burst it records the rate, the µs per call of issuing alone, and how many answers
 rank 0's progress leader had completed by the time the last call was issued. It prints the
-distribution of the rates and the slowest and fastest bursts with those two figures:
-bursts in which the leader completes answers while the calls are issued run slower than
-those in which it leaves them all for the end (``docs/design.md``, "The floor, step by
-step", under ``rpc_async``). ``--json`` writes every burst.
+distribution of the rates and the slowest and fastest bursts with those two figures: how
+much the rate moves from burst to burst, and whether a slow burst is slow in its issuing
+or in its end (``docs/design.md``, "The floor, step by step", under ``rpc_async``).
+``--json`` writes every burst.
 """
 
 from __future__ import annotations
