@@ -786,6 +786,20 @@ def test_the_table_is_scanned_for_late_calls_only_once_the_earliest_deadline_pas
     import time
 
     from mpidag.agent import calls as calls_module
+
+    class Clock:
+        """The calls' clock, ``ahead`` seconds past the real one (the compiled path's
+        deadlines come from the real one): time passes at once."""
+        ahead = 0.0
+
+        def monotonic(self) -> float:
+            return time.monotonic() + self.ahead
+
+        def __getattr__(self, name: str):
+            return getattr(time, name)
+
+    clock = Clock()
+    monkeypatch.setattr(calls_module, "time", clock)
     monkeypatch.setattr(calls_module, "EXPIRY_SCAN_INTERVAL", 0.0)  # every look may scan
     monkeypatch.setattr(calls_module, "FULL_SCAN_INTERVAL", 1.0)
     ranks = HandDriven(compiled=compiled)
@@ -798,14 +812,14 @@ def test_the_table_is_scanned_for_late_calls_only_once_the_earliest_deadline_pas
         short = taken_by(1, rf.add, (3, 4), {}, 0.05, True, False)
         assert long is not None and short is not None  # (None: the compiled path declined)
         assert calls.earliest_deadline == short.deadline < long.deadline
-        time.sleep(0.1)  # past the short call's deadline
+        clock.ahead = 0.1  # past the short call's deadline
         calls.expire_due()  # the bound passed: a scan
         assert short.done and isinstance(short.error, RPCTimeoutError) and not long.done
         assert calls.earliest_deadline == long.deadline
-        long.deadline = time.monotonic() - 1.0  # late behind the bound's back (a lost update)
+        long.deadline = clock.monotonic() - 1.0  # late behind the bound's back (lost update)
         calls.expire_due()
         assert not long.done  # the bound says none is late, and the last scan was just now
-        time.sleep(1.0)
+        clock.ahead += 1.0
         calls.expire_due()  # FULL_SCAN_INTERVAL after the last scan: a scan whatever it says
         assert long.done and isinstance(long.error, RPCTimeoutError)
         assert len(calls) == 0 and calls.earliest_deadline == math.inf

@@ -1181,6 +1181,17 @@ static PyObject *new_future(Core *self)
 }
 
 /* the call's (seconds, deadline) by torch's rule: negative or None is the default, 0 none */
+/* the float attribute ``name`` of OutgoingCalls into *value: 0, or -1 with an error */
+static int calls_float(Core *self, PyObject *name, double *value)
+{
+    PyObject *attr = PyObject_GetAttr(self->o[O_CALLS], name);
+    if (attr == NULL)
+        return -1;
+    *value = PyFloat_AsDouble(attr);
+    Py_DECREF(attr);
+    return *value == -1.0 && PyErr_Occurred() ? -1 : 0;
+}
+
 static int resolve_timeout(Core *self, PyObject *timeout, double now, PyObject **seconds,
                            PyObject **deadline)
 {
@@ -1192,15 +1203,8 @@ static int resolve_timeout(Core *self, PyObject *timeout, double now, PyObject *
         if (s == -1.0 && PyErr_Occurred())
             return -1;
     }
-    if (s < 0) {
-        PyObject *d = PyObject_GetAttr(self->o[O_CALLS], self->s_default_timeout);
-        if (d == NULL)
-            return -1;
-        s = PyFloat_AsDouble(d);
-        Py_DECREF(d);
-        if (s == -1.0 && PyErr_Occurred())
-            return -1;
-    }
+    if (s < 0 && calls_float(self, self->s_default_timeout, &s) < 0)
+        return -1;
     *seconds = PyFloat_FromDouble(s);
     *deadline = s > 0 ? PyFloat_FromDouble(now + s) : Py_NewRef(Py_None);
     if (*seconds == NULL || *deadline == NULL) {
@@ -1217,12 +1221,8 @@ static int note_deadline(Core *self, PyObject *deadline)
 {
     if (deadline == Py_None)
         return 0;
-    PyObject *earliest = PyObject_GetAttr(self->o[O_CALLS], self->s_earliest_deadline);
-    if (earliest == NULL)
-        return -1;
-    double known = PyFloat_AsDouble(earliest);
-    Py_DECREF(earliest);
-    if (known == -1.0 && PyErr_Occurred())
+    double known;
+    if (calls_float(self, self->s_earliest_deadline, &known) < 0)
         return -1;
     if (PyFloat_AS_DOUBLE(deadline) >= known)
         return 0;
