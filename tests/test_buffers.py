@@ -30,6 +30,22 @@ def test_freed_block_is_reused_and_views_keep_it_alive():
     assert cache.hits == 1
 
 
+def test_typed_tensors_come_from_the_cache_when_large_and_from_torch_when_small():
+    cache = ReceiveBufferCache()
+    small = cache.empty_tensor((3, 4), torch.float64, 96)
+    assert small.shape == (3, 4) and small.dtype == torch.float64 and small.is_contiguous()
+    assert cache.misses == 0  # torch.empty of the shape itself
+    big = cache.empty_tensor((512, 1024), torch.int32, 2 << 20)
+    assert big.shape == (512, 1024) and big.dtype == torch.int32 and cache.misses == 1
+    big.fill_(3)
+    del big
+    gc.collect()
+    again = cache.empty_tensor((1 << 19,), torch.float32, 2 << 20)
+    assert cache.hits == 1 and again.shape == (1 << 19,)
+    assert ReceiveBufferCache(limit=0).empty_tensor((1 << 20,), torch.uint8, 1 << 20).shape \
+        == (1 << 20,)
+
+
 def test_cache_keeps_at_most_its_limit():
     cache = ReceiveBufferCache(limit=4 << 20)
     blocks = [cache.empty(1 << 20) for _ in range(5)]  # 2 MiB size class each

@@ -121,11 +121,15 @@ def test_plain_calls_take_the_compiled_path_on_both_ends():
             assert ranks.call(rf.grad_flags, torch.ones(2, requires_grad=True), x) == \
                 (True, False)
             assert ranks.call(rf.identity, torch.ones(0)).shape == (0,)
+            # too large for frame 0 (160 KB): in a frame of its own, still by the C path
+            big = torch.arange(40_000, dtype=torch.float32)
+            assert torch.equal(ranks.call(rf.identity, big), big)
+            assert torch.equal(ranks.call(rf.add, big, x[:1]), big + x[:1])
+            assert ranks.call(rf.same_object, big, big) is True
         assert python.seen == {}, python.seen
         # what is not plain takes the Python path, on both ends
         for args, name in [((x[::2],), "a view that is not contiguous"),
                            ((torch.nn.Parameter(torch.ones(2)),), "a parameter"),
-                           ((torch.ones(40_000),), "a tensor too large for frame 0"),
                            (([1, 2],), "a list"), (((1, 2),), "a tuple argument")]:
             with PythonCalls() as python:
                 result = ranks.call(rf.identity, *args)

@@ -80,6 +80,43 @@ def test_the_compiled_wire_sends_receives_and_keeps_large_frames_in_flight():
         comm.Free()
 
 
+@pytest.mark.mpi(min_size=1)
+def test_the_compiled_wire_moves_data_frames_into_and_out_of_tensors_own_memory():
+    from mpi4py import MPI
+
+    from mpidag.transport.wire import open_wire
+
+    if not wire_is_built():
+        pytest.skip("_mpidag_wire is not built here")
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        pytest.skip("a send to the own rank needs a second thread inside MPI")
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        wire = open_wire(comm, tag=3, MPI=MPI)
+        sent = [torch.arange(300_000, dtype=torch.float64).reshape(600, 500),  # 2.4 MB
+                torch.tensor([True, False, True]), torch.tensor(7, dtype=torch.int16)]
+        for tensor in sent:
+            received = torch.empty_like(tensor)
+            sender = threading.Thread(target=wire.send_tensor, args=(0, 9, tensor))
+            sender.start()  # (a rendezvous: the send waits for the receive)
+            assert wire.recv_tensor(0, 9, received) is True
+            sender.join(60)
+            assert not sender.is_alive() and torch.equal(received, tensor)
+        # a tensor whose bytes are not its values, in order, is left to the Python path
+        base = torch.randn(4, 4, dtype=torch.complex64)
+        for other in (base.t(), base.conj(), torch._neg_view(base)):
+            assert wire.send_tensor(0, 9, other) is False
+            assert wire.recv_tensor(0, 9, other) is False
+        assert wire.probe() is None  # nothing was sent
+        with pytest.raises(ValueError, match="no rank -1"):
+            wire.send_tensor(-1, 9, base)
+        wire.close()
+        with pytest.raises(MPI.Exception):
+            wire.recv_tensor(0, 9, base)
+    finally:
+        comm.Free()
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
 def test_a_sender_does_not_wait_while_the_receiver_is_busy(compiled):

@@ -34,14 +34,15 @@
  * to the Python code it would have taken, which also raises every error the user sees.
  * A flag bit of the header (FLAG_PLAIN) says that the pickle after the function
  * reference (or the result's) holds plain values only, so the receiver may unpickle it
- * without the tensor table. Dense contiguous CPU tensors (exactly torch.Tensor, small
- * enough to travel inside frame 0) may be arguments too: FLAG_TENSOR_SLOTS says the
- * pickle is (args, kwargs, slots), args with None where slots[i] >= 0 names the tensor
+ * without the tensor table. Dense contiguous CPU tensors (exactly torch.Tensor; inside
+ * frame 0 when they fit, else in frames of their own) may be arguments too:
+ * FLAG_TENSOR_SLOTS says the pickle is (args, kwargs, slots), args with None where slots[i] >= 0 names the tensor
  * env.tensors[slots[i]]; and a lone such tensor may be the result (frames' lone-tensor
  * payload, as the Python path sends it).
  *
- * Needs neither MPI nor torch headers: the transport's send_frame0 and the frame codec
- * are called as Python callables (both are C in the compiled build).
+ * Needs neither MPI nor torch headers: the transport's send_frame0 (send_now for a message
+ * with frames after frame 0) and the frame codec are called as Python callables (the
+ * codec and send_frame0 are C in the compiled build).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -52,7 +53,7 @@
 
 #include "../transport/torch_futures.h"
 
-#define VERSION 7
+#define VERSION 8
 
 /* the protocol's constants (messages.py); Core.__init__ checks them against Python's */
 #define CALL 1
@@ -227,7 +228,7 @@ enum {
     O_TARGETS,          /* CallCodec: reference prefix -> (func, namespace, name) */
     O_ID_COUNTER,       /* IdGenerator's itertools.count */
     O_COUNTERS,         /* Counters */
-    O_TRANSPORT,        /* .send_hook, .send_frame0 */
+    O_TRANSPORT,        /* .send_hook, .send_frame0, .send_now */
     O_TRANSPORT_FAILED, /* set of failed ranks (the transport's) */
     O_FRAMES,           /* mpidag.transport.frames: .encode */
     O_PLUGINS,          /* .observer.active */
@@ -311,8 +312,8 @@ typedef struct {
     /* the leader's tick: expire_due() at most every expiry_interval seconds */
     double expiry_interval, next_expiry;
     /* interned attribute names */
-    PyObject *s_open, *s_default_timeout, *s_send_hook, *s_send_frame0, *s_encode,
-        *s_observer, *s_active, *s_user_callbacks, *s_asynchronous, *s_wrapped_async,
+    PyObject *s_open, *s_default_timeout, *s_send_hook, *s_send_frame0, *s_send_now,
+        *s_encode, *s_observer, *s_active, *s_user_callbacks, *s_asynchronous, *s_wrapped_async,
         *s_layout, *s_is_cpu, *s_is_contiguous,
         *s_nbytes, *s_cpu, *s_id, *s_engine, *s_popleft, *s_probe_frame0,
         *s_outgoing, *s_received, *s_serving, *s_served, *s_replying, *s_sent, *s_mode,
@@ -465,9 +466,6 @@ static int can_send(Core *self, long dst)
     return in < 0 ? -1 : !in;
 }
 
-/* 1 when t may travel by the plain path: exactly torch.Tensor, strided, on the CPU,
- * contiguous; its bytes are added to *inline_bytes (16-aligned, as frame 0 packs them).
- * 0: not such a tensor; -1: error */
 /* 1 when obj.name (obj.name() with call) is expected, 0 when not, -1 on error */
 static int attr_is(PyObject *obj, PyObject *name, int call, PyObject *expected)
 {
@@ -479,7 +477,10 @@ static int attr_is(PyObject *obj, PyObject *name, int call, PyObject *expected)
     return is;
 }
 
-static int plain_tensor(Core *self, PyObject *t, Py_ssize_t *inline_bytes)
+/* 1 when t may travel by the plain path: exactly torch.Tensor, strided, on the CPU,
+ * contiguous (of any size: one that does not fit in frame 0 travels in a frame of its
+ * own, see send_message). 0: not such a tensor; -1: error */
+static int plain_tensor(Core *self, PyObject *t)
 {
     if (Py_TYPE(t) != (PyTypeObject *)self->o[O_TENSOR_TYPE])
         return 0;
@@ -488,23 +489,63 @@ static int plain_tensor(Core *self, PyObject *t, Py_ssize_t *inline_bytes)
         ok = attr_is(t, self->s_is_cpu, 0, Py_True);
     if (ok == 1)
         ok = attr_is(t, self->s_is_contiguous, 1, Py_True);
-    if (ok != 1)
-        return ok;
-    PyObject *nbytes = PyObject_GetAttr(t, self->s_nbytes);
-    if (nbytes == NULL)
-        return -1;
-    Py_ssize_t n = PyLong_AsSsize_t(nbytes);
-    Py_DECREF(nbytes);
-    if (n == -1 && PyErr_Occurred())
-        return -1;
-    *inline_bytes += (n + ALIGN - 1) & ~(Py_ssize_t)(ALIGN - 1);
-    return *inline_bytes <= self->inline_limit;
+    return ok;
 }
 
-/* frame 0 of env (its payload and CPU tensors inside frame 0) handed to the transport:
- * 0, or -1 */
-static int send_frame0(Core *self, long dst, PyObject *env, Py_ssize_t n_tensors)
+/* 1 when the tensors (plain ones) all fit in frame 0, as frames.encode packs them (each
+ * 16-aligned, inline_limit bytes in all); 0 when not; -1 on error */
+static int fits_frame0(Core *self, PyObject *tensors, Py_ssize_t n_tensors)
 {
+    Py_ssize_t inline_bytes = 0;
+    for (Py_ssize_t i = 0; i < n_tensors; i++) {
+        PyObject *nbytes = PyObject_GetAttr(PyList_GET_ITEM(tensors, i), self->s_nbytes);
+        if (nbytes == NULL)
+            return -1;
+        Py_ssize_t n = PyLong_AsSsize_t(nbytes);
+        Py_DECREF(nbytes);
+        if (n == -1 && PyErr_Occurred())
+            return -1;
+        inline_bytes += (n + ALIGN - 1) & ~(Py_ssize_t)(ALIGN - 1);
+        if (inline_bytes > self->inline_limit)
+            return 0;
+    }
+    return 1;
+}
+
+/* env (its payload inside frame 0, its tensors plain CPU ones) handed to the transport: by
+ * the codec and the transport's send_frame0 when the whole message fits in frame 0, else
+ * by transport.send_now, which sends the tensors that do not fit in frames of their own on
+ * a data tag (and returns once they are received). 0, or -1 */
+static int send_message(Core *self, long dst, PyObject *env, Py_ssize_t n_tensors)
+{
+    if (n_tensors > 0) {
+        PyObject *tensors = slot_get(self->env_slots[ENV_TENSORS], env);
+        if (tensors == NULL)
+            return -1;
+        int fits = PyList_Check(tensors) ? fits_frame0(self, tensors, n_tensors) : 0;
+        Py_DECREF(tensors);
+        if (fits < 0)
+            return -1;
+        if (!fits) {
+            PyObject *send_now = PyObject_GetAttr(self->o[O_TRANSPORT], self->s_send_now);
+            PyObject *devices = send_now != NULL ? PyList_New(n_tensors) : NULL;
+            PyObject *rank = devices != NULL ? PyLong_FromLong(dst) : NULL;
+            PyObject *result = NULL;
+            if (rank != NULL) {
+                for (Py_ssize_t i = 0; i < n_tensors; i++)
+                    PyList_SET_ITEM(devices, i, Py_NewRef(self->s_cpu));
+                PyObject *args[3] = {rank, env, devices};
+                result = PyObject_Vectorcall(send_now, args, 3, NULL);
+            }
+            Py_XDECREF(send_now);
+            Py_XDECREF(devices);
+            Py_XDECREF(rank);
+            if (result == NULL)
+                return -1;
+            Py_DECREF(result);
+            return 0;
+        }
+    }
     PyObject *encode = PyObject_GetAttr(self->o[O_FRAMES], self->s_encode);
     if (encode == NULL)
         return -1;
@@ -648,6 +689,7 @@ static int Core_init(Core *self, PyObject *args, PyObject *kwds)
         return -1;
     NAME(s_open, "open") NAME(s_default_timeout, "default_timeout")
     NAME(s_send_hook, "send_hook") NAME(s_send_frame0, "send_frame0")
+    NAME(s_send_now, "send_now")
     NAME(s_encode, "encode") NAME(s_observer, "observer") NAME(s_active, "active")
     NAME(s_user_callbacks, "user_callbacks") NAME(s_asynchronous, "asynchronous")
     NAME(s_wrapped_async, "_wrapped_async_rpc_function")
@@ -689,7 +731,8 @@ static void Core_dealloc(Core *self)
     Py_XDECREF(self->empty_dict);
     Py_XDECREF(self->empty_tuple);
     PyObject *names[] = {self->s_open, self->s_default_timeout, self->s_send_hook,
-                         self->s_send_frame0, self->s_encode, self->s_observer,
+                         self->s_send_frame0, self->s_send_now, self->s_encode,
+                         self->s_observer,
                          self->s_active, self->s_user_callbacks, self->s_asynchronous,
                          self->s_wrapped_async, self->s_layout, self->s_is_cpu,
                          self->s_is_contiguous,
@@ -1011,7 +1054,7 @@ static PyObject *ref_and_pickle(Core *self, PyObject *ref, PyObject *obj)
 static PyObject *slotted_payload(Core *self, PyObject *ref, PyObject *args, PyObject *kwargs,
                                  PyObject **tensors)
 {
-    Py_ssize_t n = PyTuple_GET_SIZE(args), inline_bytes = 0;
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
     PyObject *holes = PyTuple_New(n), *slots = PyTuple_New(n), *table = PyList_New(0);
     PyObject *payload = NULL;
     if (holes == NULL || slots == NULL || table == NULL)
@@ -1024,7 +1067,7 @@ static PyObject *slotted_payload(Core *self, PyObject *ref, PyObject *args, PyOb
                 if (PyList_GET_ITEM(table, j) == item)
                     slot = j;
             if (slot < 0) {
-                int ok = plain_tensor(self, item, &inline_bytes);
+                int ok = plain_tensor(self, item);
                 if (ok <= 0)
                     goto done;
                 slot = PyList_GET_SIZE(table);
@@ -1367,7 +1410,7 @@ static PyObject *Core_send_call(Core *self, PyObject *const *argv, Py_ssize_t na
         goto fail;
     }
     ((Counters *)self->o[O_COUNTERS])->sent_to[dst]++;
-    if (send_frame0(self, dst, env, n_tensors) < 0) {
+    if (send_message(self, dst, env, n_tensors) < 0) {
         send_failed(self, request_id, dst);
         goto fail;
     }
@@ -1440,7 +1483,7 @@ static PyObject *Core_notify(Core *self, PyObject *const *argv, Py_ssize_t nargs
     if (env == NULL)
         return NULL;
     ((Counters *)self->o[O_COUNTERS])->sent_to[dst]++;
-    int rc = send_frame0(self, dst, env, n_tensors);
+    int rc = send_message(self, dst, env, n_tensors);
     Py_DECREF(env);
     if (rc < 0)
         return send_failed(self, NULL, dst);
@@ -1732,9 +1775,8 @@ static long long observe_replying(Core *self, long long context_id, long dst,
 static int answer(Core *self, PyObject *request, long src, long long context_id,
                   PyObject *func, PyObject *args, PyObject *value)
 {
-    Py_ssize_t inline_bytes = 0;
     int plain = is_plain(value);
-    int lone = plain ? 0 : plain_tensor(self, value, &inline_bytes);
+    int lone = plain ? 0 : plain_tensor(self, value);
     if (lone < 0)
         return -1;
     int can = plain || lone ? can_send(self, src) : 0;
@@ -1799,7 +1841,7 @@ static int answer(Core *self, PyObject *request, long src, long long context_id,
     Counters *counters = (Counters *)self->o[O_COUNTERS];
     counters->sent_to[src]++;
     counters->processed_from[src]++; /* handled once its answer is on its way */
-    int rc = send_frame0(self, src, reply, lone);
+    int rc = send_message(self, src, reply, lone);
     Py_DECREF(reply);
     if (rc < 0 && PyErr_ExceptionMatches(self->o[O_WORKER_FAILED])) {
         PyErr_Clear(); /* the caller died meanwhile: nobody to answer */

@@ -125,6 +125,13 @@ class FramedTransport(Transport):
         #: without the transport's lock (the agent's compiled step polls through it, then
         #: :func:`frames.decode_message` and :meth:`receive_rest`), else ``None``
         self.probe_frame0: Callable[[float], tuple[int, bytearray] | None] | None = None
+        #: ``send_tensor(dst, tag, tensor) -> bool`` and ``recv_tensor(src, tag, tensor) ->
+        #: bool``: a data frame sent from, or received into, a tensor's own memory in one
+        #: call (the compiled wire's), where the transport has them; ``False`` (nothing
+        #: moved) for a tensor that is not dense on the CPU, which then travels by
+        #: :meth:`_send_frame` / :meth:`_recv_frame`
+        self.send_tensor: Callable[[int, int, torch.Tensor], bool] | None = None
+        self.recv_tensor: Callable[[int, int, torch.Tensor], bool] | None = None
         #: ranks found to have failed (fault-tolerant jobs); messages to them raise
         self.failed: set[int] = set()
         self.recv_cache = ReceiveBufferCache(recv_cache_bytes)
@@ -172,10 +179,11 @@ class FramedTransport(Transport):
         data_tag = 1 + next(self._tag_counter) % self._n_data_tags if needs_tag else 0
         frame0, separate = frames.encode(env, devices, data_tag)
         self.send_frame0(dst, frame0)
+        send_tensor = self.send_tensor
         for item in separate:
             if isinstance(item, memoryview):
                 self._send_frame(dst, data_tag, item)
-            else:
+            elif send_tensor is None or not send_tensor(dst, data_tag, item):
                 self._send_frame(dst, data_tag, self._tensor_buffer(item))
 
     def _tensor_buffer(self, tensor: torch.Tensor) -> Any:
@@ -263,9 +271,10 @@ class FramedTransport(Transport):
             t = torch.empty(spec.shape, dtype=spec.dtype, device=device)
             self._recv_frame(src, header.data_tag, t.view(-1).view(torch.uint8))
         else:
-            raw = self.recv_cache.empty(spec.nbytes)
-            self._recv_frame(src, header.data_tag, raw.numpy())
-            t = raw.view(spec.dtype).view(spec.shape)
+            t = self.recv_cache.empty_tensor(spec.shape, spec.dtype, spec.nbytes)
+            recv_tensor = self.recv_tensor
+            if recv_tensor is None or not recv_tensor(src, header.data_tag, t):
+                self._recv_frame(src, header.data_tag, frames.byte_view(t).numpy())
             if on_gpu:
                 t = t.to(device)
         return frames.finish_tensor(t, spec)

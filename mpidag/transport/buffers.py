@@ -78,6 +78,20 @@ class ReceiveBufferCache:
         weakref.finalize(array, self._release, size, block)
         return torch.from_numpy(array)
 
+    def empty_tensor(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype,
+                     nbytes: int) -> torch.Tensor:
+        """An uninitialized contiguous tensor of ``shape`` and ``dtype`` (``nbytes`` bytes),
+        from a recycled block when it is large enough for one (see :meth:`empty`).
+
+        Example::
+
+            >>> ReceiveBufferCache().empty_tensor((2, 3), torch.float32, 24).shape
+            torch.Size([2, 3])
+        """
+        if nbytes < MIN_CACHED or self.limit <= 0:
+            return torch.empty(shape, dtype=dtype)  # one call: no views to make
+        return self.empty(nbytes).view(dtype).view(shape)
+
     def _release(self, size: int, block: mmap.mmap) -> None:
         with self._lock:
             if self.limit <= 0:

@@ -359,6 +359,11 @@ class MPITransport(FramedTransport):
         #: ``poll_wait(seconds)``: :meth:`poll` that waits for a frame 0 up to ``seconds`` in
         #: C without the GIL (the compiled path under ``THREAD_MULTIPLE``), else ``None``
         self.poll_wait: Callable[[float], Envelope | None] | None = None
+        if self.wire is not None and self.thread_multiple and not ft:
+            # data frames in one C call each (a failed peer's error under ft is noted by
+            # the Python transfer, which ft jobs keep)
+            self.send_tensor = self.wire.send_tensor
+            self.recv_tensor = self.wire.recv_tensor
         if self.wire is not None and self.thread_multiple:
             self._probe_wait = self._wire_probe_ft if ft else self.wire.probe_wait
             self.poll_wait = self._poll_wait

@@ -5,7 +5,11 @@
  *                     bytearray), after completing the frame-0 sends that finished;
  *   send(dst, frame)  MPI_Isend of a frame 0, left in flight (its buffer held) if the
  *                     first MPI_Test does not complete it;
- *   complete_sends()  tests the oldest sends in order and releases the finished ones.
+ *   complete_sends()  tests the oldest sends in order and releases the finished ones;
+ *   send_tensor(dst, tag, t) / recv_tensor(src, tag, t)
+ *                     a data frame (the frames after frame 0): the bytes of a dense CPU
+ *                     tensor sent from, or received into, its own memory, whole (in
+ *                     chunks of at most 1 GiB), without the GIL while MPI moves them.
  * The GIL is released around every MPI call, as mpi4py does, so a thread polling here never
  * holds up the serving threads, and a thread blocked inside MPI never holds the GIL.
  * The table of sends in flight is touched only with the GIL held; probe() and
@@ -222,6 +226,105 @@ static PyObject *receive(Wire *self, double seconds)
     return Py_BuildValue("(iN)", source, frame);
 }
 
+/* ------------------------------------------------------------------ data frames */
+#define CHUNK ((Py_ssize_t)1 << 30) /* as transport.base.CHUNK: MPI counts stay below 2**31 */
+
+/* 1 when obj.name() is expected (Py_True/Py_False), 0 when not, -1 on error */
+static int method_is(PyObject *obj, const char *name, PyObject *expected)
+{
+    PyObject *value = PyObject_CallMethod(obj, name, NULL);
+    if (value == NULL)
+        return -1;
+    int same = value == expected;
+    Py_DECREF(value);
+    return same;
+}
+
+/* The memory of tensor t when its bytes are its values: a CPU tensor, contiguous, with
+ * neither a conjugate nor a negative bit (1, *buf and *nbytes set); 0 when not; -1 on
+ * error. Read through the tensor's Python methods (this module has no torch headers). */
+static int tensor_memory(PyObject *t, char **buf, Py_ssize_t *nbytes)
+{
+    PyObject *is_cpu = PyObject_GetAttrString(t, "is_cpu");
+    if (is_cpu == NULL)
+        return -1;
+    int ok = is_cpu == Py_True;
+    Py_DECREF(is_cpu);
+    if (ok == 1)
+        ok = method_is(t, "is_contiguous", Py_True);
+    if (ok == 1)
+        ok = method_is(t, "is_conj", Py_False);
+    if (ok == 1)
+        ok = method_is(t, "is_neg", Py_False);
+    if (ok != 1)
+        return ok;
+    PyObject *size = PyObject_GetAttrString(t, "nbytes");
+    if (size == NULL)
+        return -1;
+    *nbytes = PyLong_AsSsize_t(size);
+    Py_DECREF(size);
+    if (*nbytes == -1 && PyErr_Occurred())
+        return -1;
+    PyObject *address = PyObject_CallMethod(t, "data_ptr", NULL);
+    if (address == NULL)
+        return -1;
+    *buf = (char *)PyLong_AsVoidPtr(address);
+    Py_DECREF(address);
+    return *buf == NULL && PyErr_Occurred() ? -1 : 1;
+}
+
+/* send_tensor / recv_tensor: one chunk after the other, each MPI_Isend or MPI_Irecv then
+ * MPI_Wait, as the Python transport's _transfer does */
+static PyObject *transfer(Wire *self, PyObject *const *args, Py_ssize_t nargs, int receive)
+{
+    CHECK_OPEN(self)
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, receive ? "recv_tensor(src, tag, tensor)"
+                                                 : "send_tensor(dst, tag, tensor)");
+        return NULL;
+    }
+    long peer = PyLong_AsLong(args[0]), tag = PyLong_AsLong(args[1]);
+    if ((peer == -1 || tag == -1) && PyErr_Occurred())
+        return NULL;
+    if (peer < 0 || peer > INT_MAX || tag < 0 || tag > INT_MAX) {
+        PyErr_Format(PyExc_ValueError, "no rank %ld or tag %ld", peer, tag);
+        return NULL;
+    }
+    char *buf = NULL;
+    Py_ssize_t nbytes = 0;
+    int ok = tensor_memory(args[2], &buf, &nbytes);
+    if (ok <= 0)
+        return ok < 0 ? NULL : Py_NewRef(Py_False);
+    int ierr = MPI_SUCCESS;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t offset = 0; offset < nbytes && ierr == MPI_SUCCESS; offset += CHUNK) {
+        int count = (int)(nbytes - offset < CHUNK ? nbytes - offset : CHUNK);
+        MPI_Request request;
+        if (receive)
+            ierr = MPI_Irecv(buf + offset, count, MPI_BYTE, (int)peer, (int)tag, self->comm,
+                             &request);
+        else
+            ierr = MPI_Isend(buf + offset, count, MPI_BYTE, (int)peer, (int)tag, self->comm,
+                             &request);
+        if (ierr == MPI_SUCCESS)
+            ierr = MPI_Wait(&request, MPI_STATUS_IGNORE);
+    }
+    Py_END_ALLOW_THREADS
+    if (ierr != MPI_SUCCESS)
+        return raise_mpi(self, ierr);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *Wire_send_tensor(Wire *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return transfer(self, args, nargs, 0);
+}
+
+static PyObject *Wire_recv_tensor(Wire *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return transfer(self, args, nargs, 1);
+}
+
 static PyObject *Wire_probe(Wire *self, PyObject *Py_UNUSED(ignored))
 {
     return receive(self, 0.0);
@@ -280,6 +383,12 @@ static PyMethodDef Wire_methods[] = {
     {"probe_wait", (PyCFunction)Wire_probe_wait, METH_O,
      "probe_wait(seconds) -> (source, bytearray) | None: probe() until a frame 0 arrives, "
      "seconds pass or interrupt() is called, without the GIL"},
+    {"send_tensor", (PyCFunction)(void (*)(void))Wire_send_tensor, METH_FASTCALL,
+     "send_tensor(dst, tag, tensor) -> bool: send the bytes of a dense CPU tensor whole, "
+     "without the GIL; False (nothing sent) for any other tensor"},
+    {"recv_tensor", (PyCFunction)(void (*)(void))Wire_recv_tensor, METH_FASTCALL,
+     "recv_tensor(src, tag, tensor) -> bool: receive a data frame into the memory of a "
+     "dense CPU tensor, whole, without the GIL; False (nothing received) for any other"},
     {"close", (PyCFunction)Wire_close, METH_NOARGS,
      "close(): before the communicator is freed; every later call raises MPI_ERR_COMM"},
     {"interrupt", (PyCFunction)Wire_interrupt, METH_NOARGS,
@@ -327,7 +436,7 @@ PyMODINIT_FUNC PyInit__mpidag_wire(void)
         return NULL;
     /* what mpidag/transport/wire.py expects (WIRE_VERSION): a build from older sources
      * is not used */
-    if (PyModule_AddIntConstant(module, "VERSION", 3) < 0 ||
+    if (PyModule_AddIntConstant(module, "VERSION", 4) < 0 ||
             PyModule_AddObjectRef(module, "Wire", (PyObject *)&WireType) < 0) {
         Py_DECREF(module);
         return NULL;
