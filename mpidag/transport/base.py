@@ -106,13 +106,15 @@ class FramedTransport(Transport):
     """Framing, tensor allocation and loopback; subclasses move the bytes.
 
     Subclasses implement :meth:`send_frame0`, :meth:`_send_frame`, :meth:`_probe` and
-    :meth:`_recv_frame`, pass ``rank``, ``size`` and ``n_data_tags`` to ``__init__``, and set
+    :meth:`_recv_frame`, pass ``rank``, ``size`` and ``n_data_tags`` to ``__init__`` (and
+    ``compiled=False`` for the Python receive cache of ``MPIDAG_COMPILED=0``), and set
     ``cuda_aware`` when their transfers can read and write device memory.
     """
 
     cuda_aware: bool = False
 
-    def __init__(self, rank: int, size: int, n_data_tags: int, recv_cache_bytes: int) -> None:
+    def __init__(self, rank: int, size: int, n_data_tags: int, recv_cache_bytes: int,
+                 compiled: bool = True) -> None:
         self.rank = rank
         self.size = size
         self._n_data_tags = n_data_tags  # data tags are 1..n_data_tags
@@ -134,7 +136,8 @@ class FramedTransport(Transport):
         self.recv_tensor: Callable[[int, int, torch.Tensor], bool] | None = None
         #: ranks found to have failed (fault-tolerant jobs); messages to them raise
         self.failed: set[int] = set()
-        self.recv_cache = ReceiveBufferCache(recv_cache_bytes)
+        #: the memory of received tensors (``compiled``: the C++ pool where it is built)
+        self.recv_cache = ReceiveBufferCache(recv_cache_bytes, native=compiled)
         self.closed = False
         self.send_hook = None
 

@@ -325,7 +325,7 @@ class MPITransport(FramedTransport):
         self._coll = self.comm.Dup() if ft else self.comm
         tag_ub = self.comm.Get_attr(MPI.TAG_UB) or 32767
         super().__init__(self.comm.Get_rank(), self.comm.Get_size(), int(tag_ub) - 1,
-                         recv_cache_bytes)
+                         recv_cache_bytes, compiled)
         self.thread_multiple = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
         self._mpi_lock: contextlib.AbstractContextManager = (
             contextlib.nullcontext() if self.thread_multiple else threading.RLock()

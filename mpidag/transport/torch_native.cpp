@@ -1,6 +1,6 @@
 // _mpidag_torch: mpidag's C++ against torch, where Python's torch API costs most per message.
 //
-// Two parts, each doing what torch's own C++ does (torch/csrc/distributed/autograd/utils.cpp,
+// Five parts, each doing what torch's own C++ does (torch/csrc/distributed/autograd/utils.cpp,
 // torch/csrc/utils/tensor_new.cpp):
 //
 // 1. Frame-0 tensors for the C codec (_mpidag_frames): frame_tensor(frame, offset, dtype,
@@ -39,6 +39,14 @@
 //    costs its caller); set_result(future, value) completes it without dropping the GIL
 //    (torch's binding drops and retakes it around markCompleted, a wake-up of the thread
 //    that issues calls on every answer).
+// 5. ReceivePool: the memory of received tensors (mpidag.transport.buffers.ReceiveBufferCache
+//    uses it where it is built). empty(sizes, dtype) gives an uninitialized tensor:
+//    at::empty below min_cached bytes, else at::from_blob over a block of private
+//    anonymous memory (huge pages where the kernel allows) that goes back to the pool when
+//    the tensor's storage dies (its deleter, any thread, with or without the GIL); free
+//    blocks are reused most recently freed first, the oldest unmapped beyond `limit` bytes.
+//    What the Python cache does with an mmap, a numpy array, a weakref.finalize and two
+//    views (17 us a 1 MiB tensor here) in one call.
 //
 // Built per virtual environment against that environment's torch (python -m
 // mpidag.transport.wire_build, run by scripts/setup.sh; mpidag.transport.torch_native loads
@@ -65,7 +73,11 @@
 #include "frame_tensor.h"
 #include "torch_futures.h"
 
+#include <sys/mman.h>
+
+#include <deque>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -74,7 +86,7 @@
 
 namespace {
 
-constexpr long VERSION = 4;
+constexpr long VERSION = 5;
 
 #ifndef MPIDAG_TORCH_VERSION  // torch.__version__ at build time (the build defines it)
 #error "build with -DMPIDAG_TORCH_VERSION=\"<torch.__version__>\" (mpidag's wire_build does)"
@@ -823,6 +835,197 @@ PyObject* set_future_result_py(PyObject* /*module*/, PyObject* const* args, Py_s
   return set_result(args[0], args[1]);
 }
 
+// ------------------------------------------------------------------ the receive pool
+struct PoolBlock {
+  void* memory;
+  size_t size;
+};
+
+// The state a ReceivePool shares with the deleters of the tensors it gave out (they may
+// outlive it): free blocks, oldest first, under one mutex.
+struct PoolState {
+  std::mutex mutex;
+  std::deque<PoolBlock> free;  // oldest first
+  size_t free_bytes = 0;
+  int64_t limit = 0;
+  bool closed = false;  // the pool object is gone: returning blocks are unmapped
+  uint64_t hits = 0, misses = 0;
+
+  // a block of exactly `size` bytes, the most recently freed one of that size: nullptr if none
+  void* take(size_t size) {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (auto it = free.rbegin(); it != free.rend(); ++it) {
+      if (it->size == size) {
+        void* memory = it->memory;
+        free.erase(std::next(it).base());
+        free_bytes -= size;
+        hits++;
+        return memory;
+      }
+    }
+    misses++;
+    return nullptr;
+  }
+
+  void give_back(void* memory, size_t size) {
+    std::vector<PoolBlock> unmap;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (closed || limit <= 0) {
+        unmap.push_back({memory, size});
+      } else {
+        free.push_back({memory, size});
+        free_bytes += size;
+        while (free_bytes > static_cast<size_t>(limit) && !free.empty()) {
+          unmap.push_back(free.front());  // the least recently freed
+          free_bytes -= free.front().size;
+          free.pop_front();
+        }
+      }
+    }
+    for (const PoolBlock& block : unmap) munmap(block.memory, block.size);
+  }
+
+  void clear(bool close) {
+    std::deque<PoolBlock> unmap;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      unmap.swap(free);
+      free_bytes = 0;
+      closed = closed || close;
+    }
+    for (const PoolBlock& block : unmap) munmap(block.memory, block.size);
+  }
+};
+
+struct ReceivePool {
+  PyObject_HEAD
+  std::shared_ptr<PoolState>* state;  // (a pointer: the object is made by tp_alloc)
+  int64_t min_cached, size_class;
+};
+
+PyTypeObject receive_pool_type = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+int receive_pool_init(PyObject* self, PyObject* args, PyObject* kwargs) {
+  static const char* names[] = {"limit", "min_cached", "size_class", nullptr};
+  long long limit, min_cached, size_class;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LLL:ReceivePool", const_cast<char**>(names),
+                                   &limit, &min_cached, &size_class))
+    return -1;
+  if (min_cached < 1 || size_class < 4096) {
+    PyErr_SetString(PyExc_ValueError, "ReceivePool: min_cached >= 1 and size_class >= 4096");
+    return -1;
+  }
+  auto* pool = reinterpret_cast<ReceivePool*>(self);
+  if (pool->state == nullptr) pool->state = new std::shared_ptr<PoolState>(new PoolState);
+  (*pool->state)->limit = limit;
+  pool->min_cached = min_cached;
+  pool->size_class = size_class;
+  return 0;
+}
+
+void receive_pool_dealloc(PyObject* self) {
+  auto* pool = reinterpret_cast<ReceivePool*>(self);
+  if (pool->state != nullptr) {
+    (*pool->state)->clear(/*close=*/true);  // tensors still out unmap their blocks later
+    delete pool->state;
+  }
+  Py_TYPE(self)->tp_free(self);
+}
+
+// empty(sizes: tuple, dtype) -> Tensor
+PyObject* receive_pool_empty(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  auto* pool = reinterpret_cast<ReceivePool*>(self);
+  if (nargs != 2 || !PyTuple_Check(args[0]) || !THPDtype_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "ReceivePool.empty(sizes: tuple, dtype: torch.dtype)");
+    return nullptr;
+  }
+  if (pool->state == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "ReceivePool.empty: the pool was not initialized");
+    return nullptr;
+  }
+  at::ScalarType type = reinterpret_cast<THPDtype*>(args[1])->scalar_type;
+  Py_ssize_t ndim = PyTuple_GET_SIZE(args[0]);
+  std::vector<int64_t> sizes(static_cast<size_t>(ndim));
+  int64_t nbytes = static_cast<int64_t>(c10::elementSize(type));
+  for (Py_ssize_t d = 0; d < ndim; d++) {
+    sizes[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(args[0], d));
+    if (sizes[d] == -1 && PyErr_Occurred()) return nullptr;
+    if (sizes[d] < 0 || __builtin_mul_overflow(nbytes, sizes[d], &nbytes)) {
+      PyErr_SetString(PyExc_ValueError, "ReceivePool.empty: a negative size, or too many bytes");
+      return nullptr;
+    }
+  }
+  std::shared_ptr<PoolState> state = *pool->state;
+  try {
+    auto options = at::TensorOptions().dtype(type);
+    if (nbytes < pool->min_cached || state->limit <= 0)
+      return THPVariable_Wrap(at::empty(sizes, options));
+    size_t size = static_cast<size_t>((nbytes + pool->size_class - 1) / pool->size_class *
+                                      pool->size_class);
+    void* memory = state->take(size);
+    if (memory == nullptr) {
+      // private, not shared: shmem-backed pages made a 64 MiB MPI echo 2.6x slower here,
+      // and huge pages need private memory
+      memory = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (memory == MAP_FAILED) {
+        PyErr_SetFromErrno(PyExc_MemoryError);
+        return nullptr;
+      }
+#ifdef MADV_HUGEPAGE
+      madvise(memory, size, MADV_HUGEPAGE);
+#endif
+    }
+    at::Tensor tensor;
+    try {
+      tensor = at::from_blob(
+          memory, sizes, [state, size](void* data) { state->give_back(data, size); }, options);
+    }
+    catch (...) {
+      state->give_back(memory, size);
+      throw;
+    }
+    return THPVariable_Wrap(std::move(tensor));
+  }
+  catch (const std::exception& e) {
+    return raise_from(e);
+  }
+}
+
+PyObject* receive_pool_clear(PyObject* self, PyObject* /*unused*/) {
+  auto* pool = reinterpret_cast<ReceivePool*>(self);
+  if (pool->state != nullptr) (*pool->state)->clear(/*close=*/false);
+  Py_RETURN_NONE;
+}
+
+PyObject* receive_pool_counter(PyObject* self, void* which) {
+  auto* pool = reinterpret_cast<ReceivePool*>(self);
+  if (pool->state == nullptr) return PyLong_FromLong(0);
+  PoolState& state = **pool->state;
+  std::lock_guard<std::mutex> lock(state.mutex);
+  switch (reinterpret_cast<intptr_t>(which)) {
+    case 0: return PyLong_FromUnsignedLongLong(state.hits);
+    case 1: return PyLong_FromUnsignedLongLong(state.misses);
+    case 2: return PyLong_FromSize_t(state.free_bytes);
+    default: return PyLong_FromLongLong(state.limit);
+  }
+}
+
+PyMethodDef receive_pool_methods[] = {
+    {"empty", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(receive_pool_empty)),
+     METH_FASTCALL,
+     "empty(sizes: tuple, dtype) -> Tensor: uninitialized, contiguous; from a recycled block "
+     "from min_cached bytes on"},
+    {"clear", receive_pool_clear, METH_NOARGS, "clear(): unmap the free blocks"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyGetSetDef receive_pool_getset[] = {
+    {"hits", receive_pool_counter, nullptr, "tensors made from a free block", (void*)0},
+    {"misses", receive_pool_counter, nullptr, "tensors that needed a new block", (void*)1},
+    {"free_bytes", receive_pool_counter, nullptr, "bytes in free blocks", (void*)2},
+    {"limit", receive_pool_counter, nullptr, "most bytes kept in free blocks", (void*)3},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
 PyMethodDef module_methods[] = {
     {"frame_tensor", frame_tensor_py, METH_VARARGS,
      "frame_tensor(frame, offset, dtype, sizes: tuple, requires_grad) -> Tensor: the tensor "
@@ -882,6 +1085,18 @@ PyMODINIT_FUNC PyInit__mpidag_torch(void) {
   weak_node_type.tp_dealloc = weak_node_dealloc;
   if (PyType_Ready(&weak_node_type) < 0) return nullptr;
 
+  receive_pool_type.tp_name = "_mpidag_torch.ReceivePool";
+  receive_pool_type.tp_basicsize = sizeof(ReceivePool);
+  receive_pool_type.tp_flags = Py_TPFLAGS_DEFAULT;
+  receive_pool_type.tp_doc =
+      "ReceivePool(limit, min_cached, size_class): the memory of received tensors, recycled";
+  receive_pool_type.tp_new = PyType_GenericNew;
+  receive_pool_type.tp_init = receive_pool_init;
+  receive_pool_type.tp_dealloc = receive_pool_dealloc;
+  receive_pool_type.tp_methods = receive_pool_methods;
+  receive_pool_type.tp_getset = receive_pool_getset;
+  if (PyType_Ready(&receive_pool_type) < 0) return nullptr;
+
   torch::autograd::_initFunctionPyTypeObject(recv_pytype, kRecvName, recv_properties,
                                               recv_methods);
   recv_type = reinterpret_cast<PyObject*>(&recv_pytype);
@@ -902,7 +1117,9 @@ PyMODINIT_FUNC PyInit__mpidag_torch(void) {
   }
   Py_INCREF(recv_type);
   Py_INCREF(&weak_node_type);
-  if (PyModule_AddObject(module, "RecvRpcBackward", recv_type) < 0 ||
+  if (PyModule_AddObjectRef(module, "ReceivePool",
+                            reinterpret_cast<PyObject*>(&receive_pool_type)) < 0 ||
+      PyModule_AddObject(module, "RecvRpcBackward", recv_type) < 0 ||
       PyModule_AddObject(module, "WeakNode", reinterpret_cast<PyObject*>(&weak_node_type)) < 0 ||
       PyModule_AddObject(module, "frame_tensor_api", api) < 0 ||
       PyModule_AddObject(module, "futures_api", futures) < 0 ||

@@ -2,14 +2,16 @@
 why the Python code it replaces runs.
 
 The module is built per virtual environment against that environment's torch by
-``python -m mpidag.transport.wire_build`` (``scripts/setup.sh`` runs it). Three parts use it:
+``python -m mpidag.transport.wire_build`` (``scripts/setup.sh`` runs it). Four parts use it:
 
 * the C codec (:mod:`mpidag.transport.frames`): the tensors of a message whose tensors lie
   inline in frame 0 are made in one C++ step (``at::from_blob`` over the frame's bytes)
   instead of ``torch.frombuffer``, ``.view`` and ``.requires_grad_`` from C;
 * the records of distributed autograd (:mod:`mpidag.dist_autograd.native`);
 * the compiled call path (:mod:`mpidag.agent.compiled`): ``rpc_async``'s futures made and
-  completed in C++ (its ``futures_api`` capsule).
+  completed in C++ (its ``futures_api`` capsule);
+* the receive cache (:mod:`mpidag.transport.buffers`): received tensors made by its
+  ``ReceivePool`` in one call, their memory recycled by their storage's deleter.
 
 :func:`torch_module` gives it, or ``None``: not built, built from other sources, or built
 against another torch (a ``pip install torch==...`` after set-up: the build leaves the
@@ -35,7 +37,7 @@ from mpidag.transport.wire import import_built
 __all__ = ["TORCH_NATIVE_VERSION", "problem", "torch_module"]
 
 #: the ``VERSION`` of ``torch_native.cpp`` this code calls (an older build is not used)
-TORCH_NATIVE_VERSION = 4
+TORCH_NATIVE_VERSION = 5
 
 
 def _built_against() -> str | None:
