@@ -5,6 +5,7 @@ import os
 import re
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -162,6 +163,70 @@ def test_a_sender_does_not_wait_while_the_receiver_is_busy(compiled):
             assert [env.request_id for env in got] == [0, 1, 2]
             for env in got:
                 assert bytes(env.payload) == b"x" * 100 and torch.equal(env.tensors[0], tensor)
+    finally:
+        MPI.COMM_WORLD.Barrier()
+        transport.close(collective=True)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_messages_with_frames_after_frame_0_arrive_whole_by_either_receipt(compiled):
+    """The C receipt takes messages whose tensors are all on the CPU in frames of their own
+    (or empty); a payload frame, a sparse tensor or an inline tensor beside a large one go
+    to the Python method, counted through the wire's own set_receiver."""
+    from mpi4py import MPI
+
+    from mpidag.transport import frames
+    from mpidag.transport.base import FramedTransport
+    from mpidag.transport.mpi import MPITransport
+
+    transport = MPITransport(compiled=compiled)
+    in_c = compiled and transport.wire is not None and transport.thread_multiple
+    big = torch.arange(100_000, dtype=torch.float64).reshape(1000, 100)  # 800 KB
+    flags = torch.tensor([True, False] * 150_000)  # 300 KB of bool
+    grad = torch.linspace(0, 1, 70_000).requires_grad_()  # 280 KB, requires grad
+    cases = [  # (payload, tensors, received by C)
+        (b"one", [big], True),
+        (b"three", [big, torch.zeros(0, 3), flags], True),
+        (b"grad", [grad, big.to(torch.int32)], True),
+        (b"inline beside", [torch.ones(3), big], False),
+        (bytes(range(256)) * 8192, [big], False),  # a 2 MiB payload: a frame of its own
+        (b"sparse", [big.to_sparse()], False),
+    ]
+    python_receipts = []
+    if in_c:
+        python_receive = types.MethodType(FramedTransport.receive_rest, transport)
+
+        def counting(*args):
+            python_receipts.append(args[0].request_id)
+            return python_receive(*args)
+
+        cache = transport.recv_cache
+        transport.wire.set_receiver(counting, cache.pool.empty if cache.pool is not None
+                                    else cache.empty_tensor, frames.finish_tensor)
+    try:
+        if transport.rank == 0:
+            for i, (payload, tensors, _) in enumerate(cases):
+                transport.send(1, Envelope(kind=4, request_id=i, payload=payload,
+                                           tensors=tensors), ["cpu"] * len(tensors))
+        elif transport.rank == 1:
+            got = []
+            deadline = time.monotonic() + 60
+            while len(got) < len(cases) and time.monotonic() < deadline:
+                env = transport.poll()
+                if env is not None:
+                    got.append(env)
+            assert [env.request_id for env in got] == list(range(len(cases)))
+            for env, (payload, tensors, _) in zip(got, cases, strict=True):
+                assert bytes(env.payload) == payload
+                assert len(env.tensors) == len(tensors)
+                for received, sent in zip(env.tensors, tensors, strict=True):
+                    assert received.dtype == sent.dtype and received.shape == sent.shape
+                    assert received.layout == sent.layout
+                    assert received.requires_grad == sent.requires_grad
+                    assert torch.equal(received.detach().to_dense(), sent.detach().to_dense())
+            if in_c:
+                assert python_receipts == [i for i, case in enumerate(cases) if not case[2]]
     finally:
         MPI.COMM_WORLD.Barrier()
         transport.close(collective=True)

@@ -24,6 +24,7 @@ import ctypes
 import logging
 import os
 import threading
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -361,9 +362,16 @@ class MPITransport(FramedTransport):
         self.poll_wait: Callable[[float], Envelope | None] | None = None
         if self.wire is not None and self.thread_multiple and not ft:
             # data frames in one C call each (a failed peer's error under ft is noted by
-            # the Python transfer, which ft jobs keep)
+            # the Python transfer, which ft jobs keep), and the frames after a frame 0
+            # received in C for every message but a rare kind (a payload frame, sparse or
+            # CUDA tensors, inline ones beside), which the Python method receives
             self.send_tensor = self.wire.send_tensor
             self.recv_tensor = self.wire.recv_tensor
+            cache = self.recv_cache
+            self.wire.set_receiver(types.MethodType(FramedTransport.receive_rest, self),
+                                   cache.empty_tensor if cache.pool is None
+                                   else cache.pool.empty, frames.finish_tensor)
+            self.receive_rest = self.wire.receive_rest  # type: ignore[method-assign]
         if self.wire is not None and self.thread_multiple:
             self._probe_wait = self._wire_probe_ft if ft else self.wire.probe_wait
             self.poll_wait = self._poll_wait

@@ -933,11 +933,12 @@ void receive_pool_dealloc(PyObject* self) {
   Py_TYPE(self)->tp_free(self);
 }
 
-// empty(sizes: tuple, dtype) -> Tensor
+// empty(sizes: tuple, dtype[, nbytes]) -> Tensor (nbytes: what the sender said, checked)
 PyObject* receive_pool_empty(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   auto* pool = reinterpret_cast<ReceivePool*>(self);
-  if (nargs != 2 || !PyTuple_Check(args[0]) || !THPDtype_Check(args[1])) {
-    PyErr_SetString(PyExc_TypeError, "ReceivePool.empty(sizes: tuple, dtype: torch.dtype)");
+  if (nargs < 2 || nargs > 3 || !PyTuple_Check(args[0]) || !THPDtype_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError,
+                    "ReceivePool.empty(sizes: tuple, dtype: torch.dtype[, nbytes: int])");
     return nullptr;
   }
   if (pool->state == nullptr) {
@@ -953,6 +954,15 @@ PyObject* receive_pool_empty(PyObject* self, PyObject* const* args, Py_ssize_t n
     if (sizes[d] == -1 && PyErr_Occurred()) return nullptr;
     if (sizes[d] < 0 || __builtin_mul_overflow(nbytes, sizes[d], &nbytes)) {
       PyErr_SetString(PyExc_ValueError, "ReceivePool.empty: a negative size, or too many bytes");
+      return nullptr;
+    }
+  }
+  if (nargs == 3) {
+    long long expected = PyLong_AsLongLong(args[2]);
+    if (expected == -1 && PyErr_Occurred()) return nullptr;
+    if (expected != nbytes) {
+      PyErr_Format(PyExc_ValueError, "ReceivePool.empty: %lld bytes expected, the sizes and "
+                   "dtype make %lld", expected, static_cast<long long>(nbytes));
       return nullptr;
     }
   }
@@ -1014,8 +1024,8 @@ PyObject* receive_pool_counter(PyObject* self, void* which) {
 PyMethodDef receive_pool_methods[] = {
     {"empty", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(receive_pool_empty)),
      METH_FASTCALL,
-     "empty(sizes: tuple, dtype) -> Tensor: uninitialized, contiguous; from a recycled block "
-     "from min_cached bytes on"},
+     "empty(sizes: tuple, dtype[, nbytes]) -> Tensor: uninitialized, contiguous; from a "
+     "recycled block from min_cached bytes on (nbytes: the size expected, checked)"},
     {"clear", receive_pool_clear, METH_NOARGS, "clear(): unmap the free blocks"},
     {nullptr, nullptr, 0, nullptr}};
 

@@ -9,7 +9,13 @@
  *   send_tensor(dst, tag, t) / recv_tensor(src, tag, t)
  *                     a data frame (the frames after frame 0): the bytes of a dense CPU
  *                     tensor sent from, or received into, its own memory, whole (in
- *                     chunks of at most 1 GiB), without the GIL while MPI moves them.
+ *                     chunks of at most 1 GiB), without the GIL while MPI moves them;
+ *   receive_rest(env, header, frame0, src)
+ *                     FramedTransport.receive_rest for the common message: every tensor
+ *                     on the CPU in a frame of its own (or empty), no payload frame, no
+ *                     sparse tensor: each made by the receive cache (empty) and received
+ *                     into (recv_tensor); any other message goes to the Python method
+ *                     given to set_receiver().
  * The GIL is released around every MPI call, as mpi4py does, so a thread polling here never
  * holds up the serving threads, and a thread blocked inside MPI never holds the GIL.
  * The table of sends in flight is touched only with the GIL held; probe() and
@@ -36,6 +42,9 @@ typedef struct {
     MPI_Comm comm;
     int tag;
     PyObject *error_class; /* MPI.Exception */
+    /* set_receiver(): receive_rest's Python twin, empty(shape, dtype, nbytes) and
+     * finish(tensor, spec) (frames.finish_tensor); NULL until then */
+    PyObject *fallback, *empty, *finish;
     InFlight *sends;       /* a ring of sends in flight */
     Py_ssize_t head, count, capacity;
     volatile int interrupted; /* set by interrupt(): a waiting probe returns at once */
@@ -83,6 +92,9 @@ static void Wire_dealloc(Wire *self)
      * than a leak (the transport waits for them at a graceful close) */
     PyMem_Free(self->sends);
     Py_XDECREF(self->error_class);
+    Py_XDECREF(self->fallback);
+    Py_XDECREF(self->empty);
+    Py_XDECREF(self->finish);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -325,6 +337,160 @@ static PyObject *Wire_recv_tensor(Wire *self, PyObject *const *args, Py_ssize_t 
     return transfer(self, args, nargs, 1);
 }
 
+/* ------------------------------------------------------------------ receive_rest */
+/* interned attribute names of frames.Header, TensorSpec and Envelope */
+static PyObject *s_payload_separate, *s_sparse, *s_specs, *s_data_tag, *s_device, *s_shape,
+    *s_dtype, *s_nbytes, *s_inline_offset, *s_requires_grad, *s_tensors, *s_cpu;
+
+static PyObject *Wire_set_receiver(Wire *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "set_receiver(fallback, empty, finish)");
+        return NULL;
+    }
+    Py_XSETREF(self->fallback, Py_NewRef(args[0]));
+    Py_XSETREF(self->empty, Py_NewRef(args[1]));
+    Py_XSETREF(self->finish, Py_NewRef(args[2]));
+    Py_RETURN_NONE;
+}
+
+/* the long of obj.name: 0, or -1 with an error set */
+static int attr_long(PyObject *obj, PyObject *name, long long *value)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL)
+        return -1;
+    *value = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return *value == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* 1 when this module receives the message of header, 0 when the Python method does, -1 on
+ * error: no payload frame, no sparse tensor, every tensor for the CPU and in a frame of its
+ * own or empty */
+static int receives(PyObject *header, PyObject **specs)
+{
+    PyObject *v = PyObject_GetAttr(header, s_payload_separate);
+    if (v == NULL)
+        return -1;
+    int separate = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    if (separate != 0)
+        return separate < 0 ? -1 : 0;
+    if ((v = PyObject_GetAttr(header, s_sparse)) == NULL)
+        return -1;
+    int sparse = v != Py_None;
+    Py_DECREF(v);
+    if (sparse)
+        return 0;
+    if ((*specs = PyObject_GetAttr(header, s_specs)) == NULL)
+        return -1;
+    if (!PyList_CheckExact(*specs))
+        return 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(*specs); i++) {
+        PyObject *spec = PyList_GET_ITEM(*specs, i);
+        PyObject *device = PyObject_GetAttr(spec, s_device);
+        if (device == NULL)
+            return -1;
+        int cpu = PyObject_RichCompareBool(device, s_cpu, Py_EQ);
+        Py_DECREF(device);
+        if (cpu != 1)
+            return cpu;
+        long long offset, nbytes;
+        if (attr_long(spec, s_inline_offset, &offset) < 0 ||
+            attr_long(spec, s_nbytes, &nbytes) < 0)
+            return -1;
+        if (offset >= 0 && nbytes > 0)
+            return 0; /* inline: a view of frame 0, which Python makes */
+    }
+    return 1;
+}
+
+/* The tensor of spec, received from src on tag into memory made by self->empty; NULL on
+ * error */
+static PyObject *receive_tensor(Wire *self, PyObject *spec, long src, PyObject *tag)
+{
+    PyObject *shape = PyObject_GetAttr(spec, s_shape);
+    PyObject *dtype = shape != NULL ? PyObject_GetAttr(spec, s_dtype) : NULL;
+    PyObject *nbytes = dtype != NULL ? PyObject_GetAttr(spec, s_nbytes) : NULL;
+    PyObject *tensor = NULL;
+    if (nbytes != NULL) {
+        PyObject *args[3] = {shape, dtype, nbytes};
+        tensor = PyObject_Vectorcall(self->empty, args, 3, NULL);
+    }
+    int empty = nbytes != NULL && PyObject_Not(nbytes) == 1;
+    Py_XDECREF(shape);
+    Py_XDECREF(dtype);
+    Py_XDECREF(nbytes);
+    if (tensor == NULL || empty)
+        return tensor;
+    PyObject *rank = PyLong_FromLong(src);
+    PyObject *moved = NULL;
+    if (rank != NULL) {
+        PyObject *args[3] = {rank, tag, tensor};
+        moved = transfer(self, args, 3, 1);
+        Py_DECREF(rank);
+    }
+    if (moved != Py_True) {
+        if (moved != NULL)
+            PyErr_SetString(PyExc_RuntimeError, "receive_rest: the receive cache made a "
+                            "tensor that is not dense on the CPU");
+        Py_XDECREF(moved);
+        Py_DECREF(tensor);
+        return NULL;
+    }
+    Py_DECREF(moved);
+    return tensor;
+}
+
+static PyObject *Wire_receive_rest(Wire *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    CHECK_OPEN(self)
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "receive_rest(env, header, frame0, src)");
+        return NULL;
+    }
+    if (self->fallback == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "receive_rest before set_receiver()");
+        return NULL;
+    }
+    PyObject *env = args[0], *header = args[1], *specs = NULL;
+    int ours = receives(header, &specs);
+    if (ours <= 0) {
+        Py_XDECREF(specs);
+        return ours < 0 ? NULL : PyObject_Vectorcall(self->fallback, args, 4, NULL);
+    }
+    long src = PyLong_AsLong(args[3]);
+    PyObject *tag = PyObject_GetAttr(header, s_data_tag);
+    Py_ssize_t n = PyList_GET_SIZE(specs);
+    PyObject *tensors = tag != NULL && !(src == -1 && PyErr_Occurred()) ? PyList_New(n) : NULL;
+    for (Py_ssize_t i = 0; tensors != NULL && i < n; i++) {
+        PyObject *spec = PyList_GET_ITEM(specs, i);
+        PyObject *tensor = receive_tensor(self, spec, src, tag);
+        PyObject *flag = tensor != NULL ? PyObject_GetAttr(spec, s_requires_grad) : NULL;
+        int grad = flag != NULL ? PyObject_IsTrue(flag) : -1;
+        Py_XDECREF(flag);
+        if (grad == 1) { /* frames.finish_tensor: requires_grad where the dtype allows */
+            PyObject *finish_args[2] = {tensor, spec};
+            Py_SETREF(tensor, PyObject_Vectorcall(self->finish, finish_args, 2, NULL));
+        }
+        if (grad < 0 || tensor == NULL) {
+            Py_XDECREF(tensor);
+            Py_CLEAR(tensors);
+            break;
+        }
+        PyList_SET_ITEM(tensors, i, tensor);
+    }
+    Py_XDECREF(tag);
+    Py_DECREF(specs);
+    if (tensors == NULL || PyObject_SetAttr(env, s_tensors, tensors) < 0) {
+        Py_XDECREF(tensors);
+        return NULL;
+    }
+    Py_DECREF(tensors);
+    return Py_NewRef(env);
+}
+
 static PyObject *Wire_probe(Wire *self, PyObject *Py_UNUSED(ignored))
 {
     return receive(self, 0.0);
@@ -341,6 +507,9 @@ static PyObject *Wire_probe_wait(Wire *self, PyObject *arg)
 static PyObject *Wire_close(Wire *self, PyObject *Py_UNUSED(ignored))
 {
     self->closed = 1;
+    Py_CLEAR(self->fallback); /* (the transport's method: a cycle through the transport) */
+    Py_CLEAR(self->empty);
+    Py_CLEAR(self->finish);
     self->interrupted = 1; /* a wait under way ends; the next call raises */
     Py_RETURN_NONE;
 }
@@ -389,6 +558,12 @@ static PyMethodDef Wire_methods[] = {
     {"recv_tensor", (PyCFunction)(void (*)(void))Wire_recv_tensor, METH_FASTCALL,
      "recv_tensor(src, tag, tensor) -> bool: receive a data frame into the memory of a "
      "dense CPU tensor, whole, without the GIL; False (nothing received) for any other"},
+    {"set_receiver", (PyCFunction)(void (*)(void))Wire_set_receiver, METH_FASTCALL,
+     "set_receiver(fallback, empty, finish): what receive_rest calls (the Python "
+     "receive_rest, the receive cache's empty(shape, dtype, nbytes), frames.finish_tensor)"},
+    {"receive_rest", (PyCFunction)(void (*)(void))Wire_receive_rest, METH_FASTCALL,
+     "receive_rest(env, header, frame0, src) -> env: the frames after frame 0 received "
+     "into new tensors (env.tensors); the Python receive_rest for any other message"},
     {"close", (PyCFunction)Wire_close, METH_NOARGS,
      "close(): before the communicator is freed; every later call raises MPI_ERR_COMM"},
     {"interrupt", (PyCFunction)Wire_interrupt, METH_NOARGS,
@@ -429,6 +604,15 @@ static struct PyModuleDef wire_module = {
 
 PyMODINIT_FUNC PyInit__mpidag_wire(void)
 {
+#define INTERN(var, text)                                                                  \
+    if ((var = PyUnicode_InternFromString(text)) == NULL)                                  \
+        return NULL;
+    INTERN(s_payload_separate, "payload_separate") INTERN(s_sparse, "sparse")
+    INTERN(s_specs, "specs") INTERN(s_data_tag, "data_tag") INTERN(s_device, "device")
+    INTERN(s_shape, "shape") INTERN(s_dtype, "dtype") INTERN(s_nbytes, "nbytes")
+    INTERN(s_inline_offset, "inline_offset") INTERN(s_requires_grad, "requires_grad")
+    INTERN(s_tensors, "tensors") INTERN(s_cpu, "cpu")
+#undef INTERN
     if (PyType_Ready(&WireType) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&wire_module);
@@ -436,7 +620,7 @@ PyMODINIT_FUNC PyInit__mpidag_wire(void)
         return NULL;
     /* what mpidag/transport/wire.py expects (WIRE_VERSION): a build from older sources
      * is not used */
-    if (PyModule_AddIntConstant(module, "VERSION", 4) < 0 ||
+    if (PyModule_AddIntConstant(module, "VERSION", 5) < 0 ||
             PyModule_AddObjectRef(module, "Wire", (PyObject *)&WireType) < 0) {
         Py_DECREF(module);
         return NULL;

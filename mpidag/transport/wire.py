@@ -32,7 +32,7 @@ __all__ = ["WIRE_VERSION", "import_built", "open_wire", "status"]
 
 #: the ``VERSION`` of ``wire.c`` this code calls (a build from older sources lacks a
 #: method: rebuild it)
-WIRE_VERSION = 4
+WIRE_VERSION = 5
 
 log = logging.getLogger(__name__)
 
