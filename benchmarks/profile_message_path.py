@@ -16,8 +16,12 @@ Rank 0 calls rank 1; for every call the script stamps, without changing mpidag i
 
 and prints the median of each step, per workload: a no-op ``rpc_sync``, a 1 KiB tensor
 echo, ``to_here()`` of a 1 KiB tensor RRef, and a 1 MiB tensor echo, whose tensor travels
-in a data frame after frame 0: for it the script also times each data frame's send and
-receive (``D`` rows: from posting the receive to the end of the transfer, per direction).
+in a data frame after frame 0: for it the script also times each data frame's send (``D``
+rows: from posting the send to its end, per direction) and, where Python receives it, its
+receive (from posting the receive to the end of the transfer). Where the compiled wire is
+built the frames after frame 0 are received inside its C ``receive_rest``, which no wrapper
+sees: the receive rows are then empty, and the callee's "frame to function start" and the
+caller's "reply frame to call returns" include the transfer.
 The stamps cost about 0.3 us each; the "wire" steps include the time until the receiving
 leader's next poll finds the message (its polling loop), not only MPI's own latency.
 Results: ``--out`` JSON (``benchmarks/results/message_path.json``) and a table on stdout.
@@ -101,6 +105,21 @@ def instrument(transport) -> None:
     transport._probe = stamped_probe
     transport._send_frame = timed_send_frame
     transport._recv_frame = timed_recv_frame
+    # the compiled wire's sends and receives of a tensor's own memory (looked up per frame)
+    for name, direction in (("send_tensor", "send"), ("recv_tensor", "recv")):
+        moved = getattr(transport, name, None)
+        if moved is not None:
+            setattr(transport, name, _timed_tensor_frame(moved, direction))
+
+
+def _timed_tensor_frame(moved, direction: str):
+    def timed(*args):
+        start = _clock()
+        done = moved(*args)
+        if done:
+            data_frames.append((direction, start, _clock()))
+        return done
+    return timed
 
 
 def noop():
@@ -144,8 +163,10 @@ STEPS = [
 
 
 DATA_STEPS = [
+    "D request: send posted to done",
     "D request: receive posted after send posted",
     "D request: transfer (receive posted to done)",
+    "D reply: send posted to done",
     "D reply: receive posted after send posted",
     "D reply: transfer (receive posted to done)",
 ]
@@ -158,8 +179,11 @@ def _data_frame_steps(caller: list[tuple[str, int, int]], callee: list[tuple[str
     other (one data frame per message, messages in order)."""
     out = {}
     for label, sends, recvs in (("request", caller, callee), ("reply", callee, caller)):
-        pairs = list(zip([f for f in sends if f[0] == "send"],
-                         [f for f in recvs if f[0] == "recv"], strict=False))
+        sent = [f for f in sends if f[0] == "send"]
+        if sent:
+            out[f"D {label}: send posted to done"] = statistics.median(
+                (f[2] - f[1]) / 1000 for f in sent)
+        pairs = list(zip(sent, [f for f in recvs if f[0] == "recv"], strict=False))
         if not pairs:
             continue
         out[f"D {label}: receive posted after send posted"] = statistics.median(
