@@ -512,6 +512,15 @@ static int fits_frame0(Core *self, PyObject *tensors, Py_ssize_t n_tensors)
     return 1;
 }
 
+/* a new list of n "cpu" (where each tensor of a plain message lands), or NULL */
+static PyObject *cpu_devices(Core *self, Py_ssize_t n)
+{
+    PyObject *devices = PyList_New(n);
+    for (Py_ssize_t i = 0; devices != NULL && i < n; i++)
+        PyList_SET_ITEM(devices, i, Py_NewRef(self->s_cpu));
+    return devices;
+}
+
 /* env (its payload inside frame 0, its tensors plain CPU ones) handed to the transport: by
  * the codec and the transport's send_frame0 when the whole message fits in frame 0, else
  * by transport.send_now, which sends the tensors that do not fit in frames of their own on
@@ -528,12 +537,10 @@ static int send_message(Core *self, long dst, PyObject *env, Py_ssize_t n_tensor
             return -1;
         if (!fits) {
             PyObject *send_now = PyObject_GetAttr(self->o[O_TRANSPORT], self->s_send_now);
-            PyObject *devices = send_now != NULL ? PyList_New(n_tensors) : NULL;
+            PyObject *devices = send_now != NULL ? cpu_devices(self, n_tensors) : NULL;
             PyObject *rank = devices != NULL ? PyLong_FromLong(dst) : NULL;
             PyObject *result = NULL;
             if (rank != NULL) {
-                for (Py_ssize_t i = 0; i < n_tensors; i++)
-                    PyList_SET_ITEM(devices, i, Py_NewRef(self->s_cpu));
                 PyObject *args[3] = {rank, env, devices};
                 result = PyObject_Vectorcall(send_now, args, 3, NULL);
             }
@@ -549,9 +556,7 @@ static int send_message(Core *self, long dst, PyObject *env, Py_ssize_t n_tensor
     PyObject *encode = PyObject_GetAttr(self->o[O_FRAMES], self->s_encode);
     if (encode == NULL)
         return -1;
-    PyObject *devices = PyList_New(n_tensors);
-    for (Py_ssize_t i = 0; devices != NULL && i < n_tensors; i++)
-        PyList_SET_ITEM(devices, i, Py_NewRef(self->s_cpu));
+    PyObject *devices = cpu_devices(self, n_tensors);
     PyObject *tag = PyLong_FromLong(0);
     PyObject *encoded = NULL;
     if (devices != NULL && tag != NULL) {
