@@ -13,8 +13,9 @@ tensors made by ``torch.from_numpy``.
 Where ``_mpidag_torch`` is built, its ``ReceivePool`` (C++) does all of this: a tensor comes
 from ``at::from_blob`` over the block in one call, and its storage's deleter gives the block
 back; else an ``mmap`` block, a numpy array over it with a ``weakref.finalize``, and
-``torch.from_numpy`` (17 us against ~1 us for a 1 MiB tensor, on the path of every large
-message, on both ends).
+``torch.from_numpy``. Making and freeing a 1 MiB tensor, in one thread: 13.1 us in Python,
+1.1 us in C++ (256 KiB, ``torch.empty`` against ``at::empty``: 3.3 us and 1.5 us); stamped in
+a 1 MiB echo, on the path of every large message on both ends, the Python hit took 16-18 us.
 """
 
 from __future__ import annotations
