@@ -176,3 +176,26 @@ def test_the_async_floor_names_bad_arguments():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--calls and --bursts must be at least 1, got 0" in \
         proc.stderr
+
+
+def test_the_tensor_floor_echoes_through_all_three_columns(tmp_path):
+    """benchmarks/tensor_floor.py on two ranks: the blocking echo, the hand-written pattern of
+    mpidag's messages and rpc_sync each complete their round trips and report a time."""
+    out = tmp_path / "tensor_floor.json"
+    proc = subprocess.run([sys.executable, "-m", "mpidag.run", "-n", "2",
+                           str(BENCHMARKS / "tensor_floor.py"), "--sizes", "262144",
+                           "--calls", "20", "--rounds", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())["sizes"]["262144"]
+    assert set(result["median_us"]) == {"raw", "pattern", "mpidag"}
+    assert all(value > 0 for value in result["median_us"].values())
+    assert result["mpidag_vs_pattern"] == pytest.approx(
+        result["median_us"]["mpidag"] / result["median_us"]["pattern"])
+    assert "pattern/raw" in proc.stdout
+
+
+def test_the_tensor_floor_names_bad_arguments():
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "tensor_floor.py"),
+                           "--sizes", "5"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "each size a multiple of 4 bytes" in proc.stderr
