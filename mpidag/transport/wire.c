@@ -252,6 +252,17 @@ static int method_is(PyObject *obj, const char *name, PyObject *expected)
     return same;
 }
 
+/* *buf = t.data_ptr(): 0, or -1 on error */
+static int tensor_address(PyObject *t, char **buf)
+{
+    PyObject *address = PyObject_CallMethod(t, "data_ptr", NULL);
+    if (address == NULL)
+        return -1;
+    *buf = (char *)PyLong_AsVoidPtr(address);
+    Py_DECREF(address);
+    return *buf == NULL && PyErr_Occurred() ? -1 : 0;
+}
+
 /* The memory of tensor t when its bytes are its values: a CPU tensor, contiguous, with
  * neither a conjugate nor a negative bit (1, *buf and *nbytes set); 0 when not; -1 on
  * error. Read through the tensor's Python methods (this module has no torch headers). */
@@ -277,16 +288,36 @@ static int tensor_memory(PyObject *t, char **buf, Py_ssize_t *nbytes)
     Py_DECREF(size);
     if (*nbytes == -1 && PyErr_Occurred())
         return -1;
-    PyObject *address = PyObject_CallMethod(t, "data_ptr", NULL);
-    if (address == NULL)
-        return -1;
-    *buf = (char *)PyLong_AsVoidPtr(address);
-    Py_DECREF(address);
-    return *buf == NULL && PyErr_Occurred() ? -1 : 1;
+    return tensor_address(t, buf) < 0 ? -1 : 1;
 }
 
-/* send_tensor / recv_tensor: one chunk after the other, each MPI_Isend or MPI_Irecv then
- * MPI_Wait, as the Python transport's _transfer does */
+/* MPI moves nbytes at buf to (receive 0) or from (receive 1) peer on tag, whole: one chunk
+ * after the other, each MPI_Isend or MPI_Irecv then MPI_Wait, as the Python transport's
+ * _transfer does, without the GIL. 0, or -1 with the MPI error raised. */
+static int move(Wire *self, int receive, int peer, int tag, char *buf, Py_ssize_t nbytes)
+{
+    int ierr = MPI_SUCCESS;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t offset = 0; offset < nbytes && ierr == MPI_SUCCESS; offset += CHUNK) {
+        int count = (int)(nbytes - offset < CHUNK ? nbytes - offset : CHUNK);
+        MPI_Request request;
+        if (receive)
+            ierr = MPI_Irecv(buf + offset, count, MPI_BYTE, peer, tag, self->comm, &request);
+        else
+            ierr = MPI_Isend(buf + offset, count, MPI_BYTE, peer, tag, self->comm, &request);
+        if (ierr == MPI_SUCCESS)
+            ierr = MPI_Wait(&request, MPI_STATUS_IGNORE);
+    }
+    Py_END_ALLOW_THREADS
+    if (ierr != MPI_SUCCESS) {
+        raise_mpi(self, ierr);
+        return -1;
+    }
+    return 0;
+}
+
+/* send_tensor / recv_tensor: Py_True once moved, Py_False for a tensor that is not dense on
+ * the CPU (nothing moved) */
 static PyObject *transfer(Wire *self, PyObject *const *args, Py_ssize_t nargs, int receive)
 {
     CHECK_OPEN(self)
@@ -307,23 +338,8 @@ static PyObject *transfer(Wire *self, PyObject *const *args, Py_ssize_t nargs, i
     int ok = tensor_memory(args[2], &buf, &nbytes);
     if (ok <= 0)
         return ok < 0 ? NULL : Py_NewRef(Py_False);
-    int ierr = MPI_SUCCESS;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t offset = 0; offset < nbytes && ierr == MPI_SUCCESS; offset += CHUNK) {
-        int count = (int)(nbytes - offset < CHUNK ? nbytes - offset : CHUNK);
-        MPI_Request request;
-        if (receive)
-            ierr = MPI_Irecv(buf + offset, count, MPI_BYTE, (int)peer, (int)tag, self->comm,
-                             &request);
-        else
-            ierr = MPI_Isend(buf + offset, count, MPI_BYTE, (int)peer, (int)tag, self->comm,
-                             &request);
-        if (ierr == MPI_SUCCESS)
-            ierr = MPI_Wait(&request, MPI_STATUS_IGNORE);
-    }
-    Py_END_ALLOW_THREADS
-    if (ierr != MPI_SUCCESS)
-        return raise_mpi(self, ierr);
+    if (move(self, receive, (int)peer, (int)tag, buf, nbytes) < 0)
+        return NULL;
     Py_RETURN_TRUE;
 }
 
@@ -406,40 +422,30 @@ static int receives(PyObject *header, PyObject **specs)
     return 1;
 }
 
-/* The tensor of spec, received from src on tag into memory made by self->empty; NULL on
+/* The tensor of spec, received from src on tag into memory made by self->empty (the receive
+ * cache: a new contiguous CPU tensor, so its address is all that is read of it); NULL on
  * error */
-static PyObject *receive_tensor(Wire *self, PyObject *spec, long src, PyObject *tag)
+static PyObject *receive_tensor(Wire *self, PyObject *spec, int src, int tag)
 {
     PyObject *shape = PyObject_GetAttr(spec, s_shape);
     PyObject *dtype = shape != NULL ? PyObject_GetAttr(spec, s_dtype) : NULL;
-    PyObject *nbytes = dtype != NULL ? PyObject_GetAttr(spec, s_nbytes) : NULL;
+    PyObject *size = dtype != NULL ? PyObject_GetAttr(spec, s_nbytes) : NULL;
     PyObject *tensor = NULL;
-    if (nbytes != NULL) {
-        PyObject *args[3] = {shape, dtype, nbytes};
+    Py_ssize_t nbytes = size != NULL ? PyLong_AsSsize_t(size) : -1;
+    if (nbytes >= 0) {
+        PyObject *args[3] = {shape, dtype, size};
         tensor = PyObject_Vectorcall(self->empty, args, 3, NULL);
     }
-    int empty = nbytes != NULL && PyObject_Not(nbytes) == 1;
     Py_XDECREF(shape);
     Py_XDECREF(dtype);
-    Py_XDECREF(nbytes);
-    if (tensor == NULL || empty)
+    Py_XDECREF(size);
+    if (tensor == NULL || nbytes == 0)
         return tensor;
-    PyObject *rank = PyLong_FromLong(src);
-    PyObject *moved = NULL;
-    if (rank != NULL) {
-        PyObject *args[3] = {rank, tag, tensor};
-        moved = transfer(self, args, 3, 1);
-        Py_DECREF(rank);
-    }
-    if (moved != Py_True) {
-        if (moved != NULL)
-            PyErr_SetString(PyExc_RuntimeError, "receive_rest: the receive cache made a "
-                            "tensor that is not dense on the CPU");
-        Py_XDECREF(moved);
+    char *buf = NULL;
+    if (tensor_address(tensor, &buf) < 0 || move(self, 1, src, tag, buf, nbytes) < 0) {
         Py_DECREF(tensor);
         return NULL;
     }
-    Py_DECREF(moved);
     return tensor;
 }
 
@@ -461,12 +467,17 @@ static PyObject *Wire_receive_rest(Wire *self, PyObject *const *args, Py_ssize_t
         return ours < 0 ? NULL : PyObject_Vectorcall(self->fallback, args, 4, NULL);
     }
     long src = PyLong_AsLong(args[3]);
-    PyObject *tag = PyObject_GetAttr(header, s_data_tag);
+    long long tag = 0;
+    int ok = !(src == -1 && PyErr_Occurred()) && attr_long(header, s_data_tag, &tag) == 0;
+    if (ok && (src < 0 || src > INT_MAX || tag < 0 || tag > INT_MAX)) {
+        PyErr_Format(PyExc_ValueError, "receive_rest: no rank %ld or tag %lld", src, tag);
+        ok = 0;
+    }
     Py_ssize_t n = PyList_GET_SIZE(specs);
-    PyObject *tensors = tag != NULL && !(src == -1 && PyErr_Occurred()) ? PyList_New(n) : NULL;
+    PyObject *tensors = ok ? PyList_New(n) : NULL;
     for (Py_ssize_t i = 0; tensors != NULL && i < n; i++) {
         PyObject *spec = PyList_GET_ITEM(specs, i);
-        PyObject *tensor = receive_tensor(self, spec, src, tag);
+        PyObject *tensor = receive_tensor(self, spec, (int)src, (int)tag);
         PyObject *flag = tensor != NULL ? PyObject_GetAttr(spec, s_requires_grad) : NULL;
         int grad = flag != NULL ? PyObject_IsTrue(flag) : -1;
         Py_XDECREF(flag);
@@ -481,7 +492,6 @@ static PyObject *Wire_receive_rest(Wire *self, PyObject *const *args, Py_ssize_t
         }
         PyList_SET_ITEM(tensors, i, tensor);
     }
-    Py_XDECREF(tag);
     Py_DECREF(specs);
     if (tensors == NULL || PyObject_SetAttr(env, s_tensors, tensors) < 0) {
         Py_XDECREF(tensors);
