@@ -181,3 +181,9 @@ def same_object(a, b):
 def grad_flags(*tensors):
     """The ``requires_grad`` flags of the tensors the callee got."""
     return tuple(t.requires_grad for t in tensors)
+
+
+def ids_and_total(ids, *tensors):
+    """The ids as the callee got them, then the sum of the tensors, in one flat tuple (a
+    batched gradient message carries a tuple of ids beside its gradients)."""
+    return (*ids, float(sum(t.sum() for t in tensors)))

@@ -127,10 +127,20 @@ def test_plain_calls_take_the_compiled_path_on_both_ends():
             assert torch.equal(ranks.call(rf.add, big, x[:1]), big + x[:1])
             assert ranks.call(rf.same_object, big, big) is True
         assert python.seen == {}, python.seen
+        # a short tuple of plain values is a plain value, beside tensors or not
+        ranks.call(rf.ids_and_total, (1,), x)
+        with PythonCalls() as python:
+            assert ranks.call(rf.identity, (1, "a", None)) == (1, "a", None)
+            assert ranks.call(rf.ids_and_total, (7, 8, 9), x, x[:2]) == (7, 8, 9, 32641.0)
+            assert ranks.call(rf.ids_and_total, (), x[:3]) == (3.0,)
+        assert python.seen == {}, python.seen
         # what is not plain takes the Python path, on both ends
         for args, name in [((x[::2],), "a view that is not contiguous"),
                            ((torch.nn.Parameter(torch.ones(2)),), "a parameter"),
-                           (([1, 2],), "a list"), (((1, 2),), "a tuple argument")]:
+                           (([1, 2],), "a list"),
+                           ((tuple(range(9)),), "a tuple of more than 8 values"),
+                           (((1, (2,)),), "a tuple holding a tuple"),
+                           (((1, x[:1]),), "a tuple holding a tensor")]:
             with PythonCalls() as python:
                 result = ranks.call(rf.identity, *args)
             assert python.seen.get("encode") == 1 and python.seen.get("serve_call") == 1, name

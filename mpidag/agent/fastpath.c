@@ -53,7 +53,7 @@
 
 #include "../transport/torch_futures.h"
 
-#define VERSION 8
+#define VERSION 9
 
 /* the protocol's constants (messages.py); Core.__init__ checks them against Python's */
 #define CALL 1
@@ -1067,7 +1067,7 @@ static PyObject *slotted_payload(Core *self, PyObject *ref, PyObject *args, PyOb
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PyTuple_GET_ITEM(args, i);
         Py_ssize_t slot = -1;
-        if (!is_plain_type(Py_TYPE(item))) {
+        if (!is_plain(item)) { /* (a tuple of plain values travels in the pickle) */
             for (Py_ssize_t j = 0; j < PyList_GET_SIZE(table); j++)
                 if (PyList_GET_ITEM(table, j) == item)
                     slot = j;
@@ -1124,10 +1124,10 @@ static PyObject *call_payload(Core *self, PyObject *func, PyObject *args, PyObje
     PyObject *ref = PyTuple_GET_ITEM(prefix, 0);
     if (!is_plain(args)) {
         for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); i++) { /* before allocating: */
-            PyTypeObject *type = Py_TYPE(PyTuple_GET_ITEM(args, i)); /* the Python path */
-            if (!is_plain_type(type) && type != (PyTypeObject *)self->o[O_TENSOR_TYPE])
-                return NULL; /* sends anything else, and would redo this work */
-        }
+            PyObject *item = PyTuple_GET_ITEM(args, i); /* the Python path sends anything */
+            if (!is_plain(item) && Py_TYPE(item) != (PyTypeObject *)self->o[O_TENSOR_TYPE])
+                return NULL; /* else (a plain value, a short tuple of them, a tensor), and */
+        }                    /* would redo this work */
         *flags = (int)flag | FLAG_TENSOR_SLOTS;
         return slotted_payload(self, ref, args, kwargs, tensors);
     }

@@ -182,6 +182,42 @@ def test_gradients_for_one_rank_that_fire_together_travel_in_one_message(
     assert len(mine) == 1 and type(mine[0]) is tuple and len(mine[0]) == 3, sent
 
 
+def test_gradients_that_travel_together_take_the_compiled_call_path(world, monkeypatch):
+    """The message of a parameter server's step (its ids a tuple, three gradients, one of
+    them 64 KiB) is a plain call too: where the compiled path is built, the Python encoder
+    pickles none (before, a tuple beside tensors sent the message through the Python
+    pickler on the sender and its decoder on the receiver)."""
+    from mpidag._runtime import current
+    from mpidag.agent.encoding import CallCodec
+
+    sent = _gradient_calls(monkeypatch)
+    encoded: list[str] = []
+    encode = CallCodec.encode
+
+    def logged(self, dst, func, args, kwargs):  # noqa: ANN001, ANN202
+        encoded.append(getattr(func, "name", ""))
+        return encode(self, dst, func, args, kwargs)
+
+    x, w = _seeded(world.rank, (256, 64), (64,))
+    for step in range(2):  # (the first calls of a handler make its reference: Python)
+        if step:
+            monkeypatch.setattr(CallCodec, "encode", logged)
+        with dist_autograd.context() as context_id:
+            y = rpc.rpc_sync(world.next, af.my_add, args=(x, w))
+            a = rpc.remote(world.next, af.square, args=(w,)).to_here()
+            b = rpc.remote(world.next, af.mul_sin, args=(w, w)).to_here()
+            dist_autograd.backward(context_id, [(y * a + b).sum()])
+            grads = dist_autograd.get_gradients(context_id)
+        ex, ew = torch.autograd.grad(
+            (af.my_add(x, w) * af.square(w) + af.mul_sin(w, w)).sum(), [x, w])
+        close(grads[x], ex)
+        close(grads[w], ew)
+    mine = [ids for sender, ids in sent if sender == world.rank]
+    assert len(mine) == 2 and all(type(ids) is tuple and len(ids) == 3 for ids in mine), sent
+    if current().agent.core is not None:
+        assert "autograd.gradients" not in encoded, encoded
+
+
 def test_more_recv_functions_than_one_message_takes(world, monkeypatch):
     """Ten results of the next rank fire together: MAX_BATCH of them go in one message and
     the rest in the next, and the gradients are local autograd's."""
