@@ -146,3 +146,10 @@ def gate_events(gate):
     cond, events = _gate(gate)
     with cond:
         return list(events)
+
+
+def local_optimizer_keys():
+    """The keys of the local optimizers alive on this rank (DistributedOptimizer's owners)."""
+    from mpidag.optim import optimizer
+
+    return sorted(optimizer._local_optimizers.keys())

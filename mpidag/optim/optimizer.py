@@ -22,9 +22,11 @@ momentum, Adam moments) is taken before any parameter lock.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Iterable
 from contextlib import suppress
@@ -108,13 +110,35 @@ def _check_parameter(value: Any, where: str) -> None:
                          f"optimizers can only update leaf tensors such as nn.Parameters")
 
 
+#: on an owner: the key of each local optimizer -> it, weakly (the value of its RRef keeps it
+#: alive: once the ``DistributedOptimizer`` that holds the RRef is gone, so is the entry)
+_local_optimizers: weakref.WeakValueDictionary[int, _LocalOptimizer] = \
+    weakref.WeakValueDictionary()
+_local_keys = itertools.count(1)
+
+
 def _new_local_optimizer(optimizer_class: type, groups: list[dict[str, Any]], args: tuple,
-                         kwargs: dict) -> Any:
-    return RRef(_LocalOptimizer(optimizer_class, groups, args, kwargs))
+                         kwargs: dict) -> tuple[Any, int]:
+    """On an owner: a local optimizer; returns its RRef (which keeps it) and its key (what
+    each step names it by)."""
+    local = _LocalOptimizer(optimizer_class, groups, args, kwargs)
+    key = next(_local_keys)
+    _local_optimizers[key] = local
+    return RRef(local), key
 
 
-def _local_step(optimizer_rref: Any, context_id: int) -> int:
-    return optimizer_rref.local_value().step(context_id)
+def _local_step(key: int, context_id: int) -> int:
+    """On an owner: step the local optimizer ``key``. Its caller holds the optimizer's RRef,
+    so the optimizer lives; two plain integers make the call a plain one, which the
+    compiled path sends and serves (an RRef argument would take Python's pickler on both
+    ends and a fork message back)."""
+    local = _local_optimizers.get(key)
+    if local is None:
+        raise RuntimeError(
+            f"DistributedOptimizer: its local optimizer {key} no longer exists on "
+            f"{_runtime.current().agent.where()}: the RPC session that made it was shut "
+            f"down; make a new DistributedOptimizer after init_rpc")
+    return local.step(context_id)
 
 
 def _step_times(optimizer_rref: Any) -> list[tuple[float, float]]:
@@ -191,7 +215,10 @@ class DistributedOptimizer:
         futures = [rpc_async(owner, _new_local_optimizer,
                              args=(optimizer_class, per_owner[owner], args, kwargs))
                    for owner in self._owners]
-        self.remote_optimizers = _wait_for_all(futures, self._owners, "create the optimizer")
+        made = _wait_for_all(futures, self._owners, "create the optimizer")
+        #: torch's attribute: the RRef of each owner's local optimizer
+        self.remote_optimizers = [rref for rref, _ in made]
+        self._local_keys = [key for _, key in made]  # what step() names them by
 
     def step(self, context_id: int) -> None:
         """Apply the gradients of ``context_id`` on every owner, concurrently.
@@ -211,8 +238,8 @@ class DistributedOptimizer:
             tensor([0.7000, 0.7000], requires_grad=True)
         """
         _retrieve_context(context_id)  # a clear error for an unknown id
-        futures = [rpc_async(rref.owner(), _local_step, args=(rref, context_id))
-                   for rref in self.remote_optimizers]
+        futures = [rpc_async(owner.id, _local_step, args=(key, context_id))
+                   for owner, key in zip(self._owners, self._local_keys, strict=True)]
         _wait_for_all(futures, self._owners, "step")
 
 

@@ -202,6 +202,52 @@ def test_parameter_without_gradient_is_skipped(world):
     del a, b, opt
 
 
+def test_a_step_is_a_plain_call_that_names_the_local_optimizer_by_its_key(world,
+                                                                          monkeypatch):
+    """step() sends each owner two integers (the local optimizer's key and the context), so
+    the compiled path carries it where built (no Python encode, no RRef pickled and no fork
+    message back); the parameters move as the local optimizer moves them; the owner's
+    local optimizer goes with its DistributedOptimizer, and a step on a key it no longer
+    has is a clear error."""
+    from mpidag._runtime import current
+    from mpidag.agent.encoding import CallCodec
+    from mpidag.optim import optimizer as optimizer_module
+
+    there = rpc.remote(world.next, of.random_tensor, args=(4,))
+    start = there.to_here()
+    opt = DistributedOptimizer(torch.optim.SGD, [there], lr=0.5)
+    encoded: list[str] = []
+    encode = CallCodec.encode
+
+    def logged(self, dst, func, args, kwargs):  # noqa: ANN001, ANN202
+        encoded.append(getattr(func, "__name__", getattr(func, "name", "")))
+        return encode(self, dst, func, args, kwargs)
+
+    for step in range(3):  # (the first call of a function makes its reference: Python)
+        if step == 1:  # once every rank made its references (in-process ranks share the
+            testing.quiesce()  # class patched here)
+            monkeypatch.setattr(CallCodec, "encode", logged)
+        with dist_autograd.context() as context_id:
+            dist_autograd.backward(context_id, [(there.to_here() * 2).sum()])
+            opt.step(context_id)
+    close(there.to_here(), start - 3 * 0.5 * 2)
+    if current().agent.core is not None:
+        assert "_local_step" not in encoded, encoded
+    (key,) = opt._local_keys
+    assert type(key) is int
+    testing.quiesce()  # every rank's logged steps are done
+    monkeypatch.undo()
+    owner_keys = rpc.rpc_sync(world.next, of.local_optimizer_keys)
+    assert key in owner_keys
+    del opt
+    testing.settle()  # every rank's optimizer is gone, and the owners freed theirs
+    assert key not in rpc.rpc_sync(world.next, of.local_optimizer_keys)
+    with pytest.raises(RuntimeError, match="no longer exists on") as info:
+        rpc.rpc_sync(world.next, optimizer_module._local_step, args=(key, 0))
+    assert "make a new DistributedOptimizer" in str(info.value)
+    del there
+
+
 def test_bad_arguments_are_clear_errors(world):
     with pytest.raises(ValueError, match="empty params_rref"):
         DistributedOptimizer(torch.optim.SGD, [], lr=0.1)
