@@ -133,6 +133,10 @@ def test_plain_calls_take_the_compiled_path_on_both_ends():
             assert ranks.call(rf.identity, (1, "a", None)) == (1, "a", None)
             assert ranks.call(rf.ids_and_total, (7, 8, 9), x, x[:2]) == (7, 8, 9, 32641.0)
             assert ranks.call(rf.ids_and_total, (), x[:3]) == (3.0,)
+            # more than 8 arguments (a gradient message of several recv functions)
+            parts = [x[i:i + 2].clone() for i in range(12)]
+            assert ranks.call(rf.ids_and_total, (5,), *parts) == (5, float(sum(
+                p.sum() for p in parts)))
         assert python.seen == {}, python.seen
         # what is not plain takes the Python path, on both ends
         for args, name in [((x[::2],), "a view that is not contiguous"),
@@ -145,6 +149,10 @@ def test_plain_calls_take_the_compiled_path_on_both_ends():
                 result = ranks.call(rf.identity, *args)
             assert python.seen.get("encode") == 1 and python.seen.get("serve_call") == 1, name
             assert type(result) is type(args[0]) and str(result) == str(args[0]), name
+        many = [x[i:i + 1].clone() + 1 for i in range(70)]  # more than 64 arguments
+        with PythonCalls() as python:
+            assert ranks.call(rf.ids_and_total, (1,), *many) == (1, 70.0 + sum(range(70)))
+        assert python.seen.get("encode") == 1 and python.seen.get("serve_call") == 1
         with PythonCalls() as python:
             assert ranks.call(rf.add, 1, b=2) == 3  # keyword arguments
         assert python.seen["encode"] == 1 and python.seen["serve_call"] == 1

@@ -53,7 +53,7 @@
 
 #include "../transport/torch_futures.h"
 
-#define VERSION 9
+#define VERSION 10
 
 /* the protocol's constants (messages.py); Core.__init__ checks them against Python's */
 #define CALL 1
@@ -64,6 +64,10 @@
 #define FLAG_FUNCTION_REF 2
 #define FLAG_PLAIN 4
 #define FLAG_TENSOR_SLOTS 8
+/* the most arguments of a call this path takes (each tensor is looked for among those
+ * before it): a gradient message of MAX_BATCH recv functions carries 4 plain values and
+ * the gradients of each function, often more than one */
+#define MAX_ARGS 64
 #define ALIGN 16
 
 /* ================================================================== Counters */
@@ -1108,7 +1112,7 @@ static PyObject *call_payload(Core *self, PyObject *func, PyObject *args, PyObje
 {
     *tensors = NULL;
     if (!PyTuple_CheckExact(args) || !PyDict_CheckExact(kwargs) || PyDict_GET_SIZE(kwargs) ||
-        PyTuple_GET_SIZE(args) > 8)
+        PyTuple_GET_SIZE(args) > MAX_ARGS)
         return NULL;
     PyObject *prefix = PyDict_GetItemWithError(self->o[O_PREFIXES], func); /* borrowed */
     if (prefix == NULL) { /* a new function (the Python path makes its reference), or one */

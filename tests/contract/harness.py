@@ -40,7 +40,7 @@ from typing import Any
 from mpidag import _runtime
 from mpidag.pytest_plugin import RpcWorld
 
-__all__ = ["World", "InProcGroup", "bound", "serial", "rank_state"]
+__all__ = ["World", "InProcGroup", "bound", "python_encodes", "serial", "rank_state"]
 
 #: seconds an in-process test may run on its ranks before the harness reports the ranks
 #: that did not finish (their stacks) and starts a fresh world for the next test
@@ -277,3 +277,33 @@ def rank_state(name: str, factory: Callable[[], Any]) -> Any:
         if name not in per_rank:
             per_rank[name] = factory()
         return per_rank[name]
+
+
+def python_encodes(monkeypatch: Any) -> list[str]:
+    """Collective: from now on, the names of the functions whose calls the Python encoder
+    pickles (``CallCodec.encode``), for a test that checks what the compiled path carries.
+    Every rank first waits for the others (the in-process ranks share the class patched
+    here, so a rank still making its first calls, which take Python to make the function's
+    reference, would show in another rank's list).
+
+    Example::
+
+        >>> rpc.rpc_sync(world.next, f, args=(1,))   # the first call: Python makes the ref
+        >>> encoded = python_encodes(monkeypatch)
+        >>> rpc.rpc_sync(world.next, f, args=(1,))
+        >>> encoded                                 # [] where the compiled path is built
+        []
+    """
+    from mpidag import testing
+    from mpidag.agent.encoding import CallCodec
+
+    encoded: list[str] = []
+    encode = CallCodec.encode
+
+    def logged(self: Any, dst: int, func: Any, args: tuple, kwargs: dict) -> Any:
+        encoded.append(getattr(func, "name", None) or getattr(func, "__name__", ""))
+        return encode(self, dst, func, args, kwargs)
+
+    testing.quiesce()
+    monkeypatch.setattr(CallCodec, "encode", logged)
+    return encoded

@@ -14,10 +14,11 @@ import torch
 
 import mpidag.autograd as dist_autograd
 import mpidag.rpc as rpc
-from mpidag import _runtime, testing
+from mpidag import _runtime
 from mpidag.agent.agent import RpcAgent
 from tests import autograd_funcs as af
 from tests import rpc_funcs
+from tests.contract.harness import python_encodes
 
 close = torch.testing.assert_close
 
@@ -84,21 +85,13 @@ def test_gradient_messages_take_the_compiled_call_path(world, monkeypatch):
     are plain calls of small contiguous CPU tensors, even the loss's expanded gradient:
     where the compiled path is built, none is pickled by the Python encoder."""
     from mpidag._runtime import current
-    from mpidag.agent.encoding import CallCodec
 
     agent = current().agent
     encoded: list[str] = []
-    encode = CallCodec.encode
-
-    def logged(self, dst, func, args, kwargs):  # noqa: ANN001, ANN202
-        encoded.append(getattr(func, "name", ""))
-        return encode(self, dst, func, args, kwargs)
-
     t1, t2 = _seeded(world.rank, (3, 3), (3, 3))
     for step in range(2):  # (the first calls of a handler make its reference: Python)
-        if step:  # once every rank made its references (in-process ranks share the class
-            testing.quiesce()  # patched here)
-            monkeypatch.setattr(CallCodec, "encode", logged)
+        if step:
+            encoded = python_encodes(monkeypatch)
         with dist_autograd.context() as context_id:
             t3 = rpc.rpc_sync(world.next, af.my_add, args=(t1, t2))
             dist_autograd.backward(context_id, [t3.sum()])
@@ -166,52 +159,26 @@ def test_gradients_for_one_rank_that_fire_together_travel_in_one_message(
         world, monkeypatch):
     """A parameter server's step: an RPC's result and two fetched RRefs of the next rank
     get their gradients in the roots' region; one gradient message carries all three (its
-    ids a tuple), and every gradient equals local autograd's."""
-    sent = _gradient_calls(monkeypatch)
-    x, w = _seeded(world.rank, (4,), (4,))
-    with dist_autograd.context() as context_id:
-        y = rpc.rpc_sync(world.next, af.my_add, args=(x, w))
-        a = rpc.remote(world.next, af.square, args=(w,)).to_here()
-        b = rpc.remote(world.next, af.mul_sin, args=(x, w)).to_here()
-        dist_autograd.backward(context_id, [(y * a + b).sum()])
-        grads = dist_autograd.get_gradients(context_id)
-    ex, ew = torch.autograd.grad((af.my_add(x, w) * af.square(w) + af.mul_sin(x, w)).sum(),
-                                 [x, w])
-    close(grads[x], ex)
-    close(grads[w], ew)
-    mine = [ids for sender, ids in sent if sender == world.rank]
-    assert len(mine) == 1 and type(mine[0]) is tuple and len(mine[0]) == 3, sent
-
-
-def test_gradients_that_travel_together_take_the_compiled_call_path(world, monkeypatch):
-    """The message of a parameter server's step (its ids a tuple, three gradients, one of
-    them 64 KiB) is a plain call too: where the compiled path is built, the Python encoder
-    pickles none (before, a tuple beside tensors sent the message through the Python
-    pickler on the sender and its decoder on the receiver)."""
+    ids a tuple, one gradient 64 KiB), every gradient equals local autograd's, and the
+    message is a plain call: where the compiled path is built, the Python encoder pickles
+    none (before, a tuple beside tensors sent it through the Python pickler on the sender
+    and its decoder on the receiver)."""
     from mpidag._runtime import current
-    from mpidag.agent.encoding import CallCodec
 
     sent = _gradient_calls(monkeypatch)
     encoded: list[str] = []
-    encode = CallCodec.encode
-
-    def logged(self, dst, func, args, kwargs):  # noqa: ANN001, ANN202
-        encoded.append(getattr(func, "name", ""))
-        return encode(self, dst, func, args, kwargs)
-
     x, w = _seeded(world.rank, (256, 64), (64,))
     for step in range(2):  # (the first calls of a handler make its reference: Python)
-        if step:  # once every rank made its references (in-process ranks share the class
-            testing.quiesce()  # patched here)
-            monkeypatch.setattr(CallCodec, "encode", logged)
+        if step:
+            encoded = python_encodes(monkeypatch)
         with dist_autograd.context() as context_id:
             y = rpc.rpc_sync(world.next, af.my_add, args=(x, w))
             a = rpc.remote(world.next, af.square, args=(w,)).to_here()
-            b = rpc.remote(world.next, af.mul_sin, args=(w, w)).to_here()
+            b = rpc.remote(world.next, af.mul_sin, args=(x, w)).to_here()
             dist_autograd.backward(context_id, [(y * a + b).sum()])
             grads = dist_autograd.get_gradients(context_id)
         ex, ew = torch.autograd.grad(
-            (af.my_add(x, w) * af.square(w) + af.mul_sin(w, w)).sum(), [x, w])
+            (af.my_add(x, w) * af.square(w) + af.mul_sin(x, w)).sum(), [x, w])
         close(grads[x], ex)
         close(grads[w], ew)
     mine = [ids for sender, ids in sent if sender == world.rank]

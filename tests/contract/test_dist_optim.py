@@ -16,7 +16,7 @@ from mpidag import testing
 from mpidag.optim import DistributedOptimizer
 from tests import optim_funcs as of
 from tests.autograd_funcs import in_threads
-from tests.contract.harness import bound
+from tests.contract.harness import bound, python_encodes
 
 close = torch.testing.assert_close
 
@@ -210,23 +210,15 @@ def test_a_step_is_a_plain_call_that_names_the_local_optimizer_by_its_key(world,
     local optimizer goes with its DistributedOptimizer, and a step on a key it no longer
     has is a clear error."""
     from mpidag._runtime import current
-    from mpidag.agent.encoding import CallCodec
     from mpidag.optim import optimizer as optimizer_module
 
     there = rpc.remote(world.next, of.random_tensor, args=(4,))
     start = there.to_here()
     opt = DistributedOptimizer(torch.optim.SGD, [there], lr=0.5)
     encoded: list[str] = []
-    encode = CallCodec.encode
-
-    def logged(self, dst, func, args, kwargs):  # noqa: ANN001, ANN202
-        encoded.append(getattr(func, "__name__", getattr(func, "name", "")))
-        return encode(self, dst, func, args, kwargs)
-
     for step in range(3):  # (the first call of a function makes its reference: Python)
-        if step == 1:  # once every rank made its references (in-process ranks share the
-            testing.quiesce()  # class patched here)
-            monkeypatch.setattr(CallCodec, "encode", logged)
+        if step == 1:
+            encoded = python_encodes(monkeypatch)
         with dist_autograd.context() as context_id:
             dist_autograd.backward(context_id, [(there.to_here() * 2).sum()])
             opt.step(context_id)
