@@ -57,8 +57,11 @@ rpc.shutdown()
 """
 
 
-def _inspect_running(tmp_path: Path, mode: str, nprocs: int) -> tuple[str, str]:
-    """Start the job, run the inspector once every rank is busy, return both outputs."""
+def _inspect_running(tmp_path: Path, mode: str, nprocs: int,
+                     shows: tuple[str, ...]) -> tuple[str, str]:
+    """Start the job, run the inspector until its report shows every text of ``shows`` (the
+    state the test asserts on: a call is in the wait-for graph a moment before its callee's
+    pool thread is in the user's function), at most 60 s; return both outputs."""
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(JOB))
     env = {"MPIDAG_INSPECT_DIR": str(tmp_path / "inspect"), "PYTHONUNBUFFERED": "1"}
@@ -75,7 +78,7 @@ def _inspect_running(tmp_path: Path, mode: str, nprocs: int) -> tuple[str, str]:
             run = subprocess.run([sys.executable, "-m", "mpidag.inspect", "--timeout", "5"],
                                  capture_output=True, text=True, env=env, timeout=30)
             report = run.stdout + run.stderr
-            if "-> worker" in report and run.returncode == 0:
+            if run.returncode == 0 and all(text in report for text in shows):
                 break
         out, _ = job.communicate(timeout=90)
     finally:
@@ -85,7 +88,8 @@ def _inspect_running(tmp_path: Path, mode: str, nprocs: int) -> tuple[str, str]:
 
 
 def test_chain_of_calls_shows_who_waits_on_whom(tmp_path):
-    report, out = _inspect_running(tmp_path, "chain", 3)
+    report, out = _inspect_running(tmp_path, "chain", 3,
+                                   shows=("worker1 -> worker2", "sleeper"))
     assert "3 ranks, 3 answered" in report, report + out
     assert "worker0 -> worker1: __main__.chain" in report, report
     assert "worker1 -> worker2: __main__.chain" in report, report
@@ -95,7 +99,7 @@ def test_chain_of_calls_shows_who_waits_on_whom(tmp_path):
 
 
 def test_deadlock_is_shown_as_a_cycle(tmp_path):
-    report, out = _inspect_running(tmp_path, "deadlock", 2)
+    report, out = _inspect_running(tmp_path, "deadlock", 2, shows=("CYCLE", " locked"))
     assert "CYCLE: worker0 -> worker1 -> worker0" in report, report
     assert re.search(r"thread \S+: .*job\.py:\d+ locked", report), report  # waits for TABLE
     assert "TIMED OUT RPCTimeoutError" in out, out  # the job itself gets out (timeouts)
