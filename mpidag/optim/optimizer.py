@@ -141,10 +141,6 @@ def _local_step(key: int, context_id: int) -> int:
     return local.step(context_id)
 
 
-def _step_times(optimizer_rref: Any) -> list[tuple[float, float]]:
-    return list(optimizer_rref.local_value().step_times)
-
-
 class DistributedOptimizer:
     """torch's ``DistributedOptimizer`` on MPI: one local optimizer per owner of parameters.
 
