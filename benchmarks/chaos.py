@@ -19,9 +19,9 @@ other rank; see that file), waits a random 1-3 s, and sends ``SIGKILL`` to a ran
 A trial that runs past ``--trial-timeout`` (default 60 s) is a hang: every live rank gets
 ``SIGUSR1`` (mpidag dumps its threads' stacks and calls in flight into the job's output,
 kept in the JSON), then the whole process group is killed and the next trial starts. A job
-whose ranks have not all started training within half that time gets the same treatment and
-is counted apart (``startup_failures``): no rank was killed, so it is no hang of mpidag's
-failure handling.
+whose ranks have not all started training within ``--startup-timeout`` (default 60 s) gets the
+same treatment and is counted apart (``startup_failures``, with how far each rank got): no
+rank was killed, so it is no hang of mpidag's failure handling, though still a failed trial.
 
 Trial ``i`` uses the seed ``--seed + i`` for the victim, the delay and the job's own random
 choices, printed with every trial: ``--seed S --trials 1`` replays trial seed ``S``.
@@ -170,6 +170,20 @@ def wait_exit(proc: subprocess.Popen, deadline: float) -> float | None:
     return None
 
 
+def startup_progress(out_dir: Path, ranks: int) -> str:
+    """How far each rank got before training: which wrote its pid (``init_rpc()`` returned),
+    which touched its ``training`` marker (its setup calls done).
+
+    Example::
+
+        >>> startup_progress(Path("/nonexistent"), 2)
+        'init_rpc() returned on ranks [] of 2; training on ranks []'
+    """
+    inited = [r for r in range(ranks) if (out_dir / f"pid.{r}").exists()]
+    training = [r for r in range(ranks) if (out_dir / f"training.{r}").exists()]
+    return f"init_rpc() returned on ranks {inited} of {ranks}; training on ranks {training}"
+
+
 def dump_and_kill(proc: subprocess.Popen, out_dir: Path, ranks: int) -> None:
     """``SIGUSR1`` to every live rank (mpidag prints its threads' stacks and calls in flight
     into the job's output), 3 s for the dumps, then SIGKILL to the whole process group."""
@@ -219,9 +233,11 @@ def run_trial(index: int, cfg: Config) -> Trial:
                 trial.problems.append("the job did not start training: "
                                       + ("it exited" if proc.poll() is not None
                                          else f"not within {cfg.startup_timeout:.0f} s "
-                                              f"(stacks in output_tail); no kill"))
+                                              f"(stacks in output_tail); no kill")
+                                      + "; " + startup_progress(out_dir, cfg.ranks))
                 if proc.poll() is None:
                     dump_and_kill(proc, out_dir, cfg.ranks)
+                t_end = wait_exit(proc, time.monotonic() + 10)
                 break
             time.sleep(0.02)
         else:
@@ -238,9 +254,10 @@ def run_trial(index: int, cfg: Config) -> Trial:
                 t_kill = time.time()  # taken before: a survivor may see the loss in < 1 ms
                 os.kill(trial.victim_pid, signal.SIGKILL)
                 trial.killed = True
-        # 3. the end, or a hang
-        t_end = wait_exit(proc, deadline)
-        if t_end is None:
+        # 3. the end, or a hang (a job that never started training was ended above)
+        if not trial.startup_failed:
+            t_end = wait_exit(proc, deadline)
+        if t_end is None and not trial.startup_failed:
             trial.hang = True
             living = {r: p for r, p in pids(out_dir, cfg.ranks).items() if alive(p)}
             done = {r for r, rows in read_events(out_dir, cfg.ranks).items()

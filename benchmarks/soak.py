@@ -28,9 +28,11 @@ seed is chosen by rank 0 unless ``--seed``, printed, and each rank draws from
 Measured: each rank's resident memory (RSS, ``/proc/self/statm``) and iteration count every
 ``--sample-s`` seconds, the RSS growth per 1,000 of the rank's iterations (least-squares slope
 after the first ``--warmup-s`` seconds; "flat" means below 1 MiB per 1,000), the iterations/s
-of all ranks per interval (60 s, or 10 s for runs shorter than 3 minutes), the mean time per
-operation kind, the errors by type (expected ones apart; any unexpected one fails the run)
-and, at the end, after ``testing.quiesce()``, the leak counters of every rank
+of all ranks per interval (60 s, or 10 s for runs shorter than 3 minutes) and their
+iterations per second of the ranks' CPU time (every thread; a machine loaded by something
+else slows the first, not the second, so the second shows a job that slows itself), the
+mean time per operation kind, the errors by type (expected ones apart; any unexpected one
+fails the run) and, at the end, after ``testing.quiesce()``, the leak counters of every rank
 (``testing.leak_report()``: RRefs, pending forks, calls in flight, autograd contexts and
 passes, live send/recv functions) together with each rank's full runtime ``debug_info()``.
 
@@ -49,6 +51,7 @@ import datetime as _dt
 import faulthandler
 import gc
 import json
+import logging
 import os
 import random
 import signal
@@ -291,6 +294,7 @@ class Soak:
         self.unexpected_samples: list[dict[str, str]] = []
         self.samples: list[tuple[float, int, int]] = []  # (t, iterations, rss bytes)
         self.interval_iters: list[int] = []
+        self.interval_cpu: list[float] = []  # CPU seconds of this rank per interval
         self.optim_steps = 0
         self.token = 0
         self.kinds = list(MIX)
@@ -407,7 +411,9 @@ class Soak:
         """Loop over random operations for ``duration_s`` seconds (from now)."""
         n_intervals = max(1, round(duration_s / interval_s))
         self.interval_iters = [0] * n_intervals
+        self.interval_cpu = [0.0] * n_intervals
         t0 = time.monotonic()
+        cpu_before = time.process_time()
         end = t0 + duration_s
         self.samples.append((0.0, 0, rss_bytes()))
         next_sample, next_progress = t0 + sample_s, t0 + interval_s
@@ -441,7 +447,11 @@ class Soak:
             self.op_time[kind] += done - start
             iterations += 1
             STATE["iterations"] = iterations
-            self.interval_iters[min(int((done - t0) / interval_s), n_intervals - 1)] += 1
+            index = min(int((done - t0) / interval_s), n_intervals - 1)
+            self.interval_iters[index] += 1
+            cpu_now = time.process_time()  # every thread of the rank: the leader's polls too
+            self.interval_cpu[index] += cpu_now - cpu_before
+            cpu_before = cpu_now
             watch.beat()
         self.samples.append((time.monotonic() - t0, iterations, rss_bytes()))
 
@@ -458,6 +468,7 @@ class Soak:
             "unexpected_samples": self.unexpected_samples,
             "samples": [[round(t, 3), i, r] for t, i, r in self.samples],
             "interval_iterations": self.interval_iters,
+            "interval_cpu_s": [round(c, 4) for c in self.interval_cpu],
         }
 
 
@@ -518,9 +529,12 @@ def build_report(per_rank: list[dict[str, Any]], leaks: dict[int, dict[str, int]
     intervals = []
     for k in range(n_int):
         its = [p["interval_iterations"][k] for p in per_rank]
+        cpu = sum(p["interval_cpu_s"][k] for p in per_rank)
         intervals.append({"t_start_s": k * interval_s, "t_end_s": (k + 1) * interval_s,
                           "iterations_per_rank": its,
-                          "iterations_per_s": round(sum(its) / interval_s, 2)})
+                          "iterations_per_s": round(sum(its) / interval_s, 2),
+                          "cpu_s": round(cpu, 3),
+                          "iterations_per_cpu_s": round(sum(its) / cpu, 2) if cpu else None})
     growth = {str(p["rank"]): rss_growth(p["samples"], meta["warmup_s"]) for p in per_rank}
     expected: Counter[str] = Counter()
     unexpected: Counter[str] = Counter()
@@ -569,10 +583,13 @@ def table(report: dict[str, Any]) -> str:
         lines.append(f"| {p['rank']} | {p['iterations']:,} | {g['rss_start_MiB']:.1f} / "
                      f"{g['rss_after_warmup_MiB']} / {g['rss_end_MiB']:.1f} | "
                      f"{g['MiB_per_1000_iterations']} | {leak} |")
-    lines += ["", "| interval | iterations/s (all ranks) |", "| --- | ---: |"]
+    lines += ["", "| interval | iterations/s (all ranks) | iterations per CPU second |",
+              "| --- | ---: | ---: |"]
     for i in report["intervals"]:
+        per_cpu = i.get("iterations_per_cpu_s")
         lines.append(f"| {i['t_start_s']:.0f}-{i['t_end_s']:.0f} s | "
-                     f"{i['iterations_per_s']:,.1f} |")
+                     f"{i['iterations_per_s']:,.1f} | "
+                     f"{'-' if per_cpu is None else f'{per_cpu:,.1f}'} |")
     v, e = report["verdict"], report["errors"]
     lines += ["", f"operations: {report['ops']}",
               f"expected errors: {e['expected']}; unexpected errors: {e['unexpected'] or 0}",
@@ -671,6 +688,10 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         log(f"{size} ranks, {args.minutes:g} min, seed {seed}, interval {args.interval_s:g} s, "
             f"1-min load average {load_before[0]}")
+    # the callee logs every failing call as torch does; the mix's own errors would bury
+    # the lines a failed run needs in its output
+    logging.getLogger("mpidag.agent.agent").addFilter(
+        lambda record: "soak error" not in record.getMessage())
     rpc.init_rpc()
     torch.manual_seed(seed * 1009 + rank)
     PARAM = (0.3 * torch.randn(DIM, DIM)).requires_grad_()

@@ -30,13 +30,29 @@ def chaos(tmp_path: Path, *options: str, timeout: float) -> tuple[dict[str, Any]
     )
     text = result.stdout + result.stderr
     assert out.exists(), text
-    return json.loads(out.read_text()), text
+    data = json.loads(out.read_text())
+    return data, text + failed_trials(data)
+
+
+def failed_trials(data: dict[str, Any]) -> str:
+    """What a failure message needs beyond the table: each failed trial's problems, how far
+    each rank got (its events) and the end of the job's output (the SIGUSR1 stacks)."""
+    parts = []
+    for trial in data["trials"]:
+        if trial["ok"]:
+            continue
+        events = {name: [e["event"] for e in rows]
+                  for name, rows in (trial.get("events") or {}).items()}
+        parts.append(f"\n--- trial seed {trial['seed']}: {trial['problems']}\n"
+                     f"events: {events}\noutput tail:\n{(trial['output_tail'] or '')[-8000:]}")
+    return "".join(parts)
 
 
 def test_ft_survivors_get_the_error_and_go_on(tmp_path):
     data, text = chaos(tmp_path, "--trials", "2", "--seed", "1", timeout=90)
     summary = data["summary"]
     assert summary["hangs"] == 0, text
+    assert summary["startup_failures"] == 0, text
     assert summary["ok"] == summary["trials"] == 2, text
     assert summary["survivors_right_error"] == summary["survivors"] == 6, text
     assert summary["survivors_shutdown"] == 6, text
