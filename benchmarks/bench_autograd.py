@@ -22,12 +22,17 @@ Workloads (forward + backward per iteration, median time of several repetitions)
 
 ``local`` runs the same model on rank 0 alone with ``loss.backward()`` (gradients to
 ``.grad``, reset every iteration); the goal is mpidag <= 1.3x local, and faster than torch.
-Because one machine's speed drifts within a run, the engine overhead is also measured as
-``mpidag_vs_local_interleaved``: blocks of distributed and local iterations back to back, in
-alternating order, the median of their ratios.
 ``mpi4py`` is the same split written by hand with raw mpi4py (``Send``/``Recv`` of the
 activations, then of their gradients, each stage running ``backward`` on its half): the
 floor of what any RPC-based engine can do on these two ranks.
+Because one machine's speed drifts within a run (the same local iteration ranged from 78 to
+164 ms within a minute), the mpidag phase also runs blocks of mpidag, the hand-written split
+and local iterations back to back, in rotating order, and reports the medians of their
+ratios: ``mpidag_vs_local_interleaved`` (the engine overhead), ``split_vs_local_interleaved``
+(the same for the hand-written split: the floor of that overhead) and
+``mpidag_vs_split_interleaved`` (what mpidag adds to the floor). Rank 1 serves its half of a
+block of the split on a pool thread, called with ``rpc_async``, on a communicator of its
+own; mpidag's agent idles meanwhile, as it does during the local blocks.
 Every rank uses one intra-op thread (two ranks share two cores). Rank 0 writes
 ``benchmarks/results/autograd.json``; ``benchmarks/plot.py`` draws it.
 """
@@ -212,6 +217,18 @@ def mpi4py_serve(comm: MPI.Comm, workload: str) -> None:
         p.grad = None
 
 
+#: the hand-written split's communicator during the mpidag phase (both ranks; see run())
+SPLIT_COMM: MPI.Comm | None = None
+
+
+def serve_split(workload: str, iterations: int) -> None:
+    """On rank 1, called by rank 0 with ``rpc_async``: its half of ``iterations`` steps of
+    the hand-written split, on :data:`SPLIT_COMM`."""
+    assert SPLIT_COMM is not None
+    for _ in range(iterations):
+        mpi4py_serve(SPLIT_COMM, workload)
+
+
 # ---------------------------------------------------------------- driver
 WORKLOADS: dict[str, dict[str, int]] = {
     # iterations per repetition, repetitions, warm-up iterations
@@ -294,12 +311,18 @@ def run(key: str, comm: MPI.Comm, workloads: dict[str, dict[str, int]]
             out = {w: measure(lambda w=w: local_step(w), spec) for w, spec in workloads.items()}
         timed_barrier(comm, 3600, "local end")
         return out
+    global SPLIT_COMM
+    if key == "mpidag":
+        SPLIT_COMM = comm.Dup()  # collective: before the agent starts
     with Watchdog(300, f"{key} init"):
         rpc, dist_autograd = start_rpc(key, comm)
     timed_allreduce_min(comm, 1, 300, f"{key} init")
     if rank == 1:
         with Watchdog(3600, f"{key} serve"):
             rpc.shutdown()
+        if SPLIT_COMM is not None:
+            SPLIT_COMM.Free()
+            SPLIT_COMM = None
         return None
     check_gradients(rpc, dist_autograd)
     out = {}
@@ -309,31 +332,65 @@ def run(key: str, comm: MPI.Comm, workloads: dict[str, dict[str, int]]
         log(f"{key}: {w} = {statistics.median(out[w]):.3f} ms/iteration "
             f"[{time.perf_counter() - t0:.1f} s]")
         if key == "mpidag":
-            out[f"{w}/interleaved"] = interleaved_ratios(
-                lambda w=w: distributed_step(rpc, dist_autograd, w),
-                lambda w=w: local_step(w), spec)
-            log(f"{key}: {w} interleaved with local: "
-                f"{statistics.median(out[f'{w}/interleaved']):.2f}x")
+            blocks = {"mpidag": lambda w=w: distributed_step(rpc, dist_autograd, w),
+                      "local": lambda w=w: local_step(w)}
+            if w in runs("mpi4py", WORKLOADS):
+                blocks["split"] = lambda w=w, n=spec["calls"]: split_block(rpc, w, n)
+                split_block(rpc, w, spec["warmup"])
+            times = interleaved_blocks(blocks, spec)
+            for name, (a, b) in INTERLEAVED_RATIOS.items():
+                if a in times and b in times:
+                    out[f"{w}/{name}"] = [x / y for x, y in zip(times[a], times[b], strict=True)]
+            log(f"{key}: {w} interleaved: " + ", ".join(
+                f"{name} {statistics.median(out[f'{w}/{name}']):.2f}x"
+                for name in INTERLEAVED_RATIOS if f"{w}/{name}" in out))
     rpc.shutdown()
+    if SPLIT_COMM is not None:
+        SPLIT_COMM.Free()
+        SPLIT_COMM = None
     return out
 
 
-def interleaved_ratios(step: Callable[[], None], local: Callable[[], None],
-                       spec: dict[str, int]) -> list[float]:
-    """Ratios distributed / local of blocks run back to back (``reps`` pairs of ``calls``
-    iterations each, order alternating), so that drifts of a noisy machine hit both alike:
-    on this VM the same local iteration ranged from 78 to 164 ms within a minute."""
-    ratios = []
+#: the ratios of interleaved blocks reported per workload: name -> (numerator, denominator)
+INTERLEAVED_RATIOS = {"interleaved": ("mpidag", "local"),
+                      "split_interleaved": ("split", "local"),
+                      "mpidag_vs_split_interleaved": ("mpidag", "split")}
+
+
+def split_block(rpc: ModuleType, workload: str, iterations: int) -> None:
+    """Rank 0: ``iterations`` steps of the hand-written split while the agent is up (rank 1
+    serves them in :func:`serve_split`)."""
+    served = rpc.rpc_async("worker1", serve_split, args=(workload, iterations))
+    for _ in range(iterations):
+        mpi4py_step(SPLIT_COMM, workload)
+    served.wait()
+
+
+def interleaved_blocks(blocks: dict[str, Callable[[], None]], spec: dict[str, int]
+                       ) -> dict[str, list[float]]:
+    """Seconds of each of ``reps`` blocks of each kind, the kinds back to back in rotating
+    order (``calls`` iterations a block; a block named ``split`` runs all of its iterations
+    itself), so that drifts of a noisy machine hit every kind alike.
+
+    Example::
+
+        >>> times = interleaved_blocks({"a": lambda: None, "b": lambda: None},
+        ...                            {"reps": 3, "calls": 2})
+        >>> sorted(times), len(times["a"])
+        (['a', 'b'], 3)
+    """
+    names = list(blocks)
+    times: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(spec["reps"]):
-        pair = [step, local] if rep % 2 == 0 else [local, step]
-        times = {}
-        for fn in pair:
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
             t0 = time.perf_counter()
-            for _ in range(spec["calls"]):
-                fn()
-            times[fn] = time.perf_counter() - t0
-        ratios.append(times[step] / times[local])
-    return ratios
+            if name == "split":
+                blocks[name]()
+            else:
+                for _ in range(spec["calls"]):
+                    blocks[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def report(measured: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
@@ -349,10 +406,13 @@ def report(measured: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
             return e[a] / e[b] if e.get(a) and e.get(b) else None
 
         entry["mpidag_vs_local"] = ratio("mpidag", "local")
-        inter = measured.get("mpidag", {}).get(f"{w}/interleaved")
-        entry["mpidag_vs_local_interleaved"] = statistics.median(inter) if inter else None
-        if inter:
-            entry["samples"]["mpidag_vs_local_interleaved"] = inter
+        for name, field in (("interleaved", "mpidag_vs_local_interleaved"),
+                            ("split_interleaved", "split_vs_local_interleaved"),
+                            ("mpidag_vs_split_interleaved", "mpidag_vs_split_interleaved")):
+            inter = measured.get("mpidag", {}).get(f"{w}/{name}")
+            entry[field] = statistics.median(inter) if inter else None
+            if inter:
+                entry["samples"][field] = inter
         entry["mpidag_vs_torch"] = ratio("mpidag", "torch_rpc")
         entry["mpidag_vs_mpi4py"] = ratio("mpidag", "mpi4py")
         entry["torch_vs_local"] = ratio("torch_rpc", "local")
@@ -407,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         doc = report(measured)
         print(f"{'workload':<24}{'local ms':>10}{'mpi4py ms':>10}{'torch ms':>10}"
-              f"{'mpidag ms':>11}{'mpidag/local':>14}{'interleaved':>13}{'mpidag/torch':>14}")
+              f"{'mpidag ms':>11}{'mpidag/local':>14}{'interleaved':>13}{'split/local':>13}"
+              f"{'mpidag/split':>14}{'mpidag/torch':>14}")
         for name, e in doc["rows"].items():
             def f(v: float | None, fmt: str = "{:.3f}") -> str:
                 return "-" if v is None else fmt.format(v)
@@ -415,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{f(e['mpidag']):>11}"
                   f"{f(e['mpidag_vs_local'], '{:.2f}x'):>14}"
                   f"{f(e['mpidag_vs_local_interleaved'], '{:.2f}x'):>13}"
+                  f"{f(e['split_vs_local_interleaved'], '{:.2f}x'):>13}"
+                  f"{f(e['mpidag_vs_split_interleaved'], '{:.2f}x'):>14}"
                   f"{f(e['mpidag_vs_torch'], '{:.2f}x'):>14}")
         log(f"wrote {args.out}")
     comm.Free()
