@@ -26,13 +26,18 @@ Workloads (forward + backward per iteration, median time of several repetitions)
 activations, then of their gradients, each stage running ``backward`` on its half): the
 floor of what any RPC-based engine can do on these two ranks.
 Because one machine's speed drifts within a run (the same local iteration ranged from 78 to
-164 ms within a minute), the mpidag phase also runs blocks of mpidag, the hand-written split
-and local iterations back to back, in rotating order, and reports the medians of their
-ratios: ``mpidag_vs_local_interleaved`` (the engine overhead), ``split_vs_local_interleaved``
-(the same for the hand-written split: the floor of that overhead) and
-``mpidag_vs_split_interleaved`` (what mpidag adds to the floor). Rank 1 serves its half of a
-block of the split on a pool thread, called with ``rpc_async``, on a communicator of its
-own; mpidag's agent idles meanwhile, as it does during the local blocks.
+164 ms within a minute, and the ratio of the torch and mpidag phases' medians from 1.06 to
+1.52 for the pipeline in three runs of one hour), the mpidag phase also starts torch's RPC
+beside mpidag's and runs blocks of mpidag, torch, the hand-written split and local
+iterations back to back, in rotating order, and reports the medians of their ratios:
+``mpidag_vs_local_interleaved`` (the engine overhead), ``split_vs_local_interleaved`` (the
+same for the hand-written split: the floor of that overhead), ``mpidag_vs_split_interleaved``
+(what mpidag adds to the floor), ``mpidag_vs_torch_interleaved`` and
+``split_vs_torch_interleaved`` (the floor of that ratio). Rank 1 serves its half of a block
+of the split on a pool thread, called with ``rpc_async``, on a communicator of its own.
+During the torch, split and local blocks mpidag's agent idles (its leaders yield for 50 ms
+after the last message, then nap: 4 % of a core idle, see ``bench_rpc.py``), a cost the
+mpidag blocks do not pay; torch's agent idles in ``epoll`` during the others.
 Every rank uses one intra-op thread (two ranks share two cores). Rank 0 writes
 ``benchmarks/results/autograd.json``; ``benchmarks/plot.py`` draws it.
 """
@@ -312,14 +317,19 @@ def run(key: str, comm: MPI.Comm, workloads: dict[str, dict[str, int]]
         timed_barrier(comm, 3600, "local end")
         return out
     global SPLIT_COMM
+    beside: tuple[ModuleType, ModuleType] | None = None  # torch's RPC, in the mpidag phase
     if key == "mpidag":
-        SPLIT_COMM = comm.Dup()  # collective: before the agent starts
+        SPLIT_COMM = comm.Dup()  # collective: before the agents start
+        with Watchdog(300, "torch_rpc init beside mpidag"):
+            beside = start_rpc("torch_rpc", comm)
     with Watchdog(300, f"{key} init"):
         rpc, dist_autograd = start_rpc(key, comm)
     timed_allreduce_min(comm, 1, 300, f"{key} init")
     if rank == 1:
         with Watchdog(3600, f"{key} serve"):
             rpc.shutdown()
+            if beside is not None:
+                beside[0].shutdown()
         if SPLIT_COMM is not None:
             SPLIT_COMM.Free()
             SPLIT_COMM = None
@@ -337,6 +347,10 @@ def run(key: str, comm: MPI.Comm, workloads: dict[str, dict[str, int]]
             if w in runs("mpi4py", WORKLOADS):
                 blocks["split"] = lambda w=w, n=spec["calls"]: split_block(rpc, w, n)
                 split_block(rpc, w, spec["warmup"])
+            if beside is not None and w in runs("torch_rpc", WORKLOADS):
+                blocks["torch"] = lambda w=w: distributed_step(*beside, w)
+                for _ in range(spec["warmup"]):
+                    blocks["torch"]()
             times = interleaved_blocks(blocks, spec)
             for name, (a, b) in INTERLEAVED_RATIOS.items():
                 if a in times and b in times:
@@ -345,6 +359,8 @@ def run(key: str, comm: MPI.Comm, workloads: dict[str, dict[str, int]]
                 f"{name} {statistics.median(out[f'{w}/{name}']):.2f}x"
                 for name in INTERLEAVED_RATIOS if f"{w}/{name}" in out))
     rpc.shutdown()
+    if beside is not None:
+        beside[0].shutdown()
     if SPLIT_COMM is not None:
         SPLIT_COMM.Free()
         SPLIT_COMM = None
@@ -354,7 +370,9 @@ def run(key: str, comm: MPI.Comm, workloads: dict[str, dict[str, int]]
 #: the ratios of interleaved blocks reported per workload: name -> (numerator, denominator)
 INTERLEAVED_RATIOS = {"interleaved": ("mpidag", "local"),
                       "split_interleaved": ("split", "local"),
-                      "mpidag_vs_split_interleaved": ("mpidag", "split")}
+                      "mpidag_vs_split_interleaved": ("mpidag", "split"),
+                      "mpidag_vs_torch_interleaved": ("mpidag", "torch"),
+                      "split_vs_torch_interleaved": ("split", "torch")}
 
 
 def split_block(rpc: ModuleType, workload: str, iterations: int) -> None:
@@ -408,7 +426,9 @@ def report(measured: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
         entry["mpidag_vs_local"] = ratio("mpidag", "local")
         for name, field in (("interleaved", "mpidag_vs_local_interleaved"),
                             ("split_interleaved", "split_vs_local_interleaved"),
-                            ("mpidag_vs_split_interleaved", "mpidag_vs_split_interleaved")):
+                            ("mpidag_vs_split_interleaved", "mpidag_vs_split_interleaved"),
+                            ("mpidag_vs_torch_interleaved", "mpidag_vs_torch_interleaved"),
+                            ("split_vs_torch_interleaved", "split_vs_torch_interleaved")):
             inter = measured.get("mpidag", {}).get(f"{w}/{name}")
             entry[field] = statistics.median(inter) if inter else None
             if inter:
@@ -468,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
         doc = report(measured)
         print(f"{'workload':<24}{'local ms':>10}{'mpi4py ms':>10}{'torch ms':>10}"
               f"{'mpidag ms':>11}{'mpidag/local':>14}{'interleaved':>13}{'split/local':>13}"
-              f"{'mpidag/split':>14}{'mpidag/torch':>14}")
+              f"{'mpidag/split':>14}{'mpidag/torch':>14}{'interleaved':>13}"
+              f"{'split/torch':>13}")
         for name, e in doc["rows"].items():
             def f(v: float | None, fmt: str = "{:.3f}") -> str:
                 return "-" if v is None else fmt.format(v)
@@ -478,7 +499,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{f(e['mpidag_vs_local_interleaved'], '{:.2f}x'):>13}"
                   f"{f(e['split_vs_local_interleaved'], '{:.2f}x'):>13}"
                   f"{f(e['mpidag_vs_split_interleaved'], '{:.2f}x'):>14}"
-                  f"{f(e['mpidag_vs_torch'], '{:.2f}x'):>14}")
+                  f"{f(e['mpidag_vs_torch'], '{:.2f}x'):>14}"
+                  f"{f(e['mpidag_vs_torch_interleaved'], '{:.2f}x'):>13}"
+                  f"{f(e['split_vs_torch_interleaved'], '{:.2f}x'):>13}")
         log(f"wrote {args.out}")
     comm.Free()
     return 0

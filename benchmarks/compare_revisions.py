@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = (("rpc", "bench_rpc.py", 2), ("autograd", "bench_autograd.py", 2),
               ("optim", "bench_optim.py", 3))
 #: the columns compared: mpidag's figure, its ratios within the run, the engine overhead
-METRICS = ("mpidag", "mpidag_vs_torch", "mpidag_vs_raw", "interleaved")
+METRICS = ("mpidag", "mpidag_vs_torch", "mpidag_vs_raw", "interleaved", "vs_split_interleaved")
 
 
 def clear_earlier_run(out: Path) -> int:
@@ -87,9 +87,11 @@ def figures(row: dict) -> dict[str, float]:
              if isinstance(row.get(key), int | float)}
     if "mpidag_vs_torch" not in found and row.get("torch_rpc") and row.get("mpidag"):
         found["mpidag_vs_torch"] = row["mpidag"] / row["torch_rpc"]
-    interleaved = row.get("samples", {}).get("mpidag_vs_local_interleaved")
-    if interleaved:
-        found["interleaved"] = statistics.median(interleaved)
+    for metric, samples in (("interleaved", "mpidag_vs_local_interleaved"),
+                            ("vs_split_interleaved", "mpidag_vs_split_interleaved")):
+        interleaved = row.get("samples", {}).get(samples)
+        if interleaved:
+            found[metric] = statistics.median(interleaved)
     return found
 
 

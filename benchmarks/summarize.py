@@ -30,11 +30,14 @@ TARGETS: dict[str, list[tuple[str, str, float, str]]] = {
     "echo_1GiB_us": [("mpidag_vs_raw", "<=", 1.1, "<= 1.1x raw")],
     "async_calls_per_s": [("mpidag", ">=", 200_000, ">= 200,000/s")],
     "idle_cpu_percent": [("mpidag", "<=", 5.0, "<= 5 %")],
-    "autograd_pipeline_mlp_ms": [("mpidag_vs_torch", "<=", 0.7, "<= 0.7x torch")],
+    "autograd_pipeline_mlp_ms": [("mpidag_vs_torch", "<=", 0.7, "<= 0.7x torch"),
+                                 ("mpidag_vs_torch_interleaved", "<=", 0.7, "interleaved")],
     "autograd_ops_1000_ms": [("mpidag_vs_torch", "<=", 0.7, "<= 0.7x torch"),
+                             ("mpidag_vs_torch_interleaved", "<=", 0.7, "interleaved"),
                              ("mpidag_vs_local_interleaved", "<=", 1.15,
                               "engine <= 1.15x local")],
-    "autograd_seed_example_ms": [("mpidag_vs_torch", "<=", 0.7, "<= 0.7x torch")],
+    "autograd_seed_example_ms": [("mpidag_vs_torch", "<=", 0.7, "<= 0.7x torch"),
+                                 ("mpidag_vs_torch_interleaved", "<=", 0.7, "interleaved")],
     "ps_shared_steps_per_s": [("mpidag_vs_torch", ">=", 1.3, ">= 1.3x torch")],
     "ps_disjoint_steps_per_s": [("mpidag_vs_torch", ">=", 1.3, ">= 1.3x torch")],
 }
@@ -101,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.autograd:
         out += [f"Distributed autograd, ms per iteration ({len(args.autograd)} runs)", "",
                 table(args.autograd, ["local", "mpi4py", "torch_rpc", "mpidag"],
-                      ["mpidag_vs_torch", "mpidag_vs_local_interleaved",
+                      ["mpidag_vs_torch", "mpidag_vs_torch_interleaved",
+                       "split_vs_torch_interleaved", "mpidag_vs_local_interleaved",
+                       "split_vs_local_interleaved", "mpidag_vs_split_interleaved",
                        "mpidag_vs_all_used"]), ""]
     if args.optim:
         out += [f"Parameter server, steps/s ({len(args.optim)} runs)", "",

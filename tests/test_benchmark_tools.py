@@ -31,9 +31,11 @@ def test_table_gives_medians_ranges_and_the_change_per_row(tmp_path):
             write_run(tmp_path, f"rpc_{side}_{i}", rpc_row(value, 200.0, 2.0))
     # autograd rows carry the interleaved engine overhead as samples; optim rows no raw
     write_run(tmp_path, "autograd_old_1", {"autograd_ops_1000_ms": {
-        "mpidag": 14.0, "torch_rpc": 12.0, "samples": {"mpidag_vs_local_interleaved": [1.3, 1.5]}}})
+        "mpidag": 14.0, "torch_rpc": 12.0, "samples": {"mpidag_vs_local_interleaved": [1.3, 1.5],
+                                                       "mpidag_vs_split_interleaved": [1.25]}}})
     write_run(tmp_path, "autograd_new_1", {"autograd_ops_1000_ms": {
-        "mpidag": 12.0, "torch_rpc": 12.0, "samples": {"mpidag_vs_local_interleaved": [1.2]}}})
+        "mpidag": 12.0, "torch_rpc": 12.0, "samples": {"mpidag_vs_local_interleaved": [1.2],
+                                                       "mpidag_vs_split_interleaved": [1.0]}}})
     text = compare_revisions.table(tmp_path, ("old (a)", "new (b)"))
     lines = text.splitlines()
     assert lines[0] == "| row | figure | old (a) | new (b) | new/old |"
@@ -44,6 +46,25 @@ def test_table_gives_medians_ranges_and_the_change_per_row(tmp_path):
            "| 0.86 |" in lines
     assert "| `autograd_ops_1000_ms` | interleaved | 1.40 (1.40-1.40) | 1.20 (1.20-1.20) " \
            "| 0.86 |" in lines
+    assert "| `autograd_ops_1000_ms` | vs_split_interleaved | 1.25 (1.25-1.25) | " \
+           "1.00 (1.00-1.00) | 0.80 |" in lines
+
+
+def test_interleaved_blocks_rotate_the_kinds_and_time_each_block():
+    """bench_autograd's interleaving: every kind once per repetition, the order rotated, a
+    ``split`` block called once (it runs its iterations itself), the others ``calls``
+    times."""
+    import bench_autograd
+
+    order: list[str] = []
+    blocks = {name: (lambda name=name: order.append(name)) for name in ("mpidag", "split",
+                                                                        "local")}
+    times = bench_autograd.interleaved_blocks(blocks, {"reps": 3, "calls": 2})
+    assert order == ["mpidag", "mpidag", "split", "local", "local",
+                     "split", "local", "local", "mpidag", "mpidag",
+                     "local", "local", "mpidag", "mpidag", "split"]
+    assert {name: len(v) for name, v in times.items()} == {"mpidag": 3, "split": 3, "local": 3}
+    assert all(t >= 0 for v in times.values() for t in v)
 
 
 def test_a_row_measured_on_one_side_only_is_left_out(tmp_path):
