@@ -35,6 +35,9 @@ same for the hand-written split: the floor of that overhead), ``mpidag_vs_split_
 (what mpidag adds to the floor), ``mpidag_vs_torch_interleaved`` and
 ``split_vs_torch_interleaved`` (the floor of that ratio). Rank 1 serves its half of a block
 of the split on a pool thread, called with ``rpc_async``, on a communicator of its own.
+torch's RPC starts there a second time in these processes (after its own phase): its RRefs
+do not survive that (``bench_optim.py --interleaved`` starts fresh processes), its
+distributed autograd does, and its gradients are checked against a local backward first.
 During the torch, split and local blocks mpidag's agent idles (its leaders yield for 50 ms
 after the last message, then nap: 4 % of a core idle, see ``bench_rpc.py``), a cost the
 mpidag blocks do not pay; torch's agent idles in ``epoll`` during the others.
@@ -335,6 +338,8 @@ def run(key: str, comm: MPI.Comm, workloads: dict[str, dict[str, int]]
             SPLIT_COMM = None
         return None
     check_gradients(rpc, dist_autograd)
+    if beside is not None:  # torch's RPC started a second time in these processes (its
+        check_gradients(*beside)  # RRefs would not work; its autograd, checked here, does)
     out = {}
     for w, spec in workloads.items():
         t0 = time.perf_counter()
@@ -342,22 +347,10 @@ def run(key: str, comm: MPI.Comm, workloads: dict[str, dict[str, int]]
         log(f"{key}: {w} = {statistics.median(out[w]):.3f} ms/iteration "
             f"[{time.perf_counter() - t0:.1f} s]")
         if key == "mpidag":
-            blocks = {"mpidag": lambda w=w: distributed_step(rpc, dist_autograd, w),
-                      "local": lambda w=w: local_step(w)}
-            if w in runs("mpi4py", WORKLOADS):
-                blocks["split"] = lambda w=w, n=spec["calls"]: split_block(rpc, w, n)
-                split_block(rpc, w, spec["warmup"])
-            if beside is not None and w in runs("torch_rpc", WORKLOADS):
-                blocks["torch"] = lambda w=w: distributed_step(*beside, w)
-                for _ in range(spec["warmup"]):
-                    blocks["torch"]()
-            times = interleaved_blocks(blocks, spec)
-            for name, (a, b) in INTERLEAVED_RATIOS.items():
-                if a in times and b in times:
-                    out[f"{w}/{name}"] = [x / y for x, y in zip(times[a], times[b], strict=True)]
+            ratios = interleaved_ratios((rpc, dist_autograd), beside, w, spec)
+            out.update({f"{w}/{name}": values for name, values in ratios.items()})
             log(f"{key}: {w} interleaved: " + ", ".join(
-                f"{name} {statistics.median(out[f'{w}/{name}']):.2f}x"
-                for name in INTERLEAVED_RATIOS if f"{w}/{name}" in out))
+                f"{name} {statistics.median(values):.2f}x" for name, values in ratios.items()))
     rpc.shutdown()
     if beside is not None:
         beside[0].shutdown()
@@ -373,6 +366,26 @@ INTERLEAVED_RATIOS = {"interleaved": ("mpidag", "local"),
                       "mpidag_vs_split_interleaved": ("mpidag", "split"),
                       "mpidag_vs_torch_interleaved": ("mpidag", "torch"),
                       "split_vs_torch_interleaved": ("split", "torch")}
+
+
+def interleaved_ratios(mpidag: tuple[ModuleType, ModuleType],
+                       torch_rpc: tuple[ModuleType, ModuleType] | None, workload: str,
+                       spec: dict[str, int]) -> dict[str, list[float]]:
+    """Rank 0 in the mpidag phase: blocks of ``workload`` by mpidag, torch (when it runs
+    beside), the hand-written split and one rank, interleaved; the per-block ratios of
+    :data:`INTERLEAVED_RATIOS` that apply to the workload."""
+    blocks = {"mpidag": lambda: distributed_step(*mpidag, workload),
+              "local": lambda: local_step(workload)}
+    if workload in runs("mpi4py", WORKLOADS):
+        blocks["split"] = lambda: split_block(mpidag[0], workload, spec["calls"])
+        split_block(mpidag[0], workload, spec["warmup"])
+    if torch_rpc is not None and workload in runs("torch_rpc", WORKLOADS):
+        blocks["torch"] = lambda: distributed_step(*torch_rpc, workload)
+        for _ in range(spec["warmup"]):
+            blocks["torch"]()
+    times = interleaved_blocks(blocks, spec)
+    return {name: [x / y for x, y in zip(times[a], times[b], strict=True)]
+            for name, (a, b) in INTERLEAVED_RATIOS.items() if a in times and b in times}
 
 
 def split_block(rpc: ModuleType, workload: str, iterations: int) -> None:

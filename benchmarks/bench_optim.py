@@ -16,9 +16,15 @@ that, in torch as here.)
 
 Rows (total steps per second of the two trainers, higher is better; each sample is one
 run of 150 timed steps per trainer: with 60, one session's five samples spread 1.7x on the
-2-core VM, three ranks sharing two cores. torch RPC cannot start again in a process it shut
-down, so the two stacks cannot alternate within one run: compare_revisions.py alternates
-whole runs):
+2-core VM, three ranks sharing two cores. torch's RRefs do not work in a process whose
+torch RPC was shut down once, so its session and mpidag's run one after the other, minutes
+apart. ``--interleaved`` runs instead one session of its own, in fresh processes: both
+stacks started side by side, runs of each alternating, ``mpidag_vs_torch_interleaved``
+being the median of the ratios of neighbouring runs (the VM's speed drifts 2x within
+minutes, and the ratio of the sessions' medians with it). There torch runs with what
+``init_rpc`` sets for the whole process (``gc.freeze()``, glibc's fastbins off) and with
+mpidag's agent idling beside it (4 % of a core), and mpidag with torch's agent idling in
+``epoll``; it writes ``results/optim_interleaved.json`` by default):
 
 * ``ps_shared_steps_per_s``: both trainers train the same table and layer (the torch RPC
   parameter-server tutorial's shape): mpidag vs torch.
@@ -59,6 +65,7 @@ sys.path.insert(0, str(HERE))
 from _common import log, machine_info, start_torch_rpc  # noqa: E402
 
 DEFAULT_OUT = HERE / "results" / "optim.json"
+INTERLEAVED_OUT = HERE / "results" / "optim_interleaved.json"
 ROWS_, DIM, CLASSES, BATCH = 20_000, 64, 16, 256
 
 
@@ -313,11 +320,82 @@ def session(key: str, comm: MPI.Comm, trainers: MPI.Comm | None, phases: list[tu
     return out
 
 
+def interleaved_session(comm: MPI.Comm, trainers: MPI.Comm | None,
+                        phases: list[tuple[str, str]], steps: int, warmup: int, reps: int
+                        ) -> dict[str, list[float]]:
+    """torch's RPC and mpidag's in the same processes, runs of each alternating (the first
+    of a pair alternating too); per row the ratios mpidag / torch of each pair's steps/s.
+    Rank 0 serves both stacks."""
+    stacks = {key: start(key, comm) for key in ("torch_rpc", "mpidag")}
+    out: dict[str, list[float]] = {}
+    if trainers is not None:
+        me = trainers.Get_rank()
+        for row, _ in phases:
+            model = "shared" if row.startswith("ps_shared") else f"own{me}"
+            for key in stacks:
+                out[f"{row}/{key}"] = []
+            for rep in range(reps):
+                for key in (("mpidag", "torch_rpc") if rep % 2 == 0 else ("torch_rpc", "mpidag")):
+                    seconds = train(*stacks[key], model, steps, warmup, trainers)
+                    out[f"{row}/{key}"].append(2 * steps / trainers.allreduce(seconds,
+                                                                              op=MPI.MAX))
+            if me == 0:
+                ratios = pair_ratios(out, row)
+                log(f"interleaved {row}: mpidag / torch {statistics.median(ratios):.2f}x "
+                    f"({', '.join(f'{r:.2f}' for r in ratios)})")
+    for key in ("mpidag", "torch_rpc"):
+        stacks[key][0].shutdown()
+    return out
+
+
+def pair_ratios(measured: dict[str, list[float]], row: str) -> list[float]:
+    """mpidag's steps/s over torch's, run by neighbouring run, of :func:`interleaved_session`.
+
+    Example::
+
+        >>> pair_ratios({"r/mpidag": [300.0, 330.0], "r/torch_rpc": [200.0, 300.0]}, "r")
+        [1.5, 1.1]
+    """
+    return [m / t for m, t in zip(measured[f"{row}/mpidag"], measured[f"{row}/torch_rpc"],
+                                  strict=True)]
+
+
+def write_interleaved(measured: dict[str, list[float]], steps: int, warmup: int, reps: int,
+                      out: Path) -> None:
+    """The JSON of ``--interleaved`` (rank 0), and a line per row on stdout."""
+    rows: dict[str, Any] = {}
+    for row in ("ps_shared_steps_per_s", "ps_disjoint_steps_per_s"):
+        ratios = pair_ratios(measured, row)
+        rows[row] = {"unit": "steps/s", "better": "higher",
+                     "mpidag": statistics.median(measured[f"{row}/mpidag"]),
+                     "torch_rpc": statistics.median(measured[f"{row}/torch_rpc"]),
+                     "mpidag_vs_torch_interleaved": statistics.median(ratios),
+                     "samples": {"mpidag": measured[f"{row}/mpidag"],
+                                 "torch_rpc": measured[f"{row}/torch_rpc"],
+                                 "mpidag_vs_torch_interleaved": ratios}}
+        print(f"{row}: mpidag {rows[row]['mpidag']:.1f}, torch {rows[row]['torch_rpc']:.1f} "
+              f"steps/s, interleaved runs: mpidag / torch {statistics.median(ratios):.2f}x")
+    doc = {"machine": machine_info(),
+           "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+           "config": {"table": [ROWS_, DIM], "classes": CLASSES, "batch": BATCH,
+                      "steps": steps, "warmup": warmup, "reps": reps, "interleaved": True,
+                      "optimizer": "SGD(lr=0.05, momentum=0.9)", "trainers": 2},
+           "rows": rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    log(f"wrote {out}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"default {DEFAULT_OUT} ({INTERLEAVED_OUT} with --interleaved)")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="only the session with both stacks side by side, runs alternating")
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = INTERLEAVED_OUT if args.interleaved else DEFAULT_OUT
     world = MPI.COMM_WORLD
     if world.Get_size() != 3:
         if world.Get_rank() == 0:
@@ -337,15 +415,23 @@ def main(argv: list[str] | None = None) -> int:
         "torch_rpc": [("ps_shared_steps_per_s", "-"), ("ps_disjoint_steps_per_s", "-")],
         "mpi4py": [("ps_shared_steps_per_s", "-"), ("ps_disjoint_steps_per_s", "-")],
     }
+    if args.interleaved:
+        plan = {"interleaved": [("ps_shared_steps_per_s", "-"),
+                                ("ps_disjoint_steps_per_s", "-")]}
     for key, phases in plan.items():
         if rank == 0:
             log(f"{key}: start")
-        res = session(key, comm, trainers, phases, steps, warmup, reps)
+        if key == "interleaved":
+            res = interleaved_session(comm, trainers, phases, steps, warmup, reps)
+        else:
+            res = session(key, comm, trainers, phases, steps, warmup, reps)
         gathered = comm.gather(res, root=0)
         if rank == 0:
             measured[key] = gathered[1]  # the first trainer has the allreduced rates
         comm.Barrier()
-    if rank == 0:
+    if rank == 0 and args.interleaved:
+        write_interleaved(measured["interleaved"], steps, warmup, reps, args.out)
+    elif rank == 0:
         rows: dict[str, Any] = {}
         for row in ("ps_shared_steps_per_s", "ps_disjoint_steps_per_s"):
             mp = statistics.median(measured["mpidag"][row])

@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = (("rpc", "bench_rpc.py", 2), ("autograd", "bench_autograd.py", 2),
               ("optim", "bench_optim.py", 3))
 #: the columns compared: mpidag's figure, its ratios within the run, the engine overhead
-METRICS = ("mpidag", "mpidag_vs_torch", "mpidag_vs_raw", "interleaved", "vs_split_interleaved")
+METRICS = ("mpidag", "mpidag_vs_torch", "mpidag_vs_raw", "interleaved", "vs_split_interleaved",
+           "vs_torch_interleaved")
 
 
 def clear_earlier_run(out: Path) -> int:
@@ -88,7 +89,8 @@ def figures(row: dict) -> dict[str, float]:
     if "mpidag_vs_torch" not in found and row.get("torch_rpc") and row.get("mpidag"):
         found["mpidag_vs_torch"] = row["mpidag"] / row["torch_rpc"]
     for metric, samples in (("interleaved", "mpidag_vs_local_interleaved"),
-                            ("vs_split_interleaved", "mpidag_vs_split_interleaved")):
+                            ("vs_split_interleaved", "mpidag_vs_split_interleaved"),
+                            ("vs_torch_interleaved", "mpidag_vs_torch_interleaved")):
         interleaved = row.get("samples", {}).get(samples)
         if interleaved:
             found[metric] = statistics.median(interleaved)

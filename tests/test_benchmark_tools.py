@@ -32,10 +32,12 @@ def test_table_gives_medians_ranges_and_the_change_per_row(tmp_path):
     # autograd rows carry the interleaved engine overhead as samples; optim rows no raw
     write_run(tmp_path, "autograd_old_1", {"autograd_ops_1000_ms": {
         "mpidag": 14.0, "torch_rpc": 12.0, "samples": {"mpidag_vs_local_interleaved": [1.3, 1.5],
-                                                       "mpidag_vs_split_interleaved": [1.25]}}})
+                                                       "mpidag_vs_split_interleaved": [1.25],
+                                                       "mpidag_vs_torch_interleaved": [1.1]}}})
     write_run(tmp_path, "autograd_new_1", {"autograd_ops_1000_ms": {
         "mpidag": 12.0, "torch_rpc": 12.0, "samples": {"mpidag_vs_local_interleaved": [1.2],
-                                                       "mpidag_vs_split_interleaved": [1.0]}}})
+                                                       "mpidag_vs_split_interleaved": [1.0],
+                                                       "mpidag_vs_torch_interleaved": [0.99]}}})
     text = compare_revisions.table(tmp_path, ("old (a)", "new (b)"))
     lines = text.splitlines()
     assert lines[0] == "| row | figure | old (a) | new (b) | new/old |"
@@ -48,6 +50,8 @@ def test_table_gives_medians_ranges_and_the_change_per_row(tmp_path):
            "| 0.86 |" in lines
     assert "| `autograd_ops_1000_ms` | vs_split_interleaved | 1.25 (1.25-1.25) | " \
            "1.00 (1.00-1.00) | 0.80 |" in lines
+    assert "| `autograd_ops_1000_ms` | vs_torch_interleaved | 1.10 (1.10-1.10) | " \
+           "0.99 (0.99-0.99) | 0.90 |" in lines
 
 
 def test_interleaved_blocks_rotate_the_kinds_and_time_each_block():
@@ -220,3 +224,25 @@ def test_the_tensor_floor_names_bad_arguments():
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "tensor_floor.py"),
                            "--sizes", "5"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "each size a multiple of 4 bytes" in proc.stderr
+
+
+def test_the_interleaved_parameter_server_reports_ratios_of_neighbouring_runs(tmp_path, capsys):
+    """bench_optim.py --interleaved: the ratio is the median of mpidag / torch run by run
+    (not the ratio of the medians), and summarize.py judges the goal on it."""
+    import bench_optim
+    import summarize
+
+    measured = {}
+    for row in ("ps_shared_steps_per_s", "ps_disjoint_steps_per_s"):
+        measured[f"{row}/mpidag"] = [300.0, 100.0, 200.0]
+        measured[f"{row}/torch_rpc"] = [200.0, 100.0, 100.0]  # ratios 1.5, 1.0, 2.0
+    out = tmp_path / "optim_interleaved_1.json"
+    bench_optim.write_interleaved(measured, steps=150, warmup=10, reps=3, out=out)
+    row = json.loads(out.read_text())["rows"]["ps_shared_steps_per_s"]
+    assert row["mpidag_vs_torch_interleaved"] == 1.5
+    assert row["samples"]["mpidag_vs_torch_interleaved"] == [1.5, 1.0, 2.0]
+    assert (row["mpidag"], row["torch_rpc"]) == (200.0, 100.0)
+    capsys.readouterr()
+    summarize.main(["--optim-interleaved", str(out)])
+    assert "| `ps_shared_steps_per_s` | 100 | 200 | 1.50x | interleaved >= 1.3x torch: met |" \
+        in capsys.readouterr().out
