@@ -49,7 +49,9 @@ def failed_trials(data: dict[str, Any]) -> str:
 
 
 def test_ft_survivors_get_the_error_and_go_on(tmp_path):
-    data, text = chaos(tmp_path, "--trials", "2", "--seed", "1", timeout=90)
+    # two trials take ~30 s; the limit leaves room for a trial that fails to start (60 s
+    # and the stack dump), so that its diagnosis reaches the failure message
+    data, text = chaos(tmp_path, "--trials", "2", "--seed", "1", timeout=150)
     summary = data["summary"]
     assert summary["hangs"] == 0, text
     assert summary["startup_failures"] == 0, text
