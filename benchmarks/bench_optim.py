@@ -295,9 +295,12 @@ def start(key: str, comm: MPI.Comm) -> tuple[ModuleType, ModuleType, type]:
 
 def session(key: str, comm: MPI.Comm, trainers: MPI.Comm | None, phases: list[tuple[str, str]],
             steps: int, warmup: int, reps: int) -> dict[str, list[float]]:
-    """One RPC session: rank 0 serves; each trainer runs ``phases`` (row, lock mode)."""
+    """One RPC session: rank 0 serves; each trainer runs ``phases`` (row, lock mode).
+    ``mpi4py`` is the hand-written server's, ``interleaved`` both stacks side by side."""
     if key == "mpi4py":
         return raw_session(comm, trainers, phases, steps, warmup, reps)
+    if key == "interleaved":
+        return interleaved_session(comm, trainers, phases, steps, warmup, reps)
     rpc, dist_autograd, optim_cls = start(key, comm)
     out: dict[str, list[float]] = {}
     if trainers is not None:
@@ -408,23 +411,18 @@ def main(argv: list[str] | None = None) -> int:
     trainers = None if trainers == MPI.COMM_NULL else trainers
     steps, warmup, reps = (20, 5, 3) if args.quick else (150, 10, 5)
     measured: dict[str, dict[str, list[float]]] = {}
-    plan = {
+    plan = {"interleaved": [("ps_shared_steps_per_s", "-"),
+                            ("ps_disjoint_steps_per_s", "-")]} if args.interleaved else {
         "mpidag": [("ps_shared_steps_per_s", "parameter"),
                    ("ps_disjoint_steps_per_s", "parameter"),
                    ("ps_disjoint_global_lock_steps_per_s", "global")],
         "torch_rpc": [("ps_shared_steps_per_s", "-"), ("ps_disjoint_steps_per_s", "-")],
         "mpi4py": [("ps_shared_steps_per_s", "-"), ("ps_disjoint_steps_per_s", "-")],
     }
-    if args.interleaved:
-        plan = {"interleaved": [("ps_shared_steps_per_s", "-"),
-                                ("ps_disjoint_steps_per_s", "-")]}
     for key, phases in plan.items():
         if rank == 0:
             log(f"{key}: start")
-        if key == "interleaved":
-            res = interleaved_session(comm, trainers, phases, steps, warmup, reps)
-        else:
-            res = session(key, comm, trainers, phases, steps, warmup, reps)
+        res = session(key, comm, trainers, phases, steps, warmup, reps)
         gathered = comm.gather(res, root=0)
         if rank == 0:
             measured[key] = gathered[1]  # the first trainer has the allreduced rates

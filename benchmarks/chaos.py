@@ -237,7 +237,6 @@ def run_trial(index: int, cfg: Config) -> Trial:
                                       + "; " + startup_progress(out_dir, cfg.ranks))
                 if proc.poll() is None:
                     dump_and_kill(proc, out_dir, cfg.ranks)
-                t_end = wait_exit(proc, time.monotonic() + 10)
                 break
             time.sleep(0.02)
         else:
@@ -257,20 +256,20 @@ def run_trial(index: int, cfg: Config) -> Trial:
         # 3. the end, or a hang (a job that never started training was ended above)
         if not trial.startup_failed:
             t_end = wait_exit(proc, deadline)
-        if t_end is None and not trial.startup_failed:
-            trial.hang = True
-            living = {r: p for r, p in pids(out_dir, cfg.ranks).items() if alive(p)}
-            done = {r for r, rows in read_events(out_dir, cfg.ranks).items()
-                    if any(e["event"] == "shutdown_done" for e in rows)}
-            trial.hung_after_shutdown = bool(living) and set(living) <= done
-            where = ("every live rank had completed rpc.shutdown(): stuck at exit, in "
-                     "mpi4py's MPI_Finalize (SIGUSR1 then crashes it; Open MPI's segfault "
-                     "handler prints the C stack)" if trial.hung_after_shutdown else
-                     f"ranks that completed rpc.shutdown(): {sorted(done)}")
-            trial.problems.append(f"HANG: the job was still running {cfg.trial_timeout:.0f} s "
-                                  f"after its start; live ranks {sorted(living)}; {where}; "
-                                  f"stacks (SIGUSR1) in output_tail")
-            dump_and_kill(proc, out_dir, cfg.ranks)
+            if t_end is None:
+                trial.hang = True
+                living = {r: p for r, p in pids(out_dir, cfg.ranks).items() if alive(p)}
+                done = {r for r, rows in read_events(out_dir, cfg.ranks).items()
+                        if any(e["event"] == "shutdown_done" for e in rows)}
+                trial.hung_after_shutdown = bool(living) and set(living) <= done
+                where = ("every live rank had completed rpc.shutdown(): stuck at exit, in "
+                         "mpi4py's MPI_Finalize (SIGUSR1 then crashes it; Open MPI's segfault "
+                         "handler prints the C stack)" if trial.hung_after_shutdown else
+                         f"ranks that completed rpc.shutdown(): {sorted(done)}")
+                trial.problems.append(f"HANG: the job was still running {cfg.trial_timeout:.0f} s "
+                                      f"after its start; live ranks {sorted(living)}; {where}; "
+                                      f"stacks (SIGUSR1) in output_tail")
+                dump_and_kill(proc, out_dir, cfg.ranks)
     finally:
         if proc.poll() is None:  # an exception in this driver: never leave a job behind
             kill_group(proc)
