@@ -21,7 +21,17 @@ with raw mpi4py (``bench_autograd.py``'s ``mpi4py`` row, with stamps), its four 
 stretches next to the same stretches run back to back in one process. A stretch that
 starts after its rank waited for the other runs slower than the same stretch run at once
 (on this VM), and that cost is in every split of the graph over two ranks, whatever
-carries the messages.
+carries the messages. The split's own hops between the ranks (a rank's stretch end to the
+other's next stretch start, on the common clock) stand beside mpidag's.
+
+Then the thread CPU beside the wall time of two of the engine's steps on the hops (the
+pass's plan, a gradient message sent): a step whose CPU equals its wall time computed all
+along, one whose CPU is lower waited for the GIL or a core. And, in one process, what a
+cold start costs: the thread CPU of one ``contiguous()`` of the expanded 64-float gradient
+that the first gradient message of a pass makes, warm and right after a 4 ms sleep, a
+500-op ``grad()`` or a 4 ms Python loop (on the 2-core VM 5 µs warm and 38-66 µs cold:
+any code's first run after a few milliseconds of anything else costs ~10x its warm run,
+so a hop's cost is the amount of distinct code it runs).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from mpi4py import MPI
@@ -40,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_autograd as workload  # noqa: E402 - after the path set-up
 
 import mpidag.autograd as dist_autograd  # noqa: E402
+import mpidag.dist_autograd.engine as engine  # noqa: E402
 import mpidag.dist_autograd.graph as graph  # noqa: E402
 import mpidag.rpc as rpc  # noqa: E402
 
@@ -56,6 +68,57 @@ def stamped_grad(*args, **kwargs):
         return _grad(*args, **kwargs)
     finally:
         stamps.append(("grad_end", clock()))
+
+
+#: (label, thread CPU ns, wall ns) of each call of the engine's steps on a hop
+step_costs: list[tuple[str, int, int]] = []
+#: the engine's steps on the hops whose CPU is measured: (class, method, label)
+HOP_STEPS = ((engine.PassState, "_make_plan", "the pass's plan (PassState._make_plan)"),
+             (engine.PassState, "_send", "a gradient message sent (PassState._send)"))
+
+
+def cpu_stamped(method: Any, label: str) -> Any:
+    """``method``, its thread CPU and wall time recorded in :data:`step_costs`: a step
+    whose CPU is its wall time computed all along (no wait for the GIL or a core)."""
+    def stamped(*args: Any, **kwargs: Any) -> Any:
+        cpu, wall = time.thread_time_ns(), clock()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            step_costs.append((label, time.thread_time_ns() - cpu, clock() - wall))
+    return stamped
+
+
+def cold_start(repeats: int = 200) -> dict[str, list[int]]:
+    """In this process: the thread CPU (ns) of one ``contiguous()`` of an expanded 64-float
+    gradient (what the first gradient message of a pass makes) warm, and right after each
+    of what precedes it on a hop: the other rank's 500-op ``grad()`` (here a sleep), this
+    rank's own ``grad()``, a Python loop of the same length."""
+    x = torch.full((workload.OPS_SIZE,), 0.1, requires_grad=True)
+    h = workload.ops_half(x, workload.W1)
+    expanded = torch.ones(()).expand(workload.OPS_SIZE)
+    seed = torch.ones(workload.OPS_SIZE)
+
+    def spin(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    before = {"warm": lambda: None,
+              "after a 4 ms sleep": lambda: time.sleep(4e-3),
+              "after a 500-op grad()": lambda: torch.autograd.grad(h, [x], seed,
+                                                                   retain_graph=True),
+              "after a 4 ms Python loop": lambda: spin(4e-3)}
+    out: dict[str, list[int]] = collections.defaultdict(list)
+    for _ in range(repeats):
+        for name, run in before.items():
+            run()
+            start = time.thread_time_ns()
+            expanded.contiguous()
+            out[f"one process: contiguous() of 64 floats, CPU, {name}"].append(
+                time.thread_time_ns() - start)
+    workload.W1.grad = None
+    return out
 
 
 def second_half(h: torch.Tensor) -> torch.Tensor:
@@ -129,6 +192,38 @@ def critical_path(rank0: list[tuple[str, int]], rank1: list[tuple[str, int]],
 
 
 # ------------------------------------------------------------ the floor: raw mpi4py
+#: the prefix of the raw split's absolute stamps (ns, one per iteration and rank), which
+#: :func:`split_hops` turns into the hops between the ranks
+AT = "@"
+#: the hops between the ranks, as in :func:`critical_path`: (name, from, to)
+SPLIT_HOPS = (
+    ("raw mpi4py split: rank 0's forward end to rank 1's forward start",
+     "rank 0 forward end", "rank 1 forward start"),
+    ("raw mpi4py split: rank 1's forward end to its result received",
+     "rank 1 forward end", "rank 0 result received"),
+    ("raw mpi4py split: loss's grad() end to rank 1's grad() start",
+     "rank 0 loss's backward end", "rank 1 backward start"),
+    ("raw mpi4py split: rank 1's grad() end to rank 0's grad() start",
+     "rank 1 backward end", "rank 0 backward start"),
+)
+
+
+def split_hops(parts: list[dict[str, list[int]]]) -> dict[str, list[int]]:
+    """The hand-written split's hops between the ranks (ns) from both ranks' absolute
+    stamps, iteration by iteration (both ranks run the same iterations).
+
+    Example::
+
+        >>> split_hops([{"@rank 0 forward end": [10], "@rank 0 result received": [90],
+        ...              "@rank 0 loss's backward end": [100], "@rank 0 backward start": [300]},
+        ...             {"@rank 1 forward start": [15], "@rank 1 forward end": [80],
+        ...              "@rank 1 backward start": [110], "@rank 1 backward end": [290]}])[
+        ...     "raw mpi4py split: rank 1's grad() end to rank 0's grad() start"]
+        [10]
+    """
+    stamps = {k[len(AT):]: v for part in parts for k, v in part.items() if k.startswith(AT)}
+    return {name: [b - a for a, b in zip(stamps[start], stamps[end], strict=True)]
+            for name, start, end in SPLIT_HOPS}
 def split_rank0(comm: MPI.Comm, out: dict[str, list[int]]) -> None:
     """Rank 0's part of one iteration of the hand-written split, stamped."""
     t0 = clock()
@@ -137,8 +232,10 @@ def split_rank0(comm: MPI.Comm, out: dict[str, list[int]]) -> None:
     comm.Send(h.detach().numpy(), dest=1)
     result = torch.empty(workload.OPS_SIZE)
     comm.Recv(result.numpy(), source=1)
+    t_result = clock()
     result.requires_grad_()
     result.sum().backward()
+    t_loss = clock()
     comm.Send(result.grad.numpy(), dest=1)
     grad = torch.empty(workload.OPS_SIZE)
     comm.Recv(grad.numpy(), source=1)
@@ -146,6 +243,9 @@ def split_rank0(comm: MPI.Comm, out: dict[str, list[int]]) -> None:
     h.backward(grad)
     t3 = clock()
     workload.W1.grad = None
+    for name, t in (("forward end", t1), ("result received", t_result),
+                    ("loss's backward end", t_loss), ("backward start", t2)):
+        out[f"{AT}rank 0 {name}"].append(t)
     out["raw mpi4py split, rank 0: forward, 500 ops"].append(t1 - t0)
     out["raw mpi4py split, rank 0: backward, 500 ops (after a wait)"].append(t3 - t2)
     out["raw mpi4py split: whole iteration"].append(t3 - t0)
@@ -167,6 +267,9 @@ def split_rank1(comm: MPI.Comm, out: dict[str, list[int]]) -> None:
     t3 = clock()
     comm.Send(x.grad.numpy(), dest=0)
     workload.W2.grad = None
+    for name, t in (("forward start", t0), ("forward end", t1), ("backward start", t2),
+                    ("backward end", t3)):
+        out[f"{AT}rank 1 {name}"].append(t)
     out["raw mpi4py split, rank 1: forward, 500 ops (after a wait)"].append(t1 - t0)
     out["raw mpi4py split, rank 1: backward, 500 ops (after a wait)"].append(t3 - t2)
 
@@ -218,6 +321,8 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     graph.engine_grad = stamped_grad
+    for cls, name, label in HOP_STEPS:
+        setattr(cls, name, cpu_stamped(getattr(cls, name), label))
     rank = MPI.COMM_WORLD.Get_rank()
     rpc.init_rpc(f"worker{rank}")
     local: list[int] = []
@@ -233,18 +338,32 @@ def main() -> int:
             local.append(clock() - t0)
     rpc.shutdown()  # (waits for every rank: rank 1's stamps are all there after it)
     records = list(stamps)
+    costs = list(step_costs)
     comm = MPI.COMM_WORLD
+    comm_costs = comm.gather(costs, root=0)
     gathered = comm.gather(records, root=0)
     floors = comm.gather(floor(comm, args.steps), root=0)
     if rank == 0:  # (the one-rank reference calls backward(), not grad(): no stamps)
         table = critical_path(gathered[0], gathered[1], args.steps)
         table["one rank: the same ops, loss.backward()"] = local
         for name, values in table.items():
-            print(f"{name:58s} {statistics.median(values) / 1e3:9.1f}")
+            print(f"{name:66s} {statistics.median(values) / 1e3:9.1f}")
         print("the floor below any engine (after rpc.shutdown()):")
-        for part in floors:
+        for part in [*floors, split_hops(floors)]:
             for name, values in sorted(part.items()):
-                print(f"{name:58s} {statistics.median(values) / 1e3:9.1f}")
+                if not name.startswith(AT):
+                    print(f"{name:66s} {statistics.median(values) / 1e3:9.1f}")
+        print("the engine's steps on the hops, thread CPU / wall:")
+        for r, part in enumerate(comm_costs):
+            for _, _, label in HOP_STEPS:
+                mine = [(c, w) for name, c, w in part if name == label][-args.steps:]
+                if mine:
+                    cpu = statistics.median(c for c, _ in mine) / 1e3
+                    wall = statistics.median(w for _, w in mine) / 1e3
+                    print(f"{f'rank {r}: {label}':66s} {cpu:9.1f} / {wall:.1f}")
+        print("the cost of a cold start (thread CPU):")
+        for name, values in cold_start().items():
+            print(f"{name:66s} {statistics.median(values) / 1e3:9.1f}")
     return 0
 
 

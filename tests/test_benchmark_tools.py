@@ -246,3 +246,43 @@ def test_the_interleaved_parameter_server_reports_ratios_of_neighbouring_runs(tm
     summarize.main(["--optim-interleaved", str(out)])
     assert "| `ps_shared_steps_per_s` | 100 | 200 | 1.50x | interleaved >= 1.3x torch: met |" \
         in capsys.readouterr().out
+
+
+def test_the_backward_profile_pairs_the_hand_written_hops_iteration_by_iteration():
+    """profile_backward_path.py: the hand-written split's hops between the ranks come from
+    both ranks' absolute stamps, paired iteration by iteration (not medians subtracted)."""
+    import profile_backward_path as profile
+
+    rank0 = {"@rank 0 forward end": [10, 1010], "@rank 0 result received": [90, 1200],
+             "@rank 0 loss's backward end": [100, 1210], "@rank 0 backward start": [300, 1500],
+             "rank 0: forward": [7, 7]}
+    rank1 = {"@rank 1 forward start": [15, 1030], "@rank 1 forward end": [80, 1100],
+             "@rank 1 backward start": [110, 1300], "@rank 1 backward end": [290, 1400]}
+    hops = profile.split_hops([rank0, rank1])
+    assert hops == {
+        "raw mpi4py split: rank 0's forward end to rank 1's forward start": [5, 20],
+        "raw mpi4py split: rank 1's forward end to its result received": [10, 100],
+        "raw mpi4py split: loss's grad() end to rank 1's grad() start": [10, 90],
+        "raw mpi4py split: rank 1's grad() end to rank 0's grad() start": [10, 100]}
+    with pytest.raises(ValueError):  # a rank that stamped one iteration less
+        profile.split_hops([rank0, {k: v[:1] for k, v in rank1.items()}])
+
+
+def test_the_backward_profile_times_a_step_in_thread_cpu_and_wall_time():
+    """profile_backward_path.py: a wrapped step records its thread CPU and wall time and
+    keeps its result and its errors."""
+    import profile_backward_path as profile
+
+    def compute(n: int) -> int:
+        if n < 0:
+            raise ValueError("negative")
+        return sum(range(n))
+
+    del profile.step_costs[:]
+    stamped = profile.cpu_stamped(compute, "compute")
+    assert stamped(100_000) == sum(range(100_000))
+    with pytest.raises(ValueError, match="negative"):
+        stamped(-1)
+    (label, cpu, wall), (_, _, _) = profile.step_costs
+    assert label == "compute" and 0 < cpu <= wall * 1.05 + 1_000_000
+    del profile.step_costs[:]
