@@ -224,6 +224,8 @@ def split_hops(parts: list[dict[str, list[int]]]) -> dict[str, list[int]]:
     stamps = {k[len(AT):]: v for part in parts for k, v in part.items() if k.startswith(AT)}
     return {name: [b - a for a, b in zip(stamps[start], stamps[end], strict=True)]
             for name, start, end in SPLIT_HOPS}
+
+
 def split_rank0(comm: MPI.Comm, out: dict[str, list[int]]) -> None:
     """Rank 0's part of one iteration of the hand-written split, stamped."""
     t0 = clock()
