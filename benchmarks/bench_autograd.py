@@ -331,11 +331,7 @@ def run(key: str, comm: MPI.Comm, workloads: dict[str, dict[str, int]]
     if rank == 1:
         with Watchdog(3600, f"{key} serve"):
             rpc.shutdown()
-            if beside is not None:
-                beside[0].shutdown()
-        if SPLIT_COMM is not None:
-            SPLIT_COMM.Free()
-            SPLIT_COMM = None
+            stop_beside(beside)
         return None
     check_gradients(rpc, dist_autograd)
     if beside is not None:  # torch's RPC started a second time in these processes (its
@@ -352,17 +348,25 @@ def run(key: str, comm: MPI.Comm, workloads: dict[str, dict[str, int]]
             log(f"{key}: {w} interleaved: " + ", ".join(
                 f"{name} {statistics.median(values):.2f}x" for name, values in ratios.items()))
     rpc.shutdown()
+    stop_beside(beside)
+    return out
+
+
+def stop_beside(beside: tuple[ModuleType, ModuleType] | None) -> None:
+    """After the mpidag phase's own shutdown: torch's RPC started beside it, and the
+    hand-written split's communicator."""
+    global SPLIT_COMM
     if beside is not None:
         beside[0].shutdown()
     if SPLIT_COMM is not None:
         SPLIT_COMM.Free()
         SPLIT_COMM = None
-    return out
 
 
-#: the ratios of interleaved blocks reported per workload: name -> (numerator, denominator)
-INTERLEAVED_RATIOS = {"interleaved": ("mpidag", "local"),
-                      "split_interleaved": ("split", "local"),
+#: the ratios of interleaved blocks reported per workload: the JSON field of each ->
+#: (numerator, denominator)
+INTERLEAVED_RATIOS = {"mpidag_vs_local_interleaved": ("mpidag", "local"),
+                      "split_vs_local_interleaved": ("split", "local"),
                       "mpidag_vs_split_interleaved": ("mpidag", "split"),
                       "mpidag_vs_torch_interleaved": ("mpidag", "torch"),
                       "split_vs_torch_interleaved": ("split", "torch")}
@@ -437,12 +441,8 @@ def report(measured: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
             return e[a] / e[b] if e.get(a) and e.get(b) else None
 
         entry["mpidag_vs_local"] = ratio("mpidag", "local")
-        for name, field in (("interleaved", "mpidag_vs_local_interleaved"),
-                            ("split_interleaved", "split_vs_local_interleaved"),
-                            ("mpidag_vs_split_interleaved", "mpidag_vs_split_interleaved"),
-                            ("mpidag_vs_torch_interleaved", "mpidag_vs_torch_interleaved"),
-                            ("split_vs_torch_interleaved", "split_vs_torch_interleaved")):
-            inter = measured.get("mpidag", {}).get(f"{w}/{name}")
+        for field in INTERLEAVED_RATIOS:
+            inter = measured.get("mpidag", {}).get(f"{w}/{field}")
             entry[field] = statistics.median(inter) if inter else None
             if inter:
                 entry["samples"][field] = inter
