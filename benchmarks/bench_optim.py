@@ -308,7 +308,7 @@ def session(key: str, comm: MPI.Comm, trainers: MPI.Comm | None, phases: list[tu
         for row, mode in phases:
             if key == "mpidag" and me == 0:
                 rpc.rpc_sync("worker0", set_lock_mode, args=(mode,))
-            model = "shared" if row.startswith("ps_shared") else f"own{me}"
+            model = model_name(row, me)
             rates = []
             for _ in range(reps):
                 seconds = train(rpc, dist_autograd, optim_cls, model, steps, warmup, trainers)
@@ -323,6 +323,18 @@ def session(key: str, comm: MPI.Comm, trainers: MPI.Comm | None, phases: list[tu
     return out
 
 
+def model_name(row: str, trainer: int) -> str:
+    """The server's model a trainer trains in ``row``: one for both trainers in the shared
+    row, its own in the disjoint ones.
+
+    Example::
+
+        >>> model_name("ps_shared_steps_per_s", 1), model_name("ps_disjoint_steps_per_s", 1)
+        ('shared', 'own1')
+    """
+    return "shared" if row.startswith("ps_shared") else f"own{trainer}"
+
+
 def interleaved_session(comm: MPI.Comm, trainers: MPI.Comm | None,
                         phases: list[tuple[str, str]], steps: int, warmup: int, reps: int
                         ) -> dict[str, list[float]]:
@@ -334,7 +346,7 @@ def interleaved_session(comm: MPI.Comm, trainers: MPI.Comm | None,
     if trainers is not None:
         me = trainers.Get_rank()
         for row, _ in phases:
-            model = "shared" if row.startswith("ps_shared") else f"own{me}"
+            model = model_name(row, me)
             for key in stacks:
                 out[f"{row}/{key}"] = []
             for rep in range(reps):
@@ -378,15 +390,22 @@ def write_interleaved(measured: dict[str, list[float]], steps: int, warmup: int,
                                  "mpidag_vs_torch_interleaved": ratios}}
         print(f"{row}: mpidag {rows[row]['mpidag']:.1f}, torch {rows[row]['torch_rpc']:.1f} "
               f"steps/s, interleaved runs: mpidag / torch {statistics.median(ratios):.2f}x")
+    write_document(rows, steps, warmup, reps, out, interleaved=True)
+    log(f"wrote {out}")
+
+
+def write_document(rows: dict[str, Any], steps: int, warmup: int, reps: int, out: Path,
+                   **config: Any) -> None:
+    """Rank 0: the results JSON (the machine, the date, the run's configuration and
+    ``config``'s extra entries, the ``rows``) at ``out``."""
     doc = {"machine": machine_info(),
            "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
            "config": {"table": [ROWS_, DIM], "classes": CLASSES, "batch": BATCH,
-                      "steps": steps, "warmup": warmup, "reps": reps, "interleaved": True,
+                      "steps": steps, "warmup": warmup, "reps": reps, **config,
                       "optimizer": "SGD(lr=0.05, momentum=0.9)", "trainers": 2},
            "rows": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")
-    log(f"wrote {out}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -448,14 +467,7 @@ def main(argv: list[str] | None = None) -> int:
                 entry["samples"]["mpidag_global_lock"] = g
                 entry["parameter_vs_global_lock"] = mp / statistics.median(g)
             rows[row] = entry
-        doc = {"machine": machine_info(),
-               "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-               "config": {"table": [ROWS_, DIM], "classes": CLASSES, "batch": BATCH,
-                          "steps": steps, "warmup": warmup, "reps": reps,
-                          "optimizer": "SGD(lr=0.05, momentum=0.9)", "trainers": 2},
-               "rows": rows}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+        write_document(rows, steps, warmup, reps, args.out)
         for name, e in rows.items():
             extra = (f", global lock {e['mpidag_global_lock']:.1f} "
                      f"(per-parameter locks {e['parameter_vs_global_lock']:.2f}x)"
