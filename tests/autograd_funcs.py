@@ -267,3 +267,81 @@ def gradient_of_weight(rref, context_id) -> torch.Tensor:
 def weight_of(rref) -> torch.Tensor:
     """Runs on the owner: a copy of the embedding's weight."""
     return rref.local_value().weight.detach().clone()
+
+
+# ------------------------------------------------- a leaf of the callee's own (plan ahead)
+#: one leaf per rank (the ranks of an in-process world share this module), made when
+#: first used, and the hooks a test put on it
+_OWN_LEAVES: dict[int, torch.Tensor] = {}
+_OWN_HOOKS: dict[int, tuple[list, list[torch.Tensor]]] = {}
+
+
+def _rank() -> int:
+    return rpc.get_worker_info().id
+
+
+def _own_leaf() -> torch.Tensor:
+    return _OWN_LEAVES.setdefault(_rank(), torch.linspace(1.0, 2.0, 4, requires_grad=True))
+
+
+def times_own_leaf(x):
+    """Runs on the callee: ``sin(x * w)``, ``w`` a leaf of its own (4 elements)."""
+    return (x * _own_leaf()).sin()
+
+
+def own_leaf_value() -> torch.Tensor:
+    """Runs on the callee: a copy of its leaf."""
+    return _own_leaf().detach().clone()
+
+
+def own_leaf_gradient(context_id) -> torch.Tensor:
+    """Runs on the callee: its leaf's gradient in the context."""
+    return dist_autograd.get_gradients(context_id)[_own_leaf()]
+
+
+def wait_planned_ahead(context_id, timeout: float = 30.0) -> int:
+    """Runs on the callee: waits until its share of the context's next backward pass is
+    planned ahead (done in the thread that answered, after the answer left); returns the
+    number of send functions the plan is for."""
+    import time
+
+    from mpidag import _runtime
+
+    container = _runtime.current().autograd.container
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ctx = container.contexts.get(context_id)
+        ahead = None if ctx is None else ctx.planned_ahead
+        if ahead is not None:
+            return len(ahead.message_ids)
+        time.sleep(1e-3)
+    raise TimeoutError(f"no plan made ahead for context {context_id} in {timeout} s")
+
+
+def plans_ahead() -> dict[str, int]:
+    """Runs on a rank: its counts of plans made ahead, taken and found stale."""
+    from mpidag import _runtime
+
+    return dict(_runtime.current().autograd.plans_ahead)
+
+
+def hook_own_leaf() -> None:
+    """Runs on the callee: a tensor hook that doubles its leaf's gradient, and a
+    post-accumulate-grad hook that records the leaf's gradient in the context."""
+    leaf, seen = _own_leaf(), []
+
+    def record(param: torch.Tensor) -> None:
+        context_id = dist_autograd._current_context()._context_id()
+        seen.append(dist_autograd.get_gradients(context_id)[param].clone())
+
+    handles = [leaf.register_hook(lambda g: g * 2),
+               leaf.register_post_accumulate_grad_hook(record)]
+    _OWN_HOOKS[_rank()] = (handles, seen)
+
+
+def unhook_own_leaf() -> list[torch.Tensor]:
+    """Runs on the callee: removes :func:`hook_own_leaf`'s hooks; what the second saw."""
+    handles, seen = _OWN_HOOKS.pop(_rank())
+    for handle in handles:
+        handle.remove()
+    return seen

@@ -381,3 +381,48 @@ def test_a_failed_engine_call_raises_its_own_error_in_any_grad_mode(mode):
         graph.engine_grad(None, [out], [torch.ones(3)], [leaf], False)
     with mode():
         graph.drop_unrun_tasks()  # no error of its own
+
+
+def test_hook_registrations_count_both_kinds_of_tensor_hook_while_tracked():
+    """While tracked, every ``register_hook`` and ``register_post_accumulate_grad_hook``
+    counts (what a plan made ahead compares); untracked, or with a tracked method replaced
+    by another library since, the count is unknown (``None``): no plan is made ahead."""
+    from mpidag.dist_autograd.graph import hook_registrations, track_intermediate_hooks
+
+    stop = track_intermediate_hooks()
+    try:
+        start = hook_registrations()
+        w = torch.ones(2, requires_grad=True)
+        handles = [w.register_hook(lambda g: g), (w * 2).register_hook(lambda g: g),
+                   w.register_post_accumulate_grad_hook(lambda p: None)]
+        assert hook_registrations() == start + 3
+        for handle in handles:
+            handle.remove()
+        wrapper = torch.Tensor.register_post_accumulate_grad_hook
+        torch.Tensor.register_post_accumulate_grad_hook = wrapper.__wrapped__
+        try:
+            assert hook_registrations() is None
+        finally:
+            torch.Tensor.register_post_accumulate_grad_hook = wrapper
+        assert hook_registrations() == start + 3
+    finally:
+        stop()
+
+
+def test_a_plan_made_ahead_fits_only_the_same_send_functions_and_hooks():
+    from types import SimpleNamespace
+
+    from mpidag.dist_autograd.engine import PlannedAhead
+    from mpidag.dist_autograd.graph import hook_registrations, track_intermediate_hooks
+
+    stop = track_intermediate_hooks()
+    try:
+        sends = [SimpleNamespace(message_id=i) for i in (7, 9)]
+        ahead = PlannedAhead((7, 9), hook_registrations(), plan=None)
+        assert ahead.fits(sends)
+        assert not ahead.fits(sends[:1]) and not ahead.fits(sends[::-1])
+        assert not ahead.fits([*sends, SimpleNamespace(message_id=11)])
+        torch.ones(1, requires_grad=True).register_hook(lambda g: g)
+        assert not ahead.fits(sends)
+    finally:
+        stop()

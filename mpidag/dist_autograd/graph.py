@@ -62,7 +62,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["AccumulateGrad", "EdgeKey", "Plan", "Reach", "drop_unrun_tasks", "edge_of",
-           "edges_of", "tensor_hooks", "track_intermediate_hooks"]
+           "edges_of", "hook_registrations", "tensor_hooks", "track_intermediate_hooks"]
 
 log = logging.getLogger(__name__)
 
@@ -741,37 +741,56 @@ def _hooks_suppressed(variables: list[torch.Tensor] | tuple):
 # -------------------------------------------------------- intermediate tensor hooks
 #: non-leaf tensors given a tensor hook while tracking is on (weakly; see the module text)
 _hooked_intermediates: WeakIdKeyDictionary = WeakIdKeyDictionary()
-#: [runtimes tracking, torch's own Tensor.register_hook while replaced]
+#: [runtimes tracking, {name: (torch's Tensor method, its wrapper)} while replaced]
 _tracking: list[Any] = [0, None]
+#: tensor hooks registered while tracked (see :func:`hook_registrations`)
+_hook_count = [0]
 #: id(hooks dict) -> [native calls holding it back, the dict, its hooks]
 _held: dict[int, list[Any]] = {}
 
 
 def track_intermediate_hooks() -> Callable[[], None]:
     """Remember the non-leaf tensors given a tensor hook (``Tensor.register_hook`` wrapped,
-    counted per caller); returns the function that stops it (the last one puts torch's
-    ``register_hook`` back, unless another library replaced it since).
+    counted per caller), and count every tensor hook registered (``register_hook`` and
+    ``register_post_accumulate_grad_hook``: :func:`hook_registrations`); returns the function
+    that stops it (the last one puts torch's methods back, unless another library replaced
+    them since).
 
     Example::
 
         >>> stop = track_intermediate_hooks()
+        >>> before = hook_registrations()
         >>> h = torch.ones(2, requires_grad=True) * 2; _ = h.register_hook(lambda g: g)
+        >>> hook_registrations() - before
+        1
         >>> stop()
     """
     with _suppressed_lock:
         if _tracking[0] == 0:
             original = torch.Tensor.register_hook
+            original_post = torch.Tensor.register_post_accumulate_grad_hook
 
             def register_hook(self: torch.Tensor, hook: Callable) -> Any:
                 handle = original(self, hook)
+                _hook_count[0] += 1
                 if self.grad_fn is not None:
                     _hooked_intermediates[self] = None
                 return handle
 
-            register_hook.__doc__ = original.__doc__
-            register_hook.__wrapped__ = original  # type: ignore[attr-defined]
-            torch.Tensor.register_hook = register_hook  # type: ignore[method-assign]
-            _tracking[1] = (original, register_hook)
+            def register_post_accumulate_grad_hook(self: torch.Tensor, hook: Callable
+                                                   ) -> Any:
+                handle = original_post(self, hook)
+                _hook_count[0] += 1
+                return handle
+
+            wrappers = {"register_hook": (original, register_hook),
+                        "register_post_accumulate_grad_hook": (
+                            original_post, register_post_accumulate_grad_hook)}
+            for name, (method, wrapper) in wrappers.items():
+                wrapper.__doc__ = method.__doc__
+                wrapper.__wrapped__ = method  # type: ignore[attr-defined]
+                setattr(torch.Tensor, name, wrapper)
+            _tracking[1] = wrappers
         _tracking[0] += 1
     stopped = [False]
 
@@ -782,12 +801,30 @@ def track_intermediate_hooks() -> Callable[[], None]:
             stopped[0] = True
             _tracking[0] -= 1
             if _tracking[0] == 0:
-                original, wrapper = _tracking[1]
-                if torch.Tensor.register_hook is wrapper:
-                    torch.Tensor.register_hook = original  # type: ignore[method-assign]
+                for name, (method, wrapper) in _tracking[1].items():
+                    if getattr(torch.Tensor, name) is wrapper:
+                        setattr(torch.Tensor, name, method)
                 _tracking[1] = None
 
     return stop
+
+
+def hook_registrations() -> int | None:
+    """How many tensor hooks were registered since this process started tracking them
+    (:func:`track_intermediate_hooks`), or ``None`` when it does not now (no runtime, or
+    another library replaced a tracked method since): what a plan made ahead of its
+    backward pass compares, since the leaves it watches depend on their hooks.
+
+    Example::
+
+        >>> hook_registrations() is None or hook_registrations() >= 0
+        True
+    """
+    wrappers = _tracking[1]
+    if wrappers is None or any(getattr(torch.Tensor, name) is not wrapper
+                               for name, (_, wrapper) in wrappers.items()):
+        return None
+    return _hook_count[0]
 
 
 @contextmanager

@@ -652,6 +652,59 @@ def test_post_accumulate_grad_hooks_run_once_on_the_complete_gradient(world):
     close(final, 2 * expected)
 
 
+def _own_leaf_expected(world, x):
+    """Local autograd's gradients of ``sum(sin(x * w)^2)`` for ``x`` and the next rank's
+    own leaf ``w``."""
+    w = rpc.rpc_sync(world.next, af.own_leaf_value).requires_grad_()
+    return torch.autograd.grad((torch.sin(x * w) ** 2).sum(), [x, w])
+
+
+def test_the_callee_plans_its_share_ahead_and_its_pass_takes_that_plan(world):
+    """After answering a call whose result requires grad, the callee plans its share of the
+    context's next backward pass (while the caller computes); the pass's first gradient
+    message takes that plan instead of planning. Gradients as local autograd's."""
+    (x,) = _seeded(world.rank, (4,))
+    before = rpc.rpc_sync(world.next, af.plans_ahead)
+    with dist_autograd.context() as context_id:
+        y = rpc.rpc_sync(world.next, af.times_own_leaf, args=(x,))
+        # (calls without tensors that require grad record nothing: the plan stays valid)
+        assert rpc.rpc_sync(world.next, af.wait_planned_ahead, args=(context_id,)) == 1
+        dist_autograd.backward(context_id, [(y * y).sum()])
+        grad_x = dist_autograd.get_gradients(context_id)[x]
+        grad_w = rpc.rpc_sync(world.next, af.own_leaf_gradient, args=(context_id,))
+    after = rpc.rpc_sync(world.next, af.plans_ahead)
+    expected_x, expected_w = _own_leaf_expected(world, x)
+    close(grad_x, expected_x)
+    close(grad_w, expected_w)
+    counts = {k: after.get(k, 0) - before.get(k, 0) for k in ("made", "taken", "stale")}
+    assert counts == {"made": 1, "taken": 1, "stale": 0}
+
+
+def test_hooks_registered_after_the_forward_void_the_plan_made_ahead(world):
+    """A tensor hook and a post-accumulate-grad hook put on the callee's leaf between the
+    forward and the backward: the plan made ahead (which watched no hook there) is stale,
+    the pass plans again, and both hooks run as in local autograd (the second once, on the
+    complete gradient)."""
+    (x,) = _seeded(world.rank, (4,))
+    before = rpc.rpc_sync(world.next, af.plans_ahead)
+    with dist_autograd.context() as context_id:
+        y = rpc.rpc_sync(world.next, af.times_own_leaf, args=(x,))
+        rpc.rpc_sync(world.next, af.wait_planned_ahead, args=(context_id,))
+        rpc.rpc_sync(world.next, af.hook_own_leaf)
+        try:
+            dist_autograd.backward(context_id, [(y * y).sum()])
+            grad_w = rpc.rpc_sync(world.next, af.own_leaf_gradient, args=(context_id,))
+        finally:
+            seen = rpc.rpc_sync(world.next, af.unhook_own_leaf)
+    after = rpc.rpc_sync(world.next, af.plans_ahead)
+    _, expected_w = _own_leaf_expected(world, x)
+    close(grad_w, 2 * expected_w)  # the tensor hook doubled it
+    assert len(seen) == 1
+    close(seen[0], 2 * expected_w)
+    counts = {k: after.get(k, 0) - before.get(k, 0) for k in ("made", "taken", "stale")}
+    assert counts == {"made": 1, "taken": 0, "stale": 1}
+
+
 def test_sparse_tensors_as_arguments_results_in_containers_and_rrefs(world):
     for coalesce in (False, True):
         x = af.build_sparse(coalesce)
