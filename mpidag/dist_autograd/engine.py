@@ -7,8 +7,9 @@ got ``y`` back::
        -> run the regions the roots alone feed (native engine) -> the recv function of y
        is complete: call the handler "autograd.gradients"(context, pass, message id of y,
        grad y) on B
-    B: first event of this pass: plan from all of B's send functions -> the send function
-       of y got its gradient: run its region -> the recv function of x is complete:
+    B: first event of this pass: plan from all of B's send functions (planned ahead when
+       B answered A's call, see PlannedAhead) -> the send function of y got its gradient:
+       run its region -> the recv function of x is complete:
        call "autograd.gradients"(..., message id of x, grad x) on A
     A: the send function of x got its gradient: run its region; leaves accumulate into
        the context -> answer B's call -> B has nothing left: answer A's first call -> done

@@ -743,7 +743,8 @@ def _hooks_suppressed(variables: list[torch.Tensor] | tuple):
 _hooked_intermediates: WeakIdKeyDictionary = WeakIdKeyDictionary()
 #: [runtimes tracking, {name: (torch's Tensor method, its wrapper)} while replaced]
 _tracking: list[Any] = [0, None]
-#: tensor hooks registered while tracked (see :func:`hook_registrations`)
+#: tensor hooks registered while tracked (see :func:`hook_registrations`; two threads that
+#: register at once may count one: what reads it asks only whether it changed)
 _hook_count = [0]
 #: id(hooks dict) -> [native calls holding it back, the dict, its hooks]
 _held: dict[int, list[Any]] = {}
