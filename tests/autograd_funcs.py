@@ -270,18 +270,11 @@ def weight_of(rref) -> torch.Tensor:
 
 
 # ------------------------------------------------- a leaf of the callee's own (plan ahead)
-#: one leaf per rank (the ranks of an in-process world share this module), made when
-#: first used, and the hooks a test put on it
-_OWN_LEAVES: dict[int, torch.Tensor] = {}
-_OWN_HOOKS: dict[int, tuple[list, list[torch.Tensor]]] = {}
-
-
-def _rank() -> int:
-    return rpc.get_worker_info().id
-
-
 def _own_leaf() -> torch.Tensor:
-    return _OWN_LEAVES.setdefault(_rank(), torch.linspace(1.0, 2.0, 4, requires_grad=True))
+    """This rank's leaf (the ranks of an in-process world share this module)."""
+    from tests.contract.harness import rank_state
+
+    return rank_state("own_leaf", lambda: torch.linspace(1.0, 2.0, 4, requires_grad=True))
 
 
 def times_own_leaf(x):
@@ -319,7 +312,7 @@ def wait_planned_ahead(context_id, timeout: float = 30.0) -> int:
 
 
 def plans_ahead() -> dict[str, int]:
-    """Runs on a rank: its counts of plans made ahead, taken and found stale."""
+    """This rank's counts of plans made ahead, taken and found stale."""
     from mpidag import _runtime
 
     return dict(_runtime.current().autograd.plans_ahead)
@@ -328,6 +321,8 @@ def plans_ahead() -> dict[str, int]:
 def hook_own_leaf() -> None:
     """Runs on the callee: a tensor hook that doubles its leaf's gradient, and a
     post-accumulate-grad hook that records the leaf's gradient in the context."""
+    from tests.contract.harness import rank_state
+
     leaf, seen = _own_leaf(), []
 
     def record(param: torch.Tensor) -> None:
@@ -336,12 +331,14 @@ def hook_own_leaf() -> None:
 
     handles = [leaf.register_hook(lambda g: g * 2),
                leaf.register_post_accumulate_grad_hook(record)]
-    _OWN_HOOKS[_rank()] = (handles, seen)
+    rank_state("own_leaf_hooks", list).append((handles, seen))
 
 
 def unhook_own_leaf() -> list[torch.Tensor]:
     """Runs on the callee: removes :func:`hook_own_leaf`'s hooks; what the second saw."""
-    handles, seen = _OWN_HOOKS.pop(_rank())
+    from tests.contract.harness import rank_state
+
+    handles, seen = rank_state("own_leaf_hooks", list).pop()
     for handle in handles:
         handle.remove()
     return seen

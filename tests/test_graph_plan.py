@@ -426,3 +426,45 @@ def test_a_plan_made_ahead_fits_only_the_same_send_functions_and_hooks():
         assert not ahead.fits(sends)
     finally:
         stop()
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(range(3))))
+def test_roots_added_to_a_plan_of_the_send_functions_give_local_autograds_gradients(
+        order, received):
+    """A plan made from two "send functions" alone, then the roots added as its third
+    source (they reach nodes of their own; the leaves are shared): every leaf and the recv
+    function get local autograd's gradients, whatever
+    order the sources arrive in; a watched leaf (a tensor hook) is complete only once."""
+    torch.manual_seed(1)
+    a, b = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
+    x = received(torch.randn(4))
+    s1, s2 = (a * b).exp(), b.sin() * x   # sent
+    root = (a * 3).sum() + (b * b).sum()  # reaches neither s1's nor s2's nodes
+    seen: list[torch.Tensor] = []
+    b.register_hook(lambda g: seen.append(g.clone()) or g * 2)
+    grads = [[torch.randn(4)], [torch.randn(4)], [torch.tensor(1.0)]]
+    expected = torch.autograd.grad([s1, s2, root], [a, b, x], [g[0] for g in grads],
+                                   retain_graph=True)
+    seen.clear()
+    plan = Plan([[edge_of(s1)], [edge_of(s2)]], RECV_NODE_TYPES, native=received.native)
+    assert plan.add_source([edge_of(root)]) == 2
+    leaves, recvs = _run(plan, list(order), grads)
+    leaves.update(plan.take_completed())
+    torch.testing.assert_close(leaves[a], expected[0])
+    torch.testing.assert_close(leaves[b], expected[1])
+    (slots,) = recvs.values()
+    torch.testing.assert_close(slots[0], expected[2])
+    assert len(seen) == 1  # b's hook ran once, on the whole gradient
+
+
+def test_roots_that_share_a_node_or_a_recv_function_are_not_added(received):
+    a = torch.randn(4, requires_grad=True)
+    x = received(torch.randn(4))
+    h = a.sin()
+    sent = [[edge_of(h * 2)], [edge_of(x * 3)]]
+    plan = Plan(sent, RECV_NODE_TYPES, native=received.native)
+    assert plan.add_source([edge_of((h * 5).sum())]) is None  # h's node: both reach it
+    assert plan.add_source([edge_of((x * 5).sum())]) is None  # x's recv function
+    assert plan.n_sources == 2 and len(plan.regions) == 2
+    shared = Plan([[edge_of(h * 2)], [edge_of(h * 3)]], RECV_NODE_TYPES)
+    assert shared.add_source([edge_of((a * 5).sum())]) is None  # a plan of shared nodes

@@ -321,6 +321,7 @@ class PassState:
         self.seq = 0
         self.plan: Plan | None = None
         self.source_of: dict[int, int] = {}  # send message id -> source index
+        self.roots_index: int | None = None  # the roots' source index (on the root's rank)
         self.source_send: list[Any] = []  # the send function of each source (None: roots)
         self.asked: set[int] = set()  # SMART: message ids of recv functions asked about
         self.resolved: set[int] = set()  # SMART: recv functions this rank answered for
@@ -400,7 +401,7 @@ class PassState:
                     self._ask(peer, message_id)
                 return []
             if type(event) is RootsEvent:
-                leaves, fired = plan.arrive(0, event.grads, self.retain_graph)
+                leaves, fired = plan.arrive(self.roots_index, event.grads, self.retain_graph)
             else:
                 leaves, fired = plan.arrive_many(self._arrivals(event), self.retain_graph)
             by_peer: dict[int, list[tuple[int, list[torch.Tensor | None]]]] = {}
@@ -493,30 +494,38 @@ class PassState:
         return f"mpidag.autograd.gradients({origin} -> {self.agent.info.name})"
 
     def _make_plan(self, root_edges: list | None) -> None:
-        """Plan this rank's share of the pass: its sources are the roots (``root_edges``,
-        on the rank that called ``backward()``) and every send function of the context.
+        """Plan this rank's share of the pass: its sources are every send function of the
+        context and, on the rank that called ``backward()``, the roots (``root_edges``).
         A plan made ahead for exactly these send functions (:class:`PlannedAhead`) is taken
-        instead of planning now, on the critical path between a gradient's arrival and its
-        ``grad()``."""
+        instead of planning now, on the critical path between a gradient's arrival (or
+        ``backward()``'s start) and its ``grad()``; the roots join it as its last source
+        where they reach nothing the send functions reach."""
         ctx = self.ctx
         with ctx.lock:
             sends = list(ctx.sends.values())
             ahead, ctx.planned_ahead = ctx.planned_ahead, None
-        sources = [] if root_edges is None else [root_edges]
-        reaches = [] if root_edges is None else [None]
-        self.source_send = [] if root_edges is None else [None]
-        for send in sends:
-            self.source_of[send.message_id] = len(sources)
-            sources.append(send.edges)
-            reaches.append(send.prepare())
-            self.source_send.append(send)
-        if ahead is not None and root_edges is None and ahead.fits(sends):
-            self.plan = ahead.plan
-            self.autograd.count_plan_ahead("taken")
-        else:
-            if ahead is not None:
-                self.autograd.count_plan_ahead("stale")
-            self.plan = plan_of(sources, reaches, ctx.container.native)
+        self.source_send = list(sends)
+        self.source_of = {send.message_id: i for i, send in enumerate(sends)}
+        plan = None
+        if ahead is not None:
+            if ahead.fits(sends):
+                plan = ahead.plan
+                if root_edges is not None:
+                    self.roots_index = plan.add_source(root_edges)
+                    if self.roots_index is None:
+                        plan = None
+            self.autograd.count_plan_ahead("stale" if plan is None else "taken")
+        if plan is None:  # the roots first, then the send functions
+            sources = [send.edges for send in sends]
+            reaches = [send.prepare() for send in sends]
+            if root_edges is not None:
+                sources.insert(0, root_edges)
+                reaches.insert(0, None)
+                self.source_send.insert(0, None)
+                self.source_of = {mid: i + 1 for mid, i in self.source_of.items()}
+                self.roots_index = 0
+            plan = plan_of(sources, reaches, ctx.container.native)
+        self.plan = plan
         for node in self.plan.leaf_mask:
             ddp = _ddp_index.averaged(_ddp_index.lookup(node.variable))
             if ddp is not None:
@@ -757,11 +766,9 @@ class DistAutograd:
     def _plan_ahead(self, ctx: DistAutogradContext) -> None:
         """Right after a send function of ``ctx`` was walked (in the thread that sent it,
         while the peer computes): plan this rank's share of the context's next backward
-        pass now, so that the first gradient message runs its region at once. Not on the
-        rank that created the context (whose ``backward()`` plans with its roots), not
-        while a pass runs, and not for more than :data:`PLAN_AHEAD_SENDS` send functions."""
-        if self.agent.ids.creator(ctx.context_id) == self.agent.rank:
-            return
+        pass now, so that the first gradient message (or ``backward()`` here, whose roots
+        join the plan) runs its region at once. Not while a pass runs, and not for more
+        than :data:`PLAN_AHEAD_SENDS` send functions."""
         hooks = hook_registrations()
         with ctx.lock:
             sends = list(ctx.sends.values())

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -300,12 +300,52 @@ class Plan:
             if reaches[i] is None:
                 reaches[i] = Reach(edges, self.recv_types, native)
         self._build(reaches)
+        #: the sources' reaches while each source is a region of its own (for add_source)
+        self._reaches: list[Reach] | None = None if self.node_mask else reaches
         #: watched leaves not complete yet: their source masks, their gradients so far
         self.leaf_mask: dict[Any, int] = {}
         self.leaf_grads: dict[Any, torch.Tensor] = {}
         self.hooked: set[Any] = set()  # watched leaves with tensor hooks
         self.completed: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        self._watch(watch)
+        self._watched = watch
+        self._watch(self.regions.items(), enumerate(self.sources))
+
+    def add_source(self, edges: list[GradientEdge | None]) -> int | None:
+        """Add a source (the roots of ``backward()`` to a plan made ahead from the send
+        functions alone) before any arrived; returns its index. Only when it reaches
+        nothing the other sources reach (no node, no recv function; leaves may be shared)
+        and each source is a region of its own: otherwise nothing changes and ``None`` says
+        to plan anew with all the sources.
+
+        Example::
+
+            >>> a = torch.ones(2, requires_grad=True); sent = a * 2; root = (a * 3).sum()
+            >>> plan = Plan([[edge_of(sent)]], recv_types=type(None))
+            >>> plan.add_source([edge_of(root)])
+            1
+            >>> leaves, _ = plan.arrive(1, [torch.tensor(1.0)], retain_graph=False)
+            >>> leaves[0][1]
+            tensor([3., 3.])
+        """
+        if self._reaches is None or self.arrived:
+            return None
+        reach = Reach(edges, self.recv_types, self.native)
+        if any(node in self.recv_mask for node in reach.recv_nodes) or not all(
+                other.succ.keys().isdisjoint(reach.succ.keys()) for other in self._reaches):
+            return None
+        index, bit = self.n_sources, 1 << self.n_sources
+        keys = [None if e is None or e.node is None else (e.node, e.output_nr) for e in edges]
+        self.n_sources += 1
+        self.sources.append(keys)
+        self._keep.append(edges)
+        self._reaches.append(reach)
+        for node in reach.recv_nodes:
+            self.recv_mask[node] = bit
+        region = _Region(bit, leaf_edges=reach.leaf_edges, recv_edges=reach.recv_edges)
+        region.entries = {key for key in keys if key is not None and key[0] in reach.succ}
+        self.regions[bit] = region
+        self._watch([(bit, region)], [(index, keys)])
+        return index
 
     # ------------------------------------------------------------------ build
     def _build(self, reaches: list[Reach]) -> None:
@@ -390,10 +430,13 @@ class Plan:
                     recv_mask[nxt] = recv_mask.get(nxt, 0) | mask
         return masks
 
-    def _watch(self, watch: Callable[[torch.Tensor], bool] | None) -> None:
-        """Find the watched leaves (see the module's text) and the sources that reach each."""
+    def _watch(self, regions: Iterable[tuple[int, _Region]],
+               sources: Iterable[tuple[int, list[EdgeKey | None]]]) -> None:
+        """Find the watched leaves (see the module's text) among the leaf edges of
+        ``regions`` and the leaf edges of ``sources`` (``(index, keys)``), and the sources
+        that reach each."""
         checked: dict[Any, bool] = {}
-        leaf_mask = self.leaf_mask
+        leaf_mask, watch = self.leaf_mask, self._watched
 
         def watched(node: Any) -> bool:
             seen = checked.get(node)
@@ -406,11 +449,11 @@ class Plan:
                     or (watch is not None and watch(var))
             return seen
 
-        for mask, region in self.regions.items():
+        for mask, region in regions:
             for node, _ in region.leaf_edges:
                 if watched(node):
                     leaf_mask[node] = leaf_mask.get(node, 0) | mask
-        for i, keys in enumerate(self.sources):
+        for i, keys in sources:
             for key in keys:
                 if key is not None and type(key[0]) is AccumulateGrad and watched(key[0]):
                     leaf_mask[key[0]] = leaf_mask.get(key[0], 0) | 1 << i
