@@ -4,13 +4,13 @@ Data flow of ``backward(context_id, [loss])`` on rank A, whose forward sent ``x`
 got ``y`` back::
 
     A: plan the local graph from the roots and every send function of the context
-       -> run the regions the roots alone feed (native engine) -> the recv function of y
-       is complete: call the handler "autograd.gradients"(context, pass, message id of y,
-       grad y) on B
-    B: first event of this pass: plan from all of B's send functions (planned ahead when
-       B answered A's call, see PlannedAhead) -> the send function of y got its gradient:
-       run its region -> the recv function of x is complete:
-       call "autograd.gradients"(..., message id of x, grad x) on A
+       (planned ahead once x left, the roots added: PlannedAhead) -> run the regions the
+       roots alone feed (native engine) -> the recv function of y is complete: call the
+       handler "autograd.gradients"(context, pass, message id of y, grad y) on B
+    B: first event of this pass: plan from all of B's send functions (planned ahead once
+       y left) -> the send function of y got its gradient: run its region -> the recv
+       function of x is complete: call "autograd.gradients"(..., message id of x, grad x)
+       on A
     A: the send function of x got its gradient: run its region; leaves accumulate into
        the context -> answer B's call -> B has nothing left: answer A's first call -> done
 
@@ -280,9 +280,11 @@ PLAN_AHEAD_SENDS = 4
 class PlannedAhead:
     """A rank's plan of its share of a context's next backward pass, made right after one
     of its send functions was walked, while the peer computes (:meth:`DistAutograd.
-    _plan_ahead`): the first gradient message of the pass then runs its region at once.
-    Taken only by a pass whose send functions are exactly these and when no tensor hook
-    was registered since (the plan watches the leaves that have hooks)."""
+    _plan_ahead`): the first gradient message of the pass then runs its region at once,
+    and on the rank that calls ``backward()`` the roots join it as its last source
+    (:meth:`Plan.add_source`) where they reach nothing the send functions reach. Taken
+    only by a pass whose send functions are exactly these and when no tensor hook was
+    registered since (the plan watches the leaves that have hooks)."""
 
     message_ids: tuple[int, ...]  #: the send functions it plans for, in order
     hooks: int  #: :func:`hook_registrations` when it was made
