@@ -26,9 +26,7 @@ other's next stretch start, on the common clock) stand beside mpidag's.
 
 Then the thread CPU beside the wall time of two of the engine's steps on the hops (the
 pass's plan, a gradient message sent): a step whose CPU equals its wall time computed all
-along, one whose CPU is lower waited for the GIL or a core; and each rank's count of plans
-made ahead of a pass (rank 1 plans its share while rank 0 computes the loss: its pass's
-plan step then only takes it). And, in one process, what a
+along, one whose CPU is lower waited for the GIL or a core. And, in one process, what a
 cold start costs: the thread CPU of one ``contiguous()`` of the expanded 64-float gradient
 that the first gradient message of a pass makes, warm and right after a 4 ms sleep, a
 500-op ``grad()`` or a 4 ms Python loop (on the 2-core VM 5 µs warm and 38-66 µs cold:
@@ -56,7 +54,6 @@ import mpidag.autograd as dist_autograd  # noqa: E402
 import mpidag.dist_autograd.engine as engine  # noqa: E402
 import mpidag.dist_autograd.graph as graph  # noqa: E402
 import mpidag.rpc as rpc  # noqa: E402
-from mpidag import _runtime  # noqa: E402
 
 clock = time.perf_counter_ns
 #: (name, ns) of this rank, in order
@@ -122,11 +119,6 @@ def cold_start(repeats: int = 200) -> dict[str, list[int]]:
                 time.thread_time_ns() - start)
     workload.W1.grad = None
     return out
-
-
-def plans_ahead() -> dict[str, int]:
-    """This rank's counts of plans made ahead of a pass, taken by it, found stale."""
-    return dict(_runtime.current().autograd.plans_ahead)
 
 
 def second_half(h: torch.Tensor) -> torch.Tensor:
@@ -346,8 +338,6 @@ def main() -> int:
             t0 = clock()
             workload.local_step("ops_1000")
             local.append(clock() - t0)
-    if rank == 0:  # (each rank's counts once the iterations are done)
-        plans = [plans_ahead(), rpc.rpc_sync("worker1", plans_ahead)]
     rpc.shutdown()  # (waits for every rank: rank 1's stamps are all there after it)
     records = list(stamps)
     costs = list(step_costs)
@@ -373,10 +363,6 @@ def main() -> int:
                     cpu = statistics.median(c for c, _ in mine) / 1e3
                     wall = statistics.median(w for _, w in mine) / 1e3
                     print(f"{f'rank {r}: {label}':66s} {cpu:9.1f} / {wall:.1f}")
-        print("plans made ahead of a pass (made / taken / stale):")
-        for r, counts in enumerate(plans):
-            print(f"{f'rank {r}':66s} {counts.get('made', 0)} / {counts.get('taken', 0)} / "
-                  f"{counts.get('stale', 0)}")
         print("the cost of a cold start (thread CPU):")
         for name, values in cold_start().items():
             print(f"{name:66s} {statistics.median(values) / 1e3:9.1f}")

@@ -418,9 +418,6 @@ class DistAutogradContext:
         self.known_workers: set[int] = set()
         self._gradients: GradientMap | None = None  # made by the first pass that stores one
         self.passes: dict[int, PassState] = {}
-        #: the engine's plan of this rank's share of the next backward pass, made ahead
-        #: while the peer computes (``ContextContainer.after_walk``); taken by that pass
-        self.planned_ahead: Any = None
         self.released = False
 
     @property
@@ -513,9 +510,6 @@ class ContextContainer(CallObserver):
         self.live_recvs = LiveCount()
         #: the C++ records (None: the Python ones; MPIDAG_COMPILED=0 or not built)
         self.native = records_module(agent.config.compiled)
-        #: called with a context right after one of its send functions was walked (in the
-        #: thread that sent it, while the peer computes): the engine plans ahead there
-        self.after_walk: Callable[[DistAutogradContext], None] | None = None
         self._release_handler = agent.register_handler(
             "autograd.release", self.release_id, mode="control")
         agent.set_observer(self)
@@ -616,7 +610,6 @@ class ContextContainer(CallObserver):
                 ctx.recvs.clear()
             if ctx.passes:
                 ctx.passes.clear()
-            ctx.planned_ahead = None
         if not peers:
             return
         agent, me = self.agent, self.rank
@@ -725,15 +718,12 @@ class ContextContainer(CallObserver):
         return result
 
     def prepare_send(self, context_id: int, message_id: int) -> None:
-        """Precompute the reach of a send function just sent, then let :attr:`after_walk`
-        plan ahead (never raises)."""
+        """Precompute the reach of a send function just sent (never raises)."""
         ctx = self.contexts.get(context_id)
         send = None if ctx is None else ctx.sends.get(message_id)
         if send is not None:
             try:
                 send.prepare()
-                if self.after_walk is not None:
-                    self.after_walk(ctx)
             except Exception:  # the backward pass walks it again and reports what fails
                 log.debug("could not walk the graph of %r", send, exc_info=True)
 

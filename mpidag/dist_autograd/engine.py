@@ -4,13 +4,12 @@ Data flow of ``backward(context_id, [loss])`` on rank A, whose forward sent ``x`
 got ``y`` back::
 
     A: plan the local graph from the roots and every send function of the context
-       (planned ahead once x left, the roots added: PlannedAhead) -> run the regions the
-       roots alone feed (native engine) -> the recv function of y is complete: call the
-       handler "autograd.gradients"(context, pass, message id of y, grad y) on B
-    B: first event of this pass: plan from all of B's send functions (planned ahead once
-       y left) -> the send function of y got its gradient: run its region -> the recv
-       function of x is complete: call "autograd.gradients"(..., message id of x, grad x)
-       on A
+       -> run the regions the roots alone feed (native engine) -> the recv function of y
+       is complete: call the handler "autograd.gradients"(context, pass, message id of y,
+       grad y) on B
+    B: first event of this pass: plan from all of B's send functions -> the send function
+       of y got its gradient: run its region -> the recv function of x is complete:
+       call "autograd.gradients"(..., message id of x, grad x) on A
     A: the send function of x got its gradient: run its region; leaves accumulate into
        the context -> answer B's call -> B has nothing left: answer A's first call -> done
 
@@ -81,16 +80,11 @@ from mpidag.dist_autograd.context import (
     ContextContainer,
     DistAutogradContext,
 )
-from mpidag.dist_autograd.graph import (
-    Plan,
-    edge_of,
-    hook_registrations,
-    track_intermediate_hooks,
-)
+from mpidag.dist_autograd.graph import Plan, edge_of, track_intermediate_hooks
 from mpidag.errors import detached_copy, frameless, future_error, node_error
 
-__all__ = ["DistAutograd", "PassState", "PlannedAhead", "UnusedRPCGradientError",
-           "UnusedRPCWarning", "check_roots", "merge_answer", "pack_answer", "plan_of"]
+__all__ = ["DistAutograd", "PassState", "UnusedRPCGradientError", "UnusedRPCWarning",
+           "check_roots", "merge_answer", "pack_answer"]
 
 log = logging.getLogger(__name__)
 
@@ -263,39 +257,6 @@ PassEvent = RootsEvent | GradientsEvent | ResolveEvent | AskEvent
 _ANSWERED = (GradientsEvent, ResolveEvent)
 
 
-def plan_of(sources: list[list], reaches: list, native: Any) -> Plan:
-    """The :class:`Plan` of a rank's share of a pass from its sources (the roots' edges
-    first where it has them, then each send function's) and their reaches (``None``: walk
-    them now)."""
-    return Plan(sources, RECV_NODE_TYPES, reaches, watch=_ddp_index.watch, native=native)
-
-
-#: the most send functions a context may have on a rank for the rank to plan its share of
-#: the next backward pass ahead: each new send function plans again, so a context with many
-#: RPCs to one rank plans once its first gradient message arrives instead
-PLAN_AHEAD_SENDS = 4
-
-
-@dataclasses.dataclass(slots=True)
-class PlannedAhead:
-    """A rank's plan of its share of a context's next backward pass, made right after one
-    of its send functions was walked, while the peer computes (:meth:`DistAutograd.
-    _plan_ahead`): the first gradient message of the pass then runs its region at once,
-    and on the rank that calls ``backward()`` the roots join it as its last source
-    (:meth:`Plan.add_source`) where they reach nothing the send functions reach. Taken
-    only by a pass whose send functions are exactly these and when no tensor hook was
-    registered since (the plan watches the leaves that have hooks)."""
-
-    message_ids: tuple[int, ...]  #: the send functions it plans for, in order
-    hooks: int  #: :func:`hook_registrations` when it was made
-    plan: Plan
-
-    def fits(self, sends: list[Any]) -> bool:
-        """Whether it plans for exactly ``sends``, with the hooks it saw."""
-        return self.hooks == hook_registrations() and self.message_ids == tuple(
-            send.message_id for send in sends)
-
-
 class PassState:
     """One rank's share of one backward pass (``pass_id``) of a context."""
 
@@ -323,7 +284,7 @@ class PassState:
         self.seq = 0
         self.plan: Plan | None = None
         self.source_of: dict[int, int] = {}  # send message id -> source index
-        self.roots_index: int | None = None  # the roots' source index (on the root's rank)
+        self.source_what: list[str] = []
         self.source_send: list[Any] = []  # the send function of each source (None: roots)
         self.asked: set[int] = set()  # SMART: message ids of recv functions asked about
         self.resolved: set[int] = set()  # SMART: recv functions this rank answered for
@@ -403,7 +364,7 @@ class PassState:
                     self._ask(peer, message_id)
                 return []
             if type(event) is RootsEvent:
-                leaves, fired = plan.arrive(self.roots_index, event.grads, self.retain_graph)
+                leaves, fired = plan.arrive(0, event.grads, self.retain_graph)
             else:
                 leaves, fired = plan.arrive_many(self._arrivals(event), self.retain_graph)
             by_peer: dict[int, list[tuple[int, list[torch.Tensor | None]]]] = {}
@@ -496,38 +457,20 @@ class PassState:
         return f"mpidag.autograd.gradients({origin} -> {self.agent.info.name})"
 
     def _make_plan(self, root_edges: list | None) -> None:
-        """Plan this rank's share of the pass: its sources are every send function of the
-        context and, on the rank that called ``backward()``, the roots (``root_edges``).
-        A plan made ahead for exactly these send functions (:class:`PlannedAhead`) is taken
-        instead of planning now, on the critical path between a gradient's arrival (or
-        ``backward()``'s start) and its ``grad()``; the roots join it as its last source
-        where they reach nothing the send functions reach."""
-        ctx = self.ctx
-        with ctx.lock:
-            sends = list(ctx.sends.values())
-            ahead, ctx.planned_ahead = ctx.planned_ahead, None
-        self.source_send = list(sends)
-        self.source_of = {send.message_id: i for i, send in enumerate(sends)}
-        plan = None
-        if ahead is not None:
-            if ahead.fits(sends):
-                plan = ahead.plan
-                if root_edges is not None:
-                    self.roots_index = plan.add_source(root_edges)
-                    if self.roots_index is None:
-                        plan = None
-            self.autograd.count_plan_ahead("stale" if plan is None else "taken")
-        if plan is None:  # the roots first, then the send functions
-            sources = [send.edges for send in sends]
-            reaches = [send.prepare() for send in sends]
-            if root_edges is not None:
-                sources.insert(0, root_edges)
-                reaches.insert(0, None)
-                self.source_send.insert(0, None)
-                self.source_of = {mid: i + 1 for mid, i in self.source_of.items()}
-                self.roots_index = 0
-            plan = plan_of(sources, reaches, ctx.container.native)
-        self.plan = plan
+        with self.ctx.lock:
+            sends = list(self.ctx.sends.values())
+        sources = [] if root_edges is None else [root_edges]
+        reaches = [] if root_edges is None else [None]
+        self.source_what = [] if root_edges is None else ["the roots of backward()"]
+        self.source_send = [] if root_edges is None else [None]
+        for send in sends:
+            self.source_of[send.message_id] = len(sources)
+            sources.append(send.edges)
+            reaches.append(send.prepare())
+            self.source_what.append(f"{send.what} (from rank {self.agent.rank})")
+            self.source_send.append(send)
+        self.plan = Plan(sources, RECV_NODE_TYPES, reaches, watch=_ddp_index.watch,
+                         native=self.ctx.container.native)
         for node in self.plan.leaf_mask:
             ddp = _ddp_index.averaged(_ddp_index.lookup(node.variable))
             if ddp is not None:
@@ -538,13 +481,6 @@ class PassState:
                 self.ddp_waiting[ddp].add(node.variable)
         if self.smart:
             self._answer_unreached()
-
-    def _source_what(self, index: int) -> str:
-        """The name of source ``index`` for reports."""
-        send = self.source_send[index]
-        if send is None:
-            return "the roots of backward()"
-        return f"{send.what} (from rank {self.agent.rank})"
 
     def _recv_nodes(self) -> dict[int, Any]:
         """The recv nodes this pass reaches, by message id."""
@@ -651,7 +587,7 @@ class PassState:
         with self.ctx.lock:
             unused = [r.what for mid, r in self.ctx.recvs.items() if mid not in reached]
         stuck = plan.waiting_sources()
-        waiting = [self._source_what(i) for i in stuck]
+        waiting = [self.source_what[i] for i in stuck]
         waiting_ids = [(self.source_send[i].peer, self.source_send[i].message_id)
                        for i in stuck if self.source_send[i] is not None]
         return {self.agent.rank: (self.seq, unused, waiting, waiting_ids)}
@@ -751,12 +687,6 @@ class DistAutograd:
         self.container = ContextContainer(agent)
         #: tensor hooks of intermediate tensors run once on their whole gradient (graph.py)
         self.close = track_intermediate_hooks()
-        #: plans made ahead of a backward pass (:meth:`_plan_ahead`): ``made``, ``taken`` by
-        #: the pass, ``stale`` (the pass found other send functions or new hooks: planned
-        #: again); for tools and tests
-        self.plans_ahead: collections.Counter[str] = collections.Counter()
-        self._plans_ahead_lock = threading.Lock()
-        self.container.after_walk = self._plan_ahead
         self.gradients_handler = agent.register_handler(
             "autograd.gradients", self._on_gradients, asynchronous=True,
             describe=lambda context_id, *_: f"gradients of autograd context {context_id}")
@@ -764,32 +694,6 @@ class DistAutograd:
             "autograd.resolve", self._on_resolve, asynchronous=True,
             describe=lambda context_id, *_: f"SMART mode question in autograd context "
                                             f"{context_id}")
-
-    def _plan_ahead(self, ctx: DistAutogradContext) -> None:
-        """Right after a send function of ``ctx`` was walked (in the thread that sent it,
-        while the peer computes): plan this rank's share of the context's next backward
-        pass now, so that the first gradient message (or ``backward()`` here, whose roots
-        join the plan) runs its region at once. Not while a pass runs, and not for more
-        than :data:`PLAN_AHEAD_SENDS` send functions."""
-        hooks = hook_registrations()
-        with ctx.lock:
-            sends = list(ctx.sends.values())
-            if hooks is None or ctx.passes or len(sends) > PLAN_AHEAD_SENDS:
-                ctx.planned_ahead = None
-                return
-        plan = plan_of([send.edges for send in sends], [send.prepare() for send in sends],
-                       self.container.native)
-        ahead = PlannedAhead(tuple(send.message_id for send in sends), hooks, plan)
-        with ctx.lock:  # (a pass that began meanwhile made its own)
-            if not ctx.passes and not ctx.released and ahead.fits(list(ctx.sends.values())):
-                ctx.planned_ahead = ahead
-                self.count_plan_ahead("made")
-
-    def count_plan_ahead(self, outcome: str) -> None:
-        """One more plan made ahead ``made``, ``taken`` or found ``stale``
-        (:attr:`plans_ahead`)."""
-        with self._plans_ahead_lock:
-            self.plans_ahead[outcome] += 1
 
     def _on_gradients(self, context_id: int, pass_id: int, message_id: int, flags: int,
                       *grads: torch.Tensor | None) -> torch.futures.Future | None:

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,7 +62,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["AccumulateGrad", "EdgeKey", "Plan", "Reach", "drop_unrun_tasks", "edge_of",
-           "edges_of", "hook_registrations", "tensor_hooks", "track_intermediate_hooks"]
+           "edges_of", "tensor_hooks", "track_intermediate_hooks"]
 
 log = logging.getLogger(__name__)
 
@@ -300,52 +300,12 @@ class Plan:
             if reaches[i] is None:
                 reaches[i] = Reach(edges, self.recv_types, native)
         self._build(reaches)
-        #: the sources' reaches while each source is a region of its own (for add_source)
-        self._reaches: list[Reach] | None = None if self.node_mask else reaches
         #: watched leaves not complete yet: their source masks, their gradients so far
         self.leaf_mask: dict[Any, int] = {}
         self.leaf_grads: dict[Any, torch.Tensor] = {}
         self.hooked: set[Any] = set()  # watched leaves with tensor hooks
         self.completed: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        self._watched = watch
-        self._watch(self.regions.items(), enumerate(self.sources))
-
-    def add_source(self, edges: list[GradientEdge | None]) -> int | None:
-        """Add a source (the roots of ``backward()`` to a plan made ahead from the send
-        functions alone) before any arrived; returns its index. Only when it reaches
-        nothing the other sources reach (no node, no recv function; leaves may be shared)
-        and each source is a region of its own: otherwise nothing changes and ``None`` says
-        to plan anew with all the sources.
-
-        Example::
-
-            >>> a = torch.ones(2, requires_grad=True); sent = a * 2; root = (a * 3).sum()
-            >>> plan = Plan([[edge_of(sent)]], recv_types=type(None))
-            >>> plan.add_source([edge_of(root)])
-            1
-            >>> leaves, _ = plan.arrive(1, [torch.tensor(1.0)], retain_graph=False)
-            >>> leaves[0][1]
-            tensor([3., 3.])
-        """
-        if self._reaches is None or self.arrived:
-            return None
-        reach = Reach(edges, self.recv_types, self.native)
-        if any(node in self.recv_mask for node in reach.recv_nodes) or not all(
-                other.succ.keys().isdisjoint(reach.succ.keys()) for other in self._reaches):
-            return None
-        index, bit = self.n_sources, 1 << self.n_sources
-        keys = [None if e is None or e.node is None else (e.node, e.output_nr) for e in edges]
-        self.n_sources += 1
-        self.sources.append(keys)
-        self._keep.append(edges)
-        self._reaches.append(reach)
-        for node in reach.recv_nodes:
-            self.recv_mask[node] = bit
-        region = _Region(bit, leaf_edges=reach.leaf_edges, recv_edges=reach.recv_edges)
-        region.entries = {key for key in keys if key is not None and key[0] in reach.succ}
-        self.regions[bit] = region
-        self._watch([(bit, region)], [(index, keys)])
-        return index
+        self._watch(watch)
 
     # ------------------------------------------------------------------ build
     def _build(self, reaches: list[Reach]) -> None:
@@ -430,13 +390,10 @@ class Plan:
                     recv_mask[nxt] = recv_mask.get(nxt, 0) | mask
         return masks
 
-    def _watch(self, regions: Iterable[tuple[int, _Region]],
-               sources: Iterable[tuple[int, list[EdgeKey | None]]]) -> None:
-        """Find the watched leaves (see the module's text) among the leaf edges of
-        ``regions`` and the leaf edges of ``sources`` (``(index, keys)``), and the sources
-        that reach each."""
+    def _watch(self, watch: Callable[[torch.Tensor], bool] | None) -> None:
+        """Find the watched leaves (see the module's text) and the sources that reach each."""
         checked: dict[Any, bool] = {}
-        leaf_mask, watch = self.leaf_mask, self._watched
+        leaf_mask = self.leaf_mask
 
         def watched(node: Any) -> bool:
             seen = checked.get(node)
@@ -449,11 +406,11 @@ class Plan:
                     or (watch is not None and watch(var))
             return seen
 
-        for mask, region in regions:
+        for mask, region in self.regions.items():
             for node, _ in region.leaf_edges:
                 if watched(node):
                     leaf_mask[node] = leaf_mask.get(node, 0) | mask
-        for i, keys in sources:
+        for i, keys in enumerate(self.sources):
             for key in keys:
                 if key is not None and type(key[0]) is AccumulateGrad and watched(key[0]):
                     leaf_mask[key[0]] = leaf_mask.get(key[0], 0) | 1 << i
@@ -784,57 +741,37 @@ def _hooks_suppressed(variables: list[torch.Tensor] | tuple):
 # -------------------------------------------------------- intermediate tensor hooks
 #: non-leaf tensors given a tensor hook while tracking is on (weakly; see the module text)
 _hooked_intermediates: WeakIdKeyDictionary = WeakIdKeyDictionary()
-#: [runtimes tracking, {name: (torch's Tensor method, its wrapper)} while replaced]
+#: [runtimes tracking, torch's own Tensor.register_hook while replaced]
 _tracking: list[Any] = [0, None]
-#: tensor hooks registered while tracked (see :func:`hook_registrations`; two threads that
-#: register at once may count one: what reads it asks only whether it changed)
-_hook_count = [0]
 #: id(hooks dict) -> [native calls holding it back, the dict, its hooks]
 _held: dict[int, list[Any]] = {}
 
 
 def track_intermediate_hooks() -> Callable[[], None]:
     """Remember the non-leaf tensors given a tensor hook (``Tensor.register_hook`` wrapped,
-    counted per caller), and count every tensor hook registered (``register_hook`` and
-    ``register_post_accumulate_grad_hook``: :func:`hook_registrations`); returns the function
-    that stops it (the last one puts torch's methods back, unless another library replaced
-    them since).
+    counted per caller); returns the function that stops it (the last one puts torch's
+    ``register_hook`` back, unless another library replaced it since).
 
     Example::
 
         >>> stop = track_intermediate_hooks()
-        >>> before = hook_registrations()
         >>> h = torch.ones(2, requires_grad=True) * 2; _ = h.register_hook(lambda g: g)
-        >>> hook_registrations() - before
-        1
         >>> stop()
     """
     with _suppressed_lock:
         if _tracking[0] == 0:
             original = torch.Tensor.register_hook
-            original_post = torch.Tensor.register_post_accumulate_grad_hook
 
             def register_hook(self: torch.Tensor, hook: Callable) -> Any:
                 handle = original(self, hook)
-                _hook_count[0] += 1
                 if self.grad_fn is not None:
                     _hooked_intermediates[self] = None
                 return handle
 
-            def register_post_accumulate_grad_hook(self: torch.Tensor, hook: Callable
-                                                   ) -> Any:
-                handle = original_post(self, hook)
-                _hook_count[0] += 1
-                return handle
-
-            wrappers = {"register_hook": (original, register_hook),
-                        "register_post_accumulate_grad_hook": (
-                            original_post, register_post_accumulate_grad_hook)}
-            for name, (method, wrapper) in wrappers.items():
-                wrapper.__doc__ = method.__doc__
-                wrapper.__wrapped__ = method  # type: ignore[attr-defined]
-                setattr(torch.Tensor, name, wrapper)
-            _tracking[1] = wrappers
+            register_hook.__doc__ = original.__doc__
+            register_hook.__wrapped__ = original  # type: ignore[attr-defined]
+            torch.Tensor.register_hook = register_hook  # type: ignore[method-assign]
+            _tracking[1] = (original, register_hook)
         _tracking[0] += 1
     stopped = [False]
 
@@ -845,30 +782,12 @@ def track_intermediate_hooks() -> Callable[[], None]:
             stopped[0] = True
             _tracking[0] -= 1
             if _tracking[0] == 0:
-                for name, (method, wrapper) in _tracking[1].items():
-                    if getattr(torch.Tensor, name) is wrapper:
-                        setattr(torch.Tensor, name, method)
+                original, wrapper = _tracking[1]
+                if torch.Tensor.register_hook is wrapper:
+                    torch.Tensor.register_hook = original  # type: ignore[method-assign]
                 _tracking[1] = None
 
     return stop
-
-
-def hook_registrations() -> int | None:
-    """How many tensor hooks were registered since this process started tracking them
-    (:func:`track_intermediate_hooks`), or ``None`` when it does not now (no runtime, or
-    another library replaced a tracked method since): what a plan made ahead of its
-    backward pass compares, since the leaves it watches depend on their hooks.
-
-    Example::
-
-        >>> hook_registrations() is None or hook_registrations() >= 0
-        True
-    """
-    wrappers = _tracking[1]
-    if wrappers is None or any(getattr(torch.Tensor, name) is not wrapper
-                               for name, (_, wrapper) in wrappers.items()):
-        return None
-    return _hook_count[0]
 
 
 @contextmanager

@@ -14,7 +14,6 @@ import torch
 
 import mpidag.autograd as dist_autograd
 import mpidag.rpc as rpc
-import mpidag.testing as testing
 from mpidag import _runtime
 from mpidag.agent.agent import RpcAgent
 from tests import autograd_funcs as af
@@ -651,97 +650,6 @@ def test_post_accumulate_grad_hooks_run_once_on_the_complete_gradient(world):
     close(seen[0][2], expected)  # complete after the first pass, once
     close(seen[1][2], 2 * expected)
     close(final, 2 * expected)
-
-
-def _own_leaf_expected(world, x):
-    """Local autograd's gradients of ``sum(sin(x * w)^2)`` for ``x`` and the next rank's
-    own leaf ``w``."""
-    w = rpc.rpc_sync(world.next, af.own_leaf_value).requires_grad_()
-    return torch.autograd.grad((torch.sin(x * w) ** 2).sum(), [x, w])
-
-
-def _plans_ahead_now() -> dict[str, int]:
-    """This rank's counts of plans made ahead, read while no rank plans (collective: a
-    rank that read them first waits here until every rank has)."""
-    testing.quiesce()
-    counts = af.plans_ahead()
-    testing.quiesce()
-    return counts
-
-
-def _plans_ahead_since(before: dict[str, int]) -> dict[str, int]:
-    """This rank's plans made ahead, taken and stale since ``before``, once every rank's
-    passes are done (collective)."""
-    testing.quiesce()
-    after = af.plans_ahead()
-    return {k: after.get(k, 0) - before.get(k, 0) for k in ("made", "taken", "stale")}
-
-
-def test_both_ranks_of_a_pass_take_the_plans_they_made_ahead(world):
-    """A rank plans its share of a context's next backward pass right after it walked the
-    graph behind a send function, while the peer computes: the caller once its call left,
-    the callee once its answer left. The pass takes both plans (on the caller the roots of
-    backward() join it). This rank is the caller of its context and the callee of the
-    previous rank's: two plans made, two taken. Gradients as local autograd's."""
-    (x,) = _seeded(world.rank, (4,))
-    before = _plans_ahead_now()
-    with dist_autograd.context() as context_id:
-        y = rpc.rpc_sync(world.next, af.times_own_leaf, args=(x,))
-        # (calls without tensors that require grad record nothing: the plans stay valid)
-        assert rpc.rpc_sync(world.next, af.wait_planned_ahead, args=(context_id,)) == 1
-        dist_autograd.backward(context_id, [(y * y).sum()])
-        grad_x = dist_autograd.get_gradients(context_id)[x]
-        grad_w = rpc.rpc_sync(world.next, af.own_leaf_gradient, args=(context_id,))
-    expected_x, expected_w = _own_leaf_expected(world, x)
-    close(grad_x, expected_x)
-    close(grad_w, expected_w)
-    assert _plans_ahead_since(before) == {"made": 2, "taken": 2, "stale": 0}
-
-
-def test_hooks_registered_after_the_forward_void_the_plans_made_ahead(world):
-    """Tensor hooks registered between the forward and the backward (on the callee's leaf:
-    one that doubles its gradient and a post-accumulate-grad hook; on this rank, one on an
-    unrelated tensor): the plans made ahead, which watched no hook, are stale on both
-    ranks, the pass plans again, and the hooks run as in local autograd (the second once,
-    on the complete gradient)."""
-    (x,) = _seeded(world.rank, (4,))
-    before = _plans_ahead_now()
-    with dist_autograd.context() as context_id:
-        y = rpc.rpc_sync(world.next, af.times_own_leaf, args=(x,))
-        rpc.rpc_sync(world.next, af.wait_planned_ahead, args=(context_id,))
-        testing.quiesce()  # every plan is made before any hook is registered
-        rpc.rpc_sync(world.next, af.hook_own_leaf)
-        torch.ones(1, requires_grad=True).register_hook(lambda g: g)
-        testing.quiesce()
-        try:
-            dist_autograd.backward(context_id, [(y * y).sum()])
-            grad_x = dist_autograd.get_gradients(context_id)[x]
-            grad_w = rpc.rpc_sync(world.next, af.own_leaf_gradient, args=(context_id,))
-        finally:
-            seen = rpc.rpc_sync(world.next, af.unhook_own_leaf)
-    expected_x, expected_w = _own_leaf_expected(world, x)
-    close(grad_x, expected_x)
-    close(grad_w, 2 * expected_w)  # the tensor hook doubled it
-    assert len(seen) == 1
-    close(seen[0], 2 * expected_w)
-    assert _plans_ahead_since(before) == {"made": 2, "taken": 0, "stale": 2}
-
-
-def test_roots_that_reach_what_a_send_function_reaches_are_planned_anew(world):
-    """A tensor both sent and used in the loss: the roots reach what the send function
-    reaches, so the caller's plan made ahead is stale (planned anew, the roots first); the
-    callee's is taken. Gradients as local autograd's."""
-    (w,) = _seeded(world.rank, (3,))
-    before = _plans_ahead_now()
-    with dist_autograd.context() as context_id:
-        h = w.sin()
-        y = rpc.rpc_sync(world.next, torch.mul, args=(h, 3.0))
-        rpc.rpc_sync(world.next, af.wait_planned_ahead, args=(context_id,))
-        dist_autograd.backward(context_id, [(y * h).sum()])
-        grad = dist_autograd.get_gradients(context_id)[w]
-    (expected,) = torch.autograd.grad((torch.mul(w.sin(), 3.0) * w.sin()).sum(), [w])
-    close(grad, expected)
-    assert _plans_ahead_since(before) == {"made": 2, "taken": 1, "stale": 1}
 
 
 def test_sparse_tensors_as_arguments_results_in_containers_and_rrefs(world):
