@@ -339,13 +339,10 @@ def main() -> int:
             workload.local_step("ops_1000")
             local.append(clock() - t0)
     rpc.shutdown()  # (waits for every rank: rank 1's stamps are all there after it)
-    records = list(stamps)
-    costs = list(step_costs)
-    comm = MPI.COMM_WORLD
-    comm_costs = comm.gather(costs, root=0)
-    gathered = comm.gather(records, root=0)
-    floors = comm.gather(floor(comm, args.steps), root=0)
+    comm = MPI.COMM_WORLD  # each rank's stamps, step costs and floor stretches, at once
+    parts = comm.gather((list(stamps), list(step_costs), floor(comm, args.steps)), root=0)
     if rank == 0:  # (the one-rank reference calls backward(), not grad(): no stamps)
+        gathered, comm_costs, floors = (list(column) for column in zip(*parts, strict=True))
         table = critical_path(gathered[0], gathered[1], args.steps)
         table["one rank: the same ops, loss.backward()"] = local
         for name, values in table.items():
