@@ -97,19 +97,47 @@ _event_numbers = itertools.count(1)
 
 #: the ``flags`` of a gradient message (the ``autograd.gradients`` handler's 4th argument);
 #: ``TO_PARENT``: a notification to the rank whose call engaged the sender, which waits for
-#: it in the sender's place (see "Termination" in :class:`PassState`)
-RETAIN_GRAPH, SMART, NO_GRADIENT, TO_PARENT = 1, 2, 4, 8
+#: it in the sender's place (see "Termination" in :class:`PassState`); ``EXPANDED``: the
+#: gradients are followed by one shape each (``None``, or the shape to expand that
+#: gradient back to: see :func:`_compact`)
+RETAIN_GRAPH, SMART, NO_GRADIENT, TO_PARENT, EXPANDED = 1, 2, 4, 8, 16
 #: the most send functions one gradient message serves: their ids travel as a tuple, which
 #: the compiled call path sends as a plain value up to this length
 MAX_BATCH = 8
+#: the fewest elements of a broadcast gradient that travels as its distinct elements and a
+#: shape (:func:`_compact`); a smaller one travels whole (one torch call instead of two on
+#: each end, and a few KiB at most)
+COMPACT_MIN_NUMEL = 4096
 
 
-def _dense(grad: torch.Tensor | None) -> torch.Tensor | None:
-    """A gradient to send: a strided one made contiguous (a loss's gradient is expanded
-    from one element), so that a small CPU one travels by the compiled call path."""
+def _compact(grad: torch.Tensor | None) -> tuple[torch.Tensor | None, tuple[int, ...] | None]:
+    """A gradient to send, and the shape to expand it back to on arrival (``None``: it
+    travels as it is). A strided one is made contiguous, so that a small CPU one travels by
+    the compiled call path; a broadcast one (a dimension of stride 0: the gradient of a
+    ``sum()`` or ``mean()`` of the received tensor is one element expanded to its shape)
+    travels as its distinct elements, so a loss's gradient costs no copy and no bytes the
+    size of the tensor, and the receiver's autograd gets it expanded, as local autograd
+    would.
+
+    Example::
+
+        >>> sent, shape = _compact(torch.ones(()).expand(64, 128))
+        >>> sent.shape, shape
+        (torch.Size([1, 1]), (64, 128))
+        >>> _compact(torch.ones(64, 128).t())[0].is_contiguous()
+        True
+    """
     if grad is None or grad.layout is not torch.strided or grad.is_contiguous():
-        return grad
-    return grad.contiguous()
+        return grad, None
+    shape = grad.shape
+    if grad.numel() >= COMPACT_MIN_NUMEL and len(shape) <= 8:  # (a shape is a plain value)
+        distinct = grad
+        for dim, (size, stride) in enumerate(zip(shape, grad.stride(), strict=True)):
+            if stride == 0 and size > 1:
+                distinct = distinct.narrow(dim, 0, 1)
+        if distinct is not grad:
+            return distinct.contiguous(), tuple(shape)
+    return grad.contiguous(), None
 
 
 #: an answer of the termination protocol as it travels (see :func:`pack_answer`)
@@ -534,17 +562,19 @@ class PassState:
         """The gradients of this rank's recv function ``message_id`` to the rank of its send
         function (``None``: SMART mode's "no gradient can come"); for a tuple of ids (recv
         functions of one peer that fired together), all their gradients one after the
-        other. The arguments are flat and the tensors contiguous (a loss's gradient is an
-        expanded one): a message of a few small CPU gradients is a plain call, sent and
-        served by the compiled path."""
+        other. The arguments are flat and the tensors contiguous, a broadcast one (a loss's
+        gradient) as its distinct elements and its shape (:func:`_compact`): a message of a
+        few small CPU gradients is a plain call, sent and served by the compiled path."""
         with self.lock:  # (engaged while this rank runs: the parent stays until the answer)
             to_parent = self.parent is not None and peer == self.parent_rank
             if to_parent:
                 self.handed_over += 1
         flags = (RETAIN_GRAPH if self.retain_graph else 0) | (SMART if self.smart else 0) | \
             (NO_GRADIENT if grads is None else 0) | (TO_PARENT if to_parent else 0)
-        args = (self.ctx.context_id, self.pass_id, message_id, flags,
-                *[_dense(g) for g in grads or ()])
+        sent = [_compact(g) for g in grads or ()]
+        args = (self.ctx.context_id, self.pass_id, message_id, flags, *[g for g, _ in sent])
+        if any(shape is not None for _, shape in sent):
+            args = (*args[:3], flags | EXPANDED, *args[4:], *[shape for _, shape in sent])
         if not to_parent:
             self._call(peer, self.autograd.gradients_handler, args)
             return
@@ -699,10 +729,15 @@ class DistAutograd:
                       *grads: torch.Tensor | None) -> torch.futures.Future | None:
         """On the rank of a send function: its gradients arrived (``message_id`` a tuple:
         several send functions', their gradients one after the other). ``flags``:
-        :data:`RETAIN_GRAPH`, :data:`SMART`, :data:`NO_GRADIENT` (none can come) and
-        :data:`TO_PARENT` (a notification handed over by a rank this one engaged: no answer);
-        a call is answered per the protocol."""
+        :data:`RETAIN_GRAPH`, :data:`SMART`, :data:`NO_GRADIENT` (none can come),
+        :data:`TO_PARENT` (a notification handed over by a rank this one engaged: no answer)
+        and :data:`EXPANDED` (a shape per gradient follows: broadcast gradients travel as
+        their distinct elements, :func:`_compact`); a call is answered per the protocol."""
         to_parent = bool(flags & TO_PARENT)
+        if flags & EXPANDED:  # each gradient's shape follows the gradients
+            half = len(grads) // 2
+            grads = tuple(g if shape is None else g.expand(shape)
+                          for g, shape in zip(grads[:half], grads[half:], strict=True))
         reply = None if to_parent else torch.futures.Future()
         self._post(context_id, pass_id, bool(flags & RETAIN_GRAPH), bool(flags & SMART),
                    GradientsEvent(message_id, None if flags & NO_GRADIENT else list(grads),

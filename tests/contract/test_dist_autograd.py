@@ -101,6 +101,34 @@ def test_gradient_messages_take_the_compiled_call_path(world, monkeypatch):
         assert "autograd.gradients" not in encoded, encoded
 
 
+def test_a_broadcast_gradient_travels_as_its_element_and_arrives_expanded(world, monkeypatch):
+    """The gradient of a received tensor's ``sum()`` is one element expanded to its shape:
+    it travels as that element and the shape (no copy and no message the size of the
+    tensor), by the compiled call path where it is built, and the sender's graph gets it
+    expanded, as in local autograd (a tensor hook there sees the same strides); the
+    gradients are local autograd's."""
+    from mpidag._runtime import current
+    from mpidag.dist_autograd import engine
+
+    (x,) = _seeded(world.rank, (64, 128))
+    assert x.numel() >= engine.COMPACT_MIN_NUMEL
+    key = ("broadcast", world.rank)
+    for step in range(2):  # (the first calls of a handler make its reference: Python)
+        encoded = python_encodes(monkeypatch) if step else []
+        with dist_autograd.context() as context_id:
+            y = rpc.rpc_sync(world.next, af.double_seeing_gradient, args=(x, key))
+            dist_autograd.backward(context_id, [y.sum()])
+            grads = dist_autograd.get_gradients(context_id)
+        remote = rpc.rpc_sync(world.next, af.seen_gradient, args=(key,))
+        here = ("local", key)
+        (expected,) = torch.autograd.grad(af.double_seeing_gradient(x, here).sum(), [x])
+        local = af.seen_gradient(here)
+        assert remote == local == ((0, 0), (64, 128))
+        close(grads[x], expected)
+    if current().agent.core is not None:
+        assert "autograd.gradients" not in encoded, encoded
+
+
 def test_a_gradient_for_the_engaging_rank_is_handed_over_without_an_answer(
         world, monkeypatch):
     """The next rank is engaged by this rank's gradient call; the gradient it sends back is
