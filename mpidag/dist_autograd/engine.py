@@ -114,8 +114,9 @@ def _compact(grad: torch.Tensor | None) -> tuple[torch.Tensor | None, tuple[int,
     """A gradient to send, and the shape to expand it back to on arrival (``None``: it
     travels as it is). A strided one is made contiguous, so that a small CPU one travels by
     the compiled call path; a broadcast one (a dimension of stride 0: the gradient of a
-    ``sum()`` or ``mean()`` of the received tensor is one element expanded to its shape)
-    travels as its distinct elements, so a loss's gradient costs no copy and no bytes the
+    ``sum()`` of the received tensor is one element expanded to its shape) of at least
+    :data:`COMPACT_MIN_NUMEL` elements and 8 dimensions at most travels as its distinct
+    elements, so a loss's gradient costs no copy and no bytes the
     size of the tensor, and the receiver's autograd gets it expanded, as local autograd
     would.
 
