@@ -11,6 +11,10 @@ Workloads (forward + backward per iteration, median time of several repetitions)
   rank 0, then the distributed backward.
 * ``ops_1000``: a graph of 1,000 small ops (tanh, mul, add on 64 floats), 500 per stage.
 * ``seed_example``: the design document's example (``my_add`` on worker1, ``t3 * t4``).
+* ``large_sum``: a leaf of 1M floats (4 MiB) sent to worker1, doubled there, and the sum of
+  the result as the loss: the gradient that goes back to worker1 is one element expanded
+  to 4 MiB (what mpidag sends as its element and shape; the hand-written split sends the
+  4 MiB that ``.grad`` holds), the one that comes back 4 MiB.
 * ``seed_unused``: the example with ``h = t1 * 2`` sent instead of ``t1``, plus a second
   ``my_add(h, t4)`` on worker1 whose result the loss does not use: ``h``'s node waits for
   both send functions, the graph FAST mode cannot finish (torch returns ``t1``'s gradient
@@ -78,6 +82,7 @@ DEFAULT_OUT = HERE / "results" / "autograd.json"
 IMPLS = ["local", "mpi4py", "torch_rpc", "mpidag"]
 WIDTH, LAYERS, BATCH = 1024, 4, 64
 OPS_PER_STAGE, OPS_SIZE = 500, 64
+LARGE_SIZE = 1 << 20
 
 
 # ---------------------------------------------------------------- models (both ranks)
@@ -97,6 +102,7 @@ STAGE1 = _stage(1)
 STAGE2 = _stage(2)
 W1 = torch.linspace(0.5, 1.0, OPS_SIZE).requires_grad_()
 W2 = torch.linspace(1.0, 0.5, OPS_SIZE).requires_grad_()
+LARGE = torch.linspace(0.0, 1.0, LARGE_SIZE).requires_grad_()
 
 
 def stage2_forward(h: torch.Tensor) -> torch.Tensor:
@@ -119,6 +125,11 @@ def my_add(t1: torch.Tensor, t2: torch.Tensor) -> torch.Tensor:
     return torch.add(t1, t2)
 
 
+def double(h: torch.Tensor) -> torch.Tensor:
+    """On rank 1: ``large_sum``'s second stage."""
+    return h * 2
+
+
 # ---------------------------------------------------------------- one iteration each
 def local_step(workload: str) -> None:
     if workload == "pipeline_mlp":
@@ -129,6 +140,9 @@ def local_step(workload: str) -> None:
     elif workload == "ops_1000":
         ops_half(ops_half(torch.full((OPS_SIZE,), 0.1), W1), W2).sum().backward()
         W1.grad = W2.grad = None
+    elif workload == "large_sum":
+        double(LARGE).sum().backward()
+        LARGE.grad = None
     else:
         t1, t2, t4 = (torch.rand((3, 3), requires_grad=True) for _ in range(3))
         if workload == "seed_unused":
@@ -147,6 +161,8 @@ def distributed_step(rpc: ModuleType, dist_autograd: ModuleType, workload: str) 
         elif workload == "ops_1000":
             h = ops_half(torch.full((OPS_SIZE,), 0.1), W1)
             loss = rpc.rpc_sync("worker1", ops_stage2, args=(h,)).sum()
+        elif workload == "large_sum":
+            loss = rpc.rpc_sync("worker1", double, args=(LARGE,)).sum()
         else:
             t1, t2, t4 = (torch.rand((3, 3), requires_grad=True) for _ in range(3))
             if workload == "seed_unused":
@@ -164,6 +180,8 @@ def _first_half(workload: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         return [], [STAGE1(torch.randn(BATCH, WIDTH))]
     if workload == "ops_1000":
         return [], [ops_half(torch.full((OPS_SIZE,), 0.1), W1)]
+    if workload == "large_sum":
+        return [LARGE], [LARGE]
     t1, t2 = (torch.rand((3, 3), requires_grad=True) for _ in range(2))
     return [t1, t2], [t1, t2]
 
@@ -174,19 +192,22 @@ def _second_half(workload: str, inputs: list[torch.Tensor]) -> torch.Tensor:
         return STAGE2(inputs[0])
     if workload == "ops_1000":
         return ops_stage2(inputs[0])
+    if workload == "large_sum":
+        return double(inputs[0])
     return my_add(*inputs)
 
 
 def _loss(workload: str, out: torch.Tensor) -> torch.Tensor:
     if workload == "pipeline_mlp":
         return out.pow(2).mean()
-    if workload == "ops_1000":
+    if workload in ("ops_1000", "large_sum"):
         return out.sum()
     return (out * torch.rand((3, 3), requires_grad=True)).sum()
 
 
 def _shape(workload: str) -> tuple[int, ...]:
-    return {"pipeline_mlp": (BATCH, WIDTH), "ops_1000": (OPS_SIZE,)}.get(workload, (3, 3))
+    return {"pipeline_mlp": (BATCH, WIDTH), "ops_1000": (OPS_SIZE,),
+            "large_sum": (LARGE_SIZE,)}.get(workload, (3, 3))
 
 
 def mpi4py_step(comm: MPI.Comm, workload: str) -> None:
@@ -203,7 +224,7 @@ def mpi4py_step(comm: MPI.Comm, workload: str) -> None:
     for g in grads:
         comm.Recv(g.numpy(), source=1)
     torch.autograd.backward(sent, grads)
-    for p in (*STAGE1.parameters(), *STAGE2.parameters(), W1, W2):
+    for p in (*STAGE1.parameters(), *STAGE2.parameters(), W1, W2, LARGE):
         p.grad = None
 
 
@@ -244,6 +265,7 @@ WORKLOADS: dict[str, dict[str, int]] = {
     "ops_1000": {"calls": 20, "reps": 7, "warmup": 10},
     "seed_example": {"calls": 300, "reps": 7, "warmup": 100},
     "seed_unused": {"calls": 300, "reps": 7, "warmup": 100},
+    "large_sum": {"calls": 10, "reps": 7, "warmup": 5},
 }
 #: workloads only some implementations can run correctly (see the module docstring)
 ONLY = {"seed_unused": ("local", "mpidag")}
