@@ -15,6 +15,7 @@ Workloads (forward + backward per iteration, median time of several repetitions)
   the result as the loss: the gradient that goes back to worker1 is one element expanded
   to 4 MiB (what mpidag sends as its element and shape; the hand-written split sends the
   4 MiB that ``.grad`` holds), the one that comes back 4 MiB.
+* ``large_dense``: the same with ``(y * 1.0).sum()`` as the loss: 4 MiB of gradient each way.
 * ``seed_unused``: the example with ``h = t1 * 2`` sent instead of ``t1``, plus a second
   ``my_add(h, t4)`` on worker1 whose result the loss does not use: ``h``'s node waits for
   both send functions, the graph FAST mode cannot finish (torch returns ``t1``'s gradient
@@ -140,8 +141,8 @@ def local_step(workload: str) -> None:
     elif workload == "ops_1000":
         ops_half(ops_half(torch.full((OPS_SIZE,), 0.1), W1), W2).sum().backward()
         W1.grad = W2.grad = None
-    elif workload == "large_sum":
-        double(LARGE).sum().backward()
+    elif workload in ("large_sum", "large_dense"):
+        _loss(workload, double(LARGE)).backward()
         LARGE.grad = None
     else:
         t1, t2, t4 = (torch.rand((3, 3), requires_grad=True) for _ in range(3))
@@ -161,8 +162,8 @@ def distributed_step(rpc: ModuleType, dist_autograd: ModuleType, workload: str) 
         elif workload == "ops_1000":
             h = ops_half(torch.full((OPS_SIZE,), 0.1), W1)
             loss = rpc.rpc_sync("worker1", ops_stage2, args=(h,)).sum()
-        elif workload == "large_sum":
-            loss = rpc.rpc_sync("worker1", double, args=(LARGE,)).sum()
+        elif workload in ("large_sum", "large_dense"):
+            loss = _loss(workload, rpc.rpc_sync("worker1", double, args=(LARGE,)))
         else:
             t1, t2, t4 = (torch.rand((3, 3), requires_grad=True) for _ in range(3))
             if workload == "seed_unused":
@@ -180,7 +181,7 @@ def _first_half(workload: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         return [], [STAGE1(torch.randn(BATCH, WIDTH))]
     if workload == "ops_1000":
         return [], [ops_half(torch.full((OPS_SIZE,), 0.1), W1)]
-    if workload == "large_sum":
+    if workload in ("large_sum", "large_dense"):
         return [LARGE], [LARGE]
     t1, t2 = (torch.rand((3, 3), requires_grad=True) for _ in range(2))
     return [t1, t2], [t1, t2]
@@ -192,7 +193,7 @@ def _second_half(workload: str, inputs: list[torch.Tensor]) -> torch.Tensor:
         return STAGE2(inputs[0])
     if workload == "ops_1000":
         return ops_stage2(inputs[0])
-    if workload == "large_sum":
+    if workload in ("large_sum", "large_dense"):
         return double(inputs[0])
     return my_add(*inputs)
 
@@ -202,12 +203,14 @@ def _loss(workload: str, out: torch.Tensor) -> torch.Tensor:
         return out.pow(2).mean()
     if workload in ("ops_1000", "large_sum"):
         return out.sum()
+    if workload == "large_dense":
+        return (out * 1.0).sum()
     return (out * torch.rand((3, 3), requires_grad=True)).sum()
 
 
 def _shape(workload: str) -> tuple[int, ...]:
     return {"pipeline_mlp": (BATCH, WIDTH), "ops_1000": (OPS_SIZE,),
-            "large_sum": (LARGE_SIZE,)}.get(workload, (3, 3))
+            "large_sum": (LARGE_SIZE,), "large_dense": (LARGE_SIZE,)}.get(workload, (3, 3))
 
 
 def mpi4py_step(comm: MPI.Comm, workload: str) -> None:
@@ -266,6 +269,7 @@ WORKLOADS: dict[str, dict[str, int]] = {
     "seed_example": {"calls": 300, "reps": 7, "warmup": 100},
     "seed_unused": {"calls": 300, "reps": 7, "warmup": 100},
     "large_sum": {"calls": 10, "reps": 7, "warmup": 5},
+    "large_dense": {"calls": 10, "reps": 7, "warmup": 5},
 }
 #: workloads only some implementations can run correctly (see the module docstring)
 ONLY = {"seed_unused": ("local", "mpidag")}
