@@ -1,6 +1,6 @@
-"""How a gradient message carries its gradients (``mpidag.dist_autograd.engine._compact``):
-what each kind of gradient travels as, and that expanding it back on arrival gives the
-same tensor. The whole round trip, against local autograd, is in
+"""How a gradient message carries its gradients (``mpidag.dist_autograd.engine._compact``
+and ``_expand_back``): what each kind of gradient travels as, and that expanding it back
+on arrival gives the same tensor. The whole round trip, against local autograd, is in
 tests/contract/test_dist_autograd.py."""
 
 from __future__ import annotations
@@ -8,12 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpidag.dist_autograd.engine import COMPACT_MIN_NUMEL, _compact
+from mpidag.dist_autograd.engine import COMPACT_MIN_NUMEL, _compact, _expand_back
 from mpidag.transport.frames import is_plain
-
-
-def _arrived(sent: torch.Tensor, shape: tuple[int, ...] | None) -> torch.Tensor:
-    return sent if shape is None else sent.expand(shape)
 
 
 @pytest.mark.parametrize("grad, distinct", [
@@ -27,7 +23,7 @@ def test_a_broadcast_gradient_travels_as_its_distinct_elements(grad, distinct):
     sent, shape = _compact(grad)
     assert tuple(sent.shape) == distinct and sent.is_contiguous()
     assert shape == tuple(grad.shape) and is_plain(shape)
-    arrived = _arrived(sent, shape)
+    (arrived,) = _expand_back((sent, shape))
     assert torch.equal(arrived, grad) and arrived.stride() == grad.stride()
 
 

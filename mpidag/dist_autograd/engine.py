@@ -141,6 +141,21 @@ def _compact(grad: torch.Tensor | None) -> tuple[torch.Tensor | None, tuple[int,
     return grad.contiguous(), None
 
 
+def _expand_back(args: tuple) -> tuple:
+    """The gradients of an :data:`EXPANDED` message: ``args`` holds the gradients, then one
+    shape each (see :func:`_compact`); a gradient with a shape is expanded back to it.
+
+    Example::
+
+        >>> sent, shape = _compact(torch.ones(()).expand(64, 128))
+        >>> _expand_back((sent, shape))[0].stride()
+        (0, 0)
+    """
+    half = len(args) // 2
+    return tuple(g if shape is None else g.expand(shape)
+                 for g, shape in zip(args[:half], args[half:], strict=True))
+
+
 #: an answer of the termination protocol as it travels (see :func:`pack_answer`)
 Answer = tuple
 #: the attribute of a failed answer's exception that carries its ``handed_over`` count
@@ -573,9 +588,11 @@ class PassState:
         flags = (RETAIN_GRAPH if self.retain_graph else 0) | (SMART if self.smart else 0) | \
             (NO_GRADIENT if grads is None else 0) | (TO_PARENT if to_parent else 0)
         sent = [_compact(g) for g in grads or ()]
-        args = (self.ctx.context_id, self.pass_id, message_id, flags, *[g for g, _ in sent])
-        if any(shape is not None for _, shape in sent):
-            args = (*args[:3], flags | EXPANDED, *args[4:], *[shape for _, shape in sent])
+        shapes = [shape for _, shape in sent]
+        expanded = any(shape is not None for shape in shapes)
+        args = (self.ctx.context_id, self.pass_id, message_id,
+                flags | (EXPANDED if expanded else 0), *[g for g, _ in sent],
+                *(shapes if expanded else ()))
         if not to_parent:
             self._call(peer, self.autograd.gradients_handler, args)
             return
@@ -736,9 +753,7 @@ class DistAutograd:
         their distinct elements, :func:`_compact`); a call is answered per the protocol."""
         to_parent = bool(flags & TO_PARENT)
         if flags & EXPANDED:  # each gradient's shape follows the gradients
-            half = len(grads) // 2
-            grads = tuple(g if shape is None else g.expand(shape)
-                          for g, shape in zip(grads[:half], grads[half:], strict=True))
+            grads = _expand_back(grads)
         reply = None if to_parent else torch.futures.Future()
         self._post(context_id, pass_id, bool(flags & RETAIN_GRAPH), bool(flags & SMART),
                    GradientsEvent(message_id, None if flags & NO_GRADIENT else list(grads),
