@@ -695,3 +695,114 @@ def test_requests_one_at_a_time_stay_on_the_threads_that_parked_last():
         engine.stop()
     assert len(ran) == 12
     assert len(set(ran)) <= 2, ran
+
+
+def _engine_with_inbox(num_threads: int, sentinel_interval: float,
+                       handle: Callable[[Envelope], Callable[[], None] | None]):
+    """A progress engine whose transport is a list (``inbox.append`` delivers an envelope)
+    and whose dispatch is ``handle`` (a work item to run on a pool thread, or ``None``:
+    handled by the leader)."""
+    from mpidag.transport.progress import ProgressEngine
+
+    inbox: list[Envelope] = []
+    lock = threading.Lock()
+
+    def poll():
+        with lock:
+            return inbox.pop(0) if inbox else None
+
+    def deliver(env: Envelope) -> None:
+        with lock:
+            inbox.append(env)
+
+    engine = ProgressEngine(poll, handle, lambda: None, num_threads=num_threads,
+                            sentinel_interval=sentinel_interval)
+    return engine, deliver
+
+
+def test_the_sentinel_looks_only_after_a_vacancy_and_parks_once_a_leader_holds_the_lead():
+    """Each request a pool leader runs leaves the lead vacant for a moment. The sentinel looks
+    at most twice per such vacancy (when it begins, and an interval later if nobody had
+    taken the lead yet) and parks as soon as it finds a leader. It used to look every
+    interval until 20 looks in a row found a leader and no new vacancy, which a training
+    loop never gives it: 1,000 looks a second, each taking a core from a rank that computes
+    (a distributed forward and backward 8-10 % slower on the 2-core VM)."""
+    ran = threading.Semaphore(0)
+
+    def handle(env: Envelope) -> Callable[[], None]:
+        return ran.release
+
+    engine, deliver = _engine_with_inbox(1, 1e-3, handle)
+    sentinel = engine._sentinel
+    engine.start()
+    try:
+        def settled() -> bool:
+            s = engine.snapshot()
+            return s.leader_busy and s.sentinel_parked
+
+        requests = 30
+        _until(settled, "a pool leader, the sentinel parked")
+        looks_before = sentinel.looks
+        for i in range(requests):
+            deliver(Envelope(kind=4, request_id=i))
+            assert ran.acquire(timeout=TIMEOUT), f"request {i} did not run: {engine.snapshot()}"
+            _until(settled, f"the lead taken back and the sentinel parked after request {i}")
+        looks = sentinel.looks - looks_before
+    finally:
+        engine.stop()
+    assert 1 <= looks <= 2 * requests, looks
+
+
+def test_a_vacancy_that_lasts_an_interval_is_filled_by_an_idle_pool_thread():
+    """A request that blocks keeps the lead vacant (its pool thread vacated it to run the
+    request): an interval later the sentinel wakes the idle pool thread, which receives the
+    message the blocked request waits for."""
+    second_ran = threading.Event()
+    first_done = threading.Event()
+
+    def first() -> None:
+        if second_ran.wait(TIMEOUT):
+            first_done.set()
+
+    def handle(env: Envelope) -> Callable[[], None]:
+        if env.request_id == 1:
+            deliver(Envelope(kind=4, request_id=2))  # arrives while the first request runs
+            return first
+        return second_ran.set
+
+    engine, deliver = _engine_with_inbox(2, 5e-3, handle)
+    engine.start()
+    try:
+        deliver(Envelope(kind=4, request_id=1))
+        assert first_done.wait(TIMEOUT), f"the second message was never received: " \
+                                         f"{engine.snapshot()}"
+        assert engine._sentinel.looks >= 1
+    finally:
+        engine.stop()
+
+
+def test_with_every_pool_thread_busy_the_sentinel_leads_itself():
+    """The only pool thread runs a request that waits for a message handled by the leader
+    (a control message): nobody is idle to lead, so the sentinel leads and receives it."""
+    control_seen = threading.Event()
+    request_done = threading.Event()
+
+    def request() -> None:
+        if control_seen.wait(TIMEOUT):
+            request_done.set()
+
+    def handle(env: Envelope) -> Callable[[], None] | None:
+        if env.request_id == 1:
+            deliver(Envelope(kind=4, request_id=2))
+            return request
+        control_seen.set()
+        return None
+
+    engine, deliver = _engine_with_inbox(1, 5e-3, handle)
+    engine.start()
+    try:
+        deliver(Envelope(kind=4, request_id=1))
+        assert request_done.wait(TIMEOUT), f"nobody led while the pool was busy: " \
+                                           f"{engine.snapshot()}"
+    finally:
+        engine.stop()

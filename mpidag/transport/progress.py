@@ -6,11 +6,11 @@ Exactly one thread at a time *leads*: it polls the transport and dispatches what
   it waits, so its reply costs no thread hand-off. Requests it receives go to the pool.
 * Otherwise a pool thread leads. When it receives a request it vacates the leadership and
   runs the request inline (no hand-off for the common short call). A *sentinel* thread
-  checks every ``sentinel_interval`` seconds; if the leadership stayed vacant for a whole
-  interval while a request runs, it wakes an idle pool thread to lead, so a long or
-  blocking user function never stalls the receipt of messages. After 20 checks in a row
-  that found a leader and no new vacancy the sentinel sleeps until the next lazy vacancy:
-  an idle rank does not wake it 1,000 times a second.
+  watches each vacancy that nobody was handed: if the leadership stays vacant for a whole
+  ``sentinel_interval`` while a request runs, it wakes an idle pool thread to lead, so a
+  long or blocking user function never stalls the receipt of messages. It parks as soon
+  as it finds a leader, until the next vacancy: neither an idle rank nor a training loop
+  wakes it 1,000 times a second.
 * A pool leader that finds nothing yields for ``spin`` seconds (``MPIDAG_POLL_SPIN_S``,
   50 ms), then sleeps with an exponential backoff up to ``max_sleep``
   (``MPIDAG_BACKOFF_MAX``), which bounds the idle CPU cost. The yielding phase covers the
@@ -89,7 +89,7 @@ class EngineSnapshot:
     queued_requests: int
     running_requests: int
     pool_threads: int
-    #: the sentinel sleeps until the next lazy vacancy (a leader or a waiter holds the lead)
+    #: the sentinel sleeps until the next vacancy (a leader or a waiter holds the lead)
     sentinel_parked: bool = False
     #: idle pool threads still parked: the others were woken and have not yet looked for
     #: work (``idle_pool_threads - parked_pool_threads`` are on their way)
@@ -418,12 +418,13 @@ class ProgressEngine:
         """Give up the leadership: to a waiting user thread, else to a pool thread.
 
         ``lazy``: wake no pool thread now; the next thread that wants to lead takes it, and
-        the sentinel wakes a pool thread if it stays vacant for a whole interval.
+        the sentinel wakes a pool thread if it stays vacant for a whole interval. The
+        sentinel also watches a vacancy that no idle pool thread was there to take.
         """
         self._leader_busy = False
         if self._waiters:
             self._user_cv.notify()
-        elif lazy:
+        elif lazy or not self._idle:
             self._sentinel.note_vacancy_locked()
         else:
             self._pool_cv.notify()
