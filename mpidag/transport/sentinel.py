@@ -19,14 +19,17 @@ class Sentinel:
     the size of the pool (two ranks with one pool thread each, both sending a large reply
     that the other must receive, would otherwise wait forever).
 
-    It looks only when there is something to look for: every vacancy that nobody is handed
-    (:meth:`note_vacancy_locked`, called by the engine) starts a watch; a look that finds a
-    leader, or a user thread about to lead, ends it and parks the sentinel until the next
-    vacancy; a look that finds the leadership vacant for a whole interval since the latest
-    vacancy fills it. So while a rank's threads lead in turn (a training loop) it wakes about
-    twice per vacancy, not once per interval: at 1,000 looks a second it cost a distributed
-    forward and backward 8-10 % on the 2-core VM, each look taking a core from a rank
-    that computes.
+    It looks once per interval, and only while vacancies happen. Every vacancy that nobody
+    is handed (:meth:`note_vacancy_locked`, called by the engine) is counted and timed; a
+    parked sentinel is woken by it and looks an interval later. A look that finds a leader
+    (or a user thread about to lead) parks it again unless another vacancy began since its
+    previous look; a look that finds the leadership vacant for a whole interval since the
+    latest vacancy fills it. So a rank whose threads lead in turn every few milliseconds (a
+    training loop) wakes it about twice per vacancy, an idle rank not at all, and a rank
+    that serves a stream of short calls (a vacancy each) once per interval. (It used to
+    look every interval until 20 looks in a row found a leader and no new vacancy, which a
+    training loop never gives: 1,000 looks a second, each taking a core from a rank that
+    computes, a distributed forward and backward 8-10 % slower on the 2-core VM.)
 
     The engine starts it on a thread of its own::
 
@@ -38,10 +41,10 @@ class Sentinel:
         self.interval = interval
         self._cv = threading.Condition(lock)
         self._parked = False  # sleeps until the next vacancy
-        #: when the latest vacancy began (``time.monotonic()``); None: no vacancy to watch
-        #: (the last look found a leader). Starts watching: nobody leads before the pool
-        #: threads start.
-        self._vacant_since: float | None = time.monotonic()
+        #: vacancies noted so far, and when the latest began (``time.monotonic()``); the
+        #: first is the start: nobody leads before the pool threads run
+        self._vacancies = 1
+        self._vacant_since = time.monotonic()
         #: looks at the leadership so far (for tests and tools: how often it woke)
         self.looks = 0
 
@@ -51,54 +54,51 @@ class Sentinel:
         return self._parked
 
     def note_vacancy_locked(self) -> None:
-        """The leadership is vacant and nobody was handed it: watch it from now (call with
-        the engine's lock held)."""
+        """The leadership is vacant and nobody was handed it (call with the engine's lock
+        held)."""
+        self._vacancies += 1
         self._vacant_since = time.monotonic()
         if self._parked:
             self._parked = False
             self._cv.notify()
 
     def wake_locked(self) -> None:
-        """The engine stops: end a park or a watch (call with the engine's lock held)."""
+        """The engine stops: end a park or a wait (call with the engine's lock held)."""
         self._cv.notify_all()
-
-    def _look_locked(self, engine: ProgressEngine) -> float | bool | None:
-        """One look: ``None`` to park (a leader holds the lead, or no vacancy to watch),
-        seconds to wait before the next look, ``True`` when the sentinel must lead,
-        ``False`` when it woke a pool thread to lead."""
-        since = self._vacant_since
-        if since is None:
-            return None
-        self.looks += 1
-        if engine._leadership_held_locked():
-            self._vacant_since = None  # taken: the next vacancy starts a new watch
-            return None
-        left = since + self.interval - time.monotonic()
-        if left > 0:
-            return left  # vacant for less than an interval: look again when it is one
-        self._vacant_since = time.monotonic()  # look again: whoever was woken leads by then
-        return engine._fill_vacancy_locked()
 
     def run(self, engine: ProgressEngine) -> None:
         """The sentinel thread's loop, until the engine stops."""
         if engine.thread_started is not None:
             engine.thread_started()
+        cv = self._cv
+        seen = 0  # the vacancies noted when the sentinel last found the lead held
+        park = False
         while True:
-            with self._cv:
-                while True:
-                    if engine._stopping:
-                        return
-                    look = self._look_locked(engine)
-                    if look is None:  # park until the next vacancy (or the engine stops)
-                        self._parked = True
-                        self._cv.wait()
-                        self._parked = False
-                    elif look is True or look is False:
-                        break
+            lead = False
+            with cv:
+                if engine._stopping:
+                    return
+                if park and seen == self._vacancies:
+                    # until the next vacancy, then look an interval after it began
+                    self._parked = True
+                    while self._parked and not engine._stopping:
+                        cv.wait()
+                    self._parked = park = False
+                    seen = self._vacancies
+                    wait = self.interval
+                else:  # (a vacancy noted since the look that chose to park: look)
+                    park = False
+                    self.looks += 1
+                    if engine._leadership_held_locked():
+                        park = seen == self._vacancies  # none began since the last look
+                        seen = self._vacancies
+                        wait = 0.0 if park else self.interval
                     else:
-                        self._cv.wait(look)  # only the engine's stop cuts this short
-                if not look:
-                    continue
-            engine._lead_for_sentinel()
-            with self._cv:  # it handed the lead to a pool thread: check that it took it
-                self._vacant_since = time.monotonic()
+                        wait = self._vacant_since + self.interval - time.monotonic()
+                        if wait <= 0:  # vacant a whole interval: fill it, look again later
+                            wait = self.interval
+                            lead = engine._fill_vacancy_locked()
+                if not lead and wait > 0 and not engine._stopping:
+                    cv.wait(wait)  # notes do not cut it short, only the engine's stop
+            if lead:
+                engine._lead_for_sentinel()
