@@ -15,7 +15,7 @@ variable                   field                  default    meaning
 ``MPIDAG_ABORT_ON_ERROR``  ``abort_on_error``     1          uncaught exception aborts the job
 ``MPIDAG_BACKOFF_MAX``     ``backoff_max``        1e-3       longest idle sleep of a poller, s
 ``MPIDAG_POLL_SPIN_S``     ``poll_spin``          50e-3      idle time a poller yields, s
-``MPIDAG_SENTINEL_S``      ``sentinel_interval``  1e-3       longest leader vacancy, s
+``MPIDAG_SENTINEL_S``      ``sentinel_interval``  5e-3       longest leader vacancy, s
 ``MPIDAG_CUDA_AWARE``      ``cuda_aware``         detect     1/0: force CUDA-aware MPI
 ``MPIDAG_RECV_CACHE_MB``   ``recv_cache_bytes``   1024       MiB of recycled receive buffers
 ``MPIDAG_OPTIM_LOCKS``     ``optim_locks``        parameter  ``parameter`` or ``global``
@@ -159,7 +159,7 @@ class Config:
     abort_on_error: bool = True
     backoff_max: float = 1e-3
     poll_spin: float = 50e-3
-    sentinel_interval: float = 1e-3
+    sentinel_interval: float = 5e-3
     cuda_aware: bool | None = None  # None: ask the MPI library
     recv_cache_bytes: int = 1 << 30
     optim_locks: str = "parameter"

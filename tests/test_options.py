@@ -161,13 +161,13 @@ def test_config_reads_every_variable_and_names_bad_values():
                               "MPIDAG_BACKOFF_MAX": "2e-3", "MPIDAG_RECV_CACHE_MB": "3",
                               "MPIDAG_CUDA_AWARE": "1", "MPIDAG_OPTIM_LOCKS": "global",
                               "MPIDAG_ABORT_ON_ERROR": "0", "MPIDAG_POLL_SPIN_S": "0",
-                              "MPIDAG_SENTINEL_S": "5e-3", "MPIDAG_FT": "1",
+                              "MPIDAG_SENTINEL_S": "2e-2", "MPIDAG_FT": "1",
                               "MPIDAG_COMPILED": "0", "MPIDAG_GLIBC_FASTBINS": "1"})
     assert (config.log_level, config.gc_freeze, config.backoff_max) == ("info", False, 2e-3)
     assert (config.recv_cache_bytes, config.cuda_aware, config.optim_locks) == (3 << 20, True,
                                                                                "global")
     assert (config.abort_on_error, config.poll_spin, config.sentinel_interval) == (False, 0.0,
-                                                                                  5e-3)
+                                                                                  2e-2)
     assert config.ft and not Config().ft
     assert not config.compiled and Config().compiled
     assert config.glibc_fastbins and not Config().glibc_fastbins

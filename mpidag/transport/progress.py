@@ -142,7 +142,7 @@ class ProgressEngine:
         spin: float = 50e-3,
         min_sleep: float = 50e-6,
         max_sleep: float = 1e-3,
-        sentinel_interval: float = 1e-3,
+        sentinel_interval: float = 5e-3,
         name: str = "mpidag",
         poll_wait: Callable[[float], Envelope | None] | None = None,
         interrupt: Callable[[], None] | None = None,

@@ -28,12 +28,13 @@ class Sentinel:
     training loop) wakes it about twice per vacancy, an idle rank not at all, and a rank
     that serves a stream of short calls (a vacancy each) once per interval. (It used to
     look every interval until 20 looks in a row found a leader and no new vacancy, which a
-    training loop never gives: 1,000 looks a second, each taking a core from a rank that
-    computes, a distributed forward and backward 8-10 % slower on the 2-core VM.)
+    training loop never gives: with the 1 ms interval of then, 1,000 looks a second, each a
+    thread woken on a core a rank computes on, a distributed forward and backward 8-10 %
+    slower on the 2-core VM; see docs/design.md.)
 
     The engine starts it on a thread of its own::
 
-        sentinel = Sentinel(engine_lock, interval=1e-3)
+        sentinel = Sentinel(engine_lock, interval=5e-3)
         threading.Thread(target=sentinel.run, args=(engine,), daemon=True).start()
     """
 
