@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -20,11 +19,12 @@ class Sentinel:
     that the other must receive, would otherwise wait forever).
 
     It looks once per interval, and only while vacancies happen. Every vacancy that nobody
-    is handed (:meth:`note_vacancy_locked`, called by the engine) is counted and timed; a
-    parked sentinel is woken by it and looks an interval later. A look that finds a leader
-    (or a user thread about to lead) parks it again unless another vacancy began since its
-    previous look; a look that finds the leadership vacant for a whole interval since the
-    latest vacancy fills it. So a rank whose threads lead in turn every few milliseconds (a
+    is handed (:meth:`note_vacancy_locked`, called by the engine) is counted, and wakes a
+    parked sentinel, which looks an interval later. A look that finds a leader (or a user
+    thread about to lead) parks it again unless another vacancy began since its previous
+    look; a look that finds the same vacancy as the one before (vacant both times, none
+    begun between) fills it: a vacancy is filled one to two intervals after it began, one
+    if it woke the sentinel. So a rank whose threads lead in turn every few milliseconds (a
     training loop) wakes it about twice per vacancy, an idle rank not at all, and a rank
     that serves a stream of short calls (a vacancy each) once per interval. (It used to
     look every interval until 20 looks in a row found a leader and no new vacancy, which a
@@ -42,10 +42,10 @@ class Sentinel:
         self.interval = interval
         self._cv = threading.Condition(lock)
         self._parked = False  # sleeps until the next vacancy
-        #: vacancies noted so far, and when the latest began (``time.monotonic()``); the
-        #: first is the start: nobody leads before the pool threads run
+        #: vacancies noted so far; the first is the start: nobody leads before the pool
+        #: threads run. A count, not a time: the note is on every call's path (a clock
+        #: read there cost the no-op round trip a few per cent)
         self._vacancies = 1
-        self._vacant_since = time.monotonic()
         #: looks at the leadership so far (for tests and tools: how often it woke)
         self.looks = 0
 
@@ -58,7 +58,6 @@ class Sentinel:
         """The leadership is vacant and nobody was handed it (call with the engine's lock
         held)."""
         self._vacancies += 1
-        self._vacant_since = time.monotonic()
         if self._parked:
             self._parked = False
             self._cv.notify()
@@ -72,7 +71,8 @@ class Sentinel:
         if engine.thread_started is not None:
             engine.thread_started()
         cv = self._cv
-        seen = 0  # the vacancies noted when the sentinel last found the lead held
+        seen = 0  # the vacancies counted at the previous look
+        vacant_seen = -1  # the count when the lead was last seen vacant (-1: held since)
         park = False
         while True:
             lead = False
@@ -80,25 +80,30 @@ class Sentinel:
                 if engine._stopping:
                     return
                 if park and seen == self._vacancies:
-                    # until the next vacancy, then look an interval after it began
+                    # until the next vacancy; it began when it woke the sentinel, so a look
+                    # an interval later that finds it still vacant (no other since) fills it
                     self._parked = True
                     while self._parked and not engine._stopping:
                         cv.wait()
                     self._parked = park = False
-                    seen = self._vacancies
+                    seen = vacant_seen = self._vacancies
                     wait = self.interval
                 else:  # (a vacancy noted since the look that chose to park: look)
                     park = False
                     self.looks += 1
+                    count = self._vacancies
+                    wait = self.interval
                     if engine._leadership_held_locked():
-                        park = seen == self._vacancies  # none began since the last look
-                        seen = self._vacancies
-                        wait = 0.0 if park else self.interval
+                        vacant_seen = -1
+                        park = seen == count  # none began since the previous look
+                        if park:
+                            wait = 0.0
+                    elif vacant_seen == count:  # the same vacancy a whole interval on
+                        vacant_seen = -1
+                        lead = engine._fill_vacancy_locked()
                     else:
-                        wait = self._vacant_since + self.interval - time.monotonic()
-                        if wait <= 0:  # vacant a whole interval: fill it, look again later
-                            wait = self.interval
-                            lead = engine._fill_vacancy_locked()
+                        vacant_seen = count
+                    seen = count
                 if not lead and wait > 0 and not engine._stopping:
                     cv.wait(wait)  # notes do not cut it short, only the engine's stop
             if lead:
