@@ -781,56 +781,32 @@ def test_a_stream_of_short_requests_wakes_the_sentinel_at_most_once_per_interval
     assert looks <= elapsed / interval + 2, (looks, elapsed)
 
 
-def test_a_vacancy_that_lasts_an_interval_is_filled_by_an_idle_pool_thread():
+@pytest.mark.parametrize("pool_threads", [2, 1], ids=["an-idle-pool-thread", "the-sentinel"])
+def test_a_vacancy_that_lasts_an_interval_is_filled(pool_threads):
     """A request that blocks keeps the lead vacant (its pool thread vacated it to run the
-    request): an interval later the sentinel wakes the idle pool thread, which receives the
-    message the blocked request waits for."""
-    second_ran = threading.Event()
+    request) until a message that the leader handles arrives: an interval later the
+    sentinel wakes the idle pool thread to lead, or, with the only pool thread busy, leads
+    itself, and the message is received."""
+    second_seen = threading.Event()
     first_done = threading.Event()
 
     def first() -> None:
-        if second_ran.wait(TIMEOUT):
+        if second_seen.wait(TIMEOUT):
             first_done.set()
-
-    def handle(env: Envelope) -> Callable[[], None]:
-        if env.request_id == 1:
-            deliver(Envelope(kind=4, request_id=2))  # arrives while the first request runs
-            return first
-        return second_ran.set
-
-    engine, deliver = _engine_with_inbox(2, 5e-3, handle)
-    engine.start()
-    try:
-        deliver(Envelope(kind=4, request_id=1))
-        assert first_done.wait(TIMEOUT), f"the second message was never received: " \
-                                         f"{engine.snapshot()}"
-        assert engine._sentinel.looks >= 1
-    finally:
-        engine.stop()
-
-
-def test_with_every_pool_thread_busy_the_sentinel_leads_itself():
-    """The only pool thread runs a request that waits for a message handled by the leader
-    (a control message): nobody is idle to lead, so the sentinel leads and receives it."""
-    control_seen = threading.Event()
-    request_done = threading.Event()
-
-    def request() -> None:
-        if control_seen.wait(TIMEOUT):
-            request_done.set()
 
     def handle(env: Envelope) -> Callable[[], None] | None:
         if env.request_id == 1:
-            deliver(Envelope(kind=4, request_id=2))
-            return request
-        control_seen.set()
+            deliver(Envelope(kind=4, request_id=2))  # arrives while the first request runs
+            return first
+        second_seen.set()  # handled by whoever leads
         return None
 
-    engine, deliver = _engine_with_inbox(1, 5e-3, handle)
+    engine, deliver = _engine_with_inbox(pool_threads, 5e-3, handle)
     engine.start()
     try:
         deliver(Envelope(kind=4, request_id=1))
-        assert request_done.wait(TIMEOUT), f"nobody led while the pool was busy: " \
-                                           f"{engine.snapshot()}"
+        assert first_done.wait(TIMEOUT), f"nobody received the second message: " \
+                                         f"{engine.snapshot()}"
+        assert engine._sentinel.looks >= 1
     finally:
         engine.stop()
