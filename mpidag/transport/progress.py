@@ -8,9 +8,10 @@ Exactly one thread at a time *leads*: it polls the transport and dispatches what
   runs the request inline (no hand-off for the common short call). A *sentinel* thread
   watches each vacancy that nobody was handed: if the leadership stays vacant for a whole
   ``sentinel_interval`` while a request runs, it wakes an idle pool thread to lead, so a
-  long or blocking user function never stalls the receipt of messages. It parks as soon
-  as it finds a leader, until the next vacancy: neither an idle rank nor a training loop
-  wakes it 1,000 times a second.
+  long or blocking user function never stalls the receipt of messages. It looks once per
+  interval while vacancies happen and parks, until the next one, after a look that finds
+  a leader and no vacancy begun since the look before: neither an idle rank nor a
+  training loop wakes it 1,000 times a second (see :mod:`mpidag.transport.sentinel`).
 * A pool leader that finds nothing yields for ``spin`` seconds (``MPIDAG_POLL_SPIN_S``,
   50 ms), then sleeps with an exponential backoff up to ``max_sleep``
   (``MPIDAG_BACKOFF_MAX``), which bounds the idle CPU cost. The yielding phase covers the
