@@ -733,7 +733,6 @@ def test_the_sentinel_looks_only_after_a_vacancy_and_parks_once_a_leader_holds_t
         return ran.release
 
     engine, deliver = _engine_with_inbox(1, 1e-3, handle)
-    sentinel = engine._sentinel
     engine.start()
     try:
         def settled() -> bool:
@@ -742,12 +741,12 @@ def test_the_sentinel_looks_only_after_a_vacancy_and_parks_once_a_leader_holds_t
 
         requests = 30
         _until(settled, "a pool leader, the sentinel parked")
-        looks_before = sentinel.looks
+        looks_before = engine.snapshot().sentinel_looks
         for i in range(requests):
             deliver(Envelope(kind=4, request_id=i))
             assert ran.acquire(timeout=TIMEOUT), f"request {i} did not run: {engine.snapshot()}"
             _until(settled, f"the lead taken back and the sentinel parked after request {i}")
-        looks = sentinel.looks - looks_before
+        looks = engine.snapshot().sentinel_looks - looks_before
     finally:
         engine.stop()
     assert 1 <= looks <= 2 * requests, looks
@@ -765,16 +764,16 @@ def test_a_stream_of_short_requests_wakes_the_sentinel_at_most_once_per_interval
 
     interval = 5e-3
     engine, deliver = _engine_with_inbox(1, interval, handle)
-    sentinel = engine._sentinel
     engine.start()
     try:
         _until(lambda: engine.snapshot().sentinel_parked, "the sentinel parked")
-        looks_before, start = sentinel.looks, time.monotonic()
+        looks_before, start = engine.snapshot().sentinel_looks, time.monotonic()
         requests = 2000
         for i in range(requests):
             deliver(Envelope(kind=4, request_id=i))
             assert ran.acquire(timeout=TIMEOUT), f"request {i} did not run: {engine.snapshot()}"
-        looks, elapsed = sentinel.looks - looks_before, time.monotonic() - start
+        looks = engine.snapshot().sentinel_looks - looks_before
+        elapsed = time.monotonic() - start
     finally:
         engine.stop()
     # one look per interval of the stream, and the one after it that parks
@@ -807,6 +806,6 @@ def test_a_vacancy_that_lasts_an_interval_is_filled(pool_threads):
         deliver(Envelope(kind=4, request_id=1))
         assert first_done.wait(TIMEOUT), f"nobody received the second message: " \
                                          f"{engine.snapshot()}"
-        assert engine._sentinel.looks >= 1
+        assert engine.snapshot().sentinel_looks >= 1
     finally:
         engine.stop()

@@ -95,6 +95,8 @@ class EngineSnapshot:
     #: idle pool threads still parked: the others were woken and have not yet looked for
     #: work (``idle_pool_threads - parked_pool_threads`` are on their way)
     parked_pool_threads: int = 0
+    #: the sentinel's looks at the leadership so far (how often it woke)
+    sentinel_looks: int = 0
 
 
 def _run(work: Work) -> None:
@@ -250,7 +252,8 @@ class ProgressEngine:
         with self._lock:
             return EngineSnapshot(self._leader_busy, self._waiters, self._idle,
                                   len(self._work), self._running_work, self.pool_size,
-                                  self._sentinel.parked, len(self._pool_cv))
+                                  self._sentinel.parked, len(self._pool_cv),
+                                  self._sentinel.looks)
 
     @property
     def busy(self) -> bool:

@@ -46,7 +46,7 @@ class Sentinel:
         #: threads run. A count, not a time: the note is on every call's path (a clock
         #: read there cost the no-op round trip a few per cent)
         self._vacancies = 1
-        #: looks at the leadership so far (for tests and tools: how often it woke)
+        #: looks at the leadership so far (how often it woke; in the engine's snapshot)
         self.looks = 0
 
     @property
