@@ -11,6 +11,7 @@ repeats to within a few percent on a noisy VM, unlike the two-rank benchmarks::
     python benchmarks/inproc_cost.py              # table: us of Python per round trip
     python benchmarks/inproc_cost.py --profile    # plus a cProfile of the 1 KiB echo
     python benchmarks/inproc_cost.py --parts      # plus the recording's parts (below)
+    python benchmarks/inproc_cost.py --instructions   # instructions per round trip instead
 
 Rows: a no-op ``rpc_sync``, a 1 KiB tensor echo, and an ``rpc_sync`` of two tensors that
 require grad inside a distributed autograd context (recording the send and recv functions
@@ -20,6 +21,13 @@ context (the difference to the row is the recording of the four functions), and 
 with and without grad in a context that stays open for 100 calls (both ranks have it: one
 context made and released per 100 calls, as for the calls after a training step's first).
 Each row is the best of 5 repetitions of 5,000-20,000 calls.
+
+``--instructions`` counts instead of timing: each of the first three rows runs in a process
+of its own under ``valgrind --tool=callgrind``, collecting only inside the loop of its calls
+(the loop runs in ``itertools.starmap``, whose C function toggles the collection), and
+prints the instructions per round trip. The count is the same whatever else the machine
+does (the µs of the recording row went from 29 to 95 between hours for one tree), so it
+compares two trees in any hour; it does not see cache misses. ~2 minutes a row.
 
 ``--parts`` times the distributed autograd hooks that a call in an open context with grad
 runs (each hook timed around its own body, so a hook's time includes the hooks it calls:
@@ -31,10 +39,17 @@ and for the result on the caller), one hook at a time, the best of 5 repetitions
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import cProfile
+import itertools
+import os
 import pstats
+import re
+import shutil
+import subprocess
 import sys
+import tempfile
 import timeit
 from collections.abc import Callable
 from pathlib import Path
@@ -181,6 +196,53 @@ def recording_parts(ranks: TwoRanks, args: tuple, calls: int = 5_000) -> None:
         print(f"  {cls_name + '.' + name:<36}{best / calls / 1e3:>8.2f}")
 
 
+#: the rows ``--instructions`` counts, and how many calls each
+COUNTED_ROWS = {"no-op rpc_sync": 2_000, "1 KiB tensor echo": 2_000,
+                "2 tensors requiring grad, in an autograd context": 500}
+
+
+def row_calls(ranks: TwoRanks) -> dict[str, Callable[[], None]]:
+    """The calls of :data:`COUNTED_ROWS` (the first rows of the table)."""
+    x = torch.ones(256)
+    a, b = torch.rand(3, 3, requires_grad=True), torch.rand(3, 3, requires_grad=True)
+    return {"no-op rpc_sync": lambda: ranks.call(noop, ()),
+            "1 KiB tensor echo": lambda: ranks.call(identity, (x,)),
+            "2 tensors requiring grad, in an autograd context":
+                lambda: ranks.call_in_context(add, (a, b))}
+
+
+def run_counted(row: str, calls: int) -> None:
+    """The loop ``--instructions`` counts: ``calls`` calls of ``row`` inside
+    ``itertools.starmap`` (after 200 not counted)."""
+    torch.set_num_threads(1)
+    ranks = TwoRanks()
+    fn = row_calls(ranks)[row]
+    for _ in range(200):
+        fn()
+    collections.deque(itertools.starmap(fn, itertools.repeat((), calls)), 0)
+    ranks.close()
+
+
+def count_instructions(row: str, calls: int) -> float:
+    """Instructions per round trip of ``row``, counted by callgrind in a child process."""
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        raise SystemExit("--instructions needs valgrind on PATH (Debian: apt-get install "
+                         "valgrind)")
+    with tempfile.TemporaryDirectory() as scratch:
+        done = subprocess.run(
+            [valgrind, "--tool=callgrind", "--collect-atstart=no",
+             "--toggle-collect=starmap_next", f"--callgrind-out-file={scratch}/out",
+             sys.executable, __file__, "--counted-row", row, "--calls", str(calls)],
+            capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "0"},
+            check=False)
+    found = re.search(r"Collected : (\d+)", done.stderr)
+    if done.returncode != 0 or found is None:
+        raise SystemExit(f"callgrind of {row!r} failed ({done.returncode}):\n"
+                         f"{done.stderr[-2000:]}")
+    return int(found.group(1)) / calls
+
+
 def best_us(fn: Callable[[], None], number: int) -> float:
     """Best of 5 repetitions, microseconds per call."""
     for _ in range(number // 10):
@@ -194,7 +256,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="also print a cProfile of the 1 KiB echo (sorted by own time)")
     parser.add_argument("--parts", action="store_true",
                         help="also time the recording's hooks (see the module's doc)")
+    parser.add_argument("--instructions", action="store_true",
+                        help="count instructions per round trip under callgrind instead")
+    parser.add_argument("--counted-row", help=argparse.SUPPRESS)  # (--instructions' child)
+    parser.add_argument("--calls", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.counted_row:
+        run_counted(args.counted_row, args.calls)
+        return 0
+    if args.instructions:
+        print(f"{'row':<52}{'instructions per round trip (both ends)':>42}")
+        for row, calls in COUNTED_ROWS.items():
+            print(f"{row:<52}{count_instructions(row, calls):>42,.0f}", flush=True)
+        return 0
     torch.set_num_threads(1)
     ranks = TwoRanks()
     x = torch.ones(256)

@@ -19,7 +19,7 @@ import torch
 
 from mpidag._config import Config
 from mpidag._runtime import Runtime
-from mpidag.agent import fastpath
+from mpidag.agent import compiled, fastpath
 from mpidag.agent.futures import RpcFuture
 from mpidag.agent.messages import CALL, FLAG_FUNCTION_REF, FLAG_PLAIN, RESULT
 from mpidag.errors import RPCTimeoutError
@@ -95,7 +95,12 @@ class HandDriven:
             transport.close(collective=False)
 
 
-def test_plain_calls_take_the_compiled_path_on_both_ends():
+@pytest.mark.parametrize("tensor_facts", ["read-in-cpp", "python-attributes"])
+def test_plain_calls_take_the_compiled_path_on_both_ends(tensor_facts, monkeypatch):
+    """(Tensors' layout, device, contiguity and size are read in C++ where _mpidag_torch is
+    built, else through their Python attributes: both ways decide alike.)"""
+    if tensor_facts == "python-attributes":
+        monkeypatch.setattr(compiled, "_tensor_facts", lambda: None)
     ranks = HandDriven()
     try:
         assert ranks.agents[0].core is not None and ranks.agents[1].core is not None

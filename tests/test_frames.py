@@ -41,6 +41,9 @@ def messages():
         Envelope(kind=1, payload=b"q", tensors=[torch.ones(5)[1:], torch.ones(9)[::2]]),
         Envelope(kind=1, payload=b"q", tensors=[torch.ones(3, dtype=torch.complex64).conj()]),
         Envelope(kind=1, payload=b"r", tensors=[torch.ones(4)] * 40),  # past INLINE_LIMIT
+        Envelope(kind=1, payload=b"s", tensors=[
+            torch.nn.Parameter(torch.ones(2, 3)), torch._neg_view(torch.ones(3)),
+            torch.ones([1] * 9), torch.ones(2, 2, requires_grad=True).expand(3, 2, 2)]),
     ]
 
 
@@ -67,7 +70,7 @@ def test_the_c_codec_writes_and_reads_the_very_bytes_of_the_python_one(codec, in
 
 
 #: the indices of :func:`messages` whose tensors all travel inside frame 0
-COMPLETE_IN_FRAME_0 = {0, 1, 3, 6, 7, 8}
+COMPLETE_IN_FRAME_0 = {0, 1, 3, 6, 7, 8, 9}
 
 
 @pytest.mark.parametrize("index", range(len(messages())))
@@ -209,6 +212,27 @@ def test_the_c_codec_without_torch_native_makes_the_same_tensors_with_frombuffer
         assert (got.dtype, got.shape, got.stride(), got.requires_grad) == \
             (python.dtype, python.shape, python.stride(), python.requires_grad)
         assert torch.equal(got.detach(), python.detach())
+
+
+@pytest.mark.parametrize("index", range(len(messages())))
+def test_the_c_codec_writes_the_same_bytes_whether_it_reads_tensors_in_cpp_or_python(
+        codec, index):
+    """The encoder reads a sent tensor through ``_mpidag_torch``'s ``tensor_facts`` where it
+    is built, through the tensor's Python attributes where not: the same frames."""
+    c = frames.compiled_codec()
+    if codec == "python" or c is None or not c.uses_torch_native():
+        pytest.skip("the C codec's two ways to read a tensor (run under the compiled one)")
+    env = messages()[index]
+    devices = ["cpu"] * len(env.tensors)
+    frame_cpp, separate_cpp = c.encode(env, devices, 5)
+    frames.configure_codec(c, use_torch_native=False)
+    try:
+        frame_py, separate_py = c.encode(env, devices, 5)
+    finally:
+        frames.configure_codec(c, use_torch_native=True)
+    assert bytes(frame_cpp) == bytes(frame_py)
+    assert [bytes(x) if isinstance(x, memoryview) else id(x) for x in separate_cpp] == \
+        [bytes(x) if isinstance(x, memoryview) else id(x) for x in separate_py]
 
 
 def test_non_contiguous_views_and_zero_size():

@@ -336,6 +336,38 @@ def test_frame_tensor_refuses_what_does_not_fit():
         native.frame_tensor(42, 0, torch.float32, (2,), False)  # no buffer
 
 
+class _Logged(torch.Tensor):
+    """A tensor subclass of the user's (its attributes may be its own)."""
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.rand(2, 3), lambda: torch.rand(2, 3, requires_grad=True) * 2,
+    lambda: torch.ones(()), lambda: torch.zeros(0, 4), lambda: torch.ones(4, 4).t(),
+    lambda: torch.ones(9)[::2], lambda: torch.ones(3, dtype=torch.complex64).conj(),
+    lambda: torch._neg_view(torch.ones(3)), lambda: torch.nn.Parameter(torch.ones(2)),
+    lambda: torch.arange(6, dtype=torch.int16).view(2, 3)[1:], lambda: torch.ones([1] * 8),
+], ids=["plain", "non-leaf", "0-dim", "empty", "transposed", "strided", "conj", "neg",
+        "parameter", "offset", "8-dims"])
+def test_tensor_facts_are_what_the_tensors_python_attributes_say(make):
+    """What the C codec and call path read of a tensor they send, in C++, against the
+    attributes they read without it."""
+    t = make()
+    copyable = t.is_contiguous() and not t.is_conj() and not t.is_neg()
+    assert native.tensor_facts(t) == (
+        t.dtype, t.nbytes, tuple(t.shape), int(t.requires_grad), int(t.is_contiguous()),
+        int(copyable),
+        t.data_ptr() if copyable and t.nbytes else 0)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.ones(2).as_subclass(_Logged), lambda: torch.ones([1] * 9),
+    lambda: torch.ones(2, device="meta"), lambda: torch.ones(2, 2).to_sparse(),
+    lambda: 42, lambda: None,
+], ids=["subclass", "9-dims", "meta", "sparse", "int", "None"])
+def test_tensor_facts_leave_everything_else_to_the_python_attributes(make):
+    assert native.tensor_facts(make()) is None
+
+
 def test_a_build_for_another_torch_is_not_even_imported(monkeypatch):
     from mpidag.transport import torch_native
 

@@ -280,7 +280,7 @@ class OutgoingCalls:
             >>> runtime.agent.calls.arguments_sent(torch.add, (), 1)
             'the arguments of torch.add sent to worker1'
         """
-        return f"the arguments of {describe(func, args)} sent to {self.peers.name(dst)}"
+        return f"the arguments of {describe(func, args)} sent to {self.peers.names[dst]}"
 
     def notify(self, dst: int, func: Callable, args: tuple = (),
                kwargs: dict | None = None) -> None:
@@ -442,7 +442,7 @@ class OutgoingCalls:
 
     def _observe_result(self, env: Envelope, call: PendingCall) -> None:
         self.plugins.observer.received(
-            env, lambda: f"the result of {call.what} from {self.peers.name(env.src)}")
+            env, lambda: f"the result of {call.what} from {self.peers.names[env.src]}")
 
     def _result_error(self, call: PendingCall, src: int, exc: Exception) -> SerializationError:
         return SerializationError(f"could not unpickle the result of {call.what} from "

@@ -53,6 +53,14 @@ def _torch_futures() -> Any:
     return native.futures_api
 
 
+def _tensor_facts() -> Any:
+    """``_mpidag_torch``'s ``tensor_facts_api`` capsule: a tensor's layout, device,
+    contiguity and size read in C++ (``None`` where that module is not built: its Python
+    attributes are read)."""
+    native = torch_native.torch_module()
+    return None if native is None else native.tensor_facts_api
+
+
 def slots_drift(module: Any) -> str:
     """The classes whose slots are not the ones the C module fills (it makes ``Envelope`` and
     ``PendingCall`` objects through their slots, without ``__init__``); ``""`` when none.
@@ -127,7 +135,7 @@ def make_core(calls: OutgoingCalls, server: Server, transport: Any,
         torch_futures=_torch_futures(), tick_hooks=calls.plugins.tick_hooks,
         expire_due=calls.expire_due, expiry_interval=EXPIRY_SCAN_INTERVAL,
         profiler_globals=profiler_globals, profiler_enabled=profiler_enabled,
-        observing_globals=observing_globals,
+        observing_globals=observing_globals, tensor_facts=_tensor_facts(),
     )
     return core, f"compiled call path ({module.__file__})"
 

@@ -52,8 +52,9 @@
 #include <time.h>
 
 #include "../transport/torch_futures.h"
+#include "../transport/frame_tensor.h"
 
-#define VERSION 10
+#define VERSION 11
 
 /* the protocol's constants (messages.py); Core.__init__ checks them against Python's */
 #define CALL 1
@@ -283,6 +284,7 @@ enum {
     O_PROFILER_GLOBALS, /* torch.autograd.profiler's globals (._is_profiler_enabled) */
     O_PROFILER_ENABLED, /* torch._C._autograd._profiler_enabled() */
     O_OBSERVING_GLOBALS, /* mpidag._remote_profiling's globals (._observing) */
+    O_TENSOR_FACTS,     /* _mpidag_torch's tensor_facts_api capsule (frame_tensor.h), or None */
     N_OBJECTS
 };
 static const char *OBJECT_NAMES[N_OBJECTS] = {
@@ -297,7 +299,8 @@ static const char *OBJECT_NAMES[N_OBJECTS] = {
     "receive_rest", "poll_wait", "partial", "what_sent", "what_from",
     "what_served", "what_result", "record_result", "py_unsendable", "py_serve_notify",
     "py_notify_failed", "cfuture_type", "py_answer_when_done", "torch_futures",
-    "tick_hooks", "expire_due", "profiler_globals", "profiler_enabled", "observing_globals"};
+    "tick_hooks", "expire_due", "profiler_globals", "profiler_enabled", "observing_globals",
+    "tensor_facts"};
 
 typedef struct {
     PyObject_HEAD
@@ -313,6 +316,9 @@ typedef struct {
     /* rpc_async's futures made and completed in C++ (torch_futures= a capsule), or NULL:
      * through torch._C.Future's Python bindings */
     const mpidag_torch_futures *torch_futures;
+    /* a tensor's layout, device, contiguity and size read in C++ (tensor_facts= a capsule),
+     * or NULL: through its Python attributes */
+    mpidag_tensor_facts_fn tensor_facts;
     /* the leader's tick: expire_due() at most every expiry_interval seconds */
     double expiry_interval, next_expiry;
     /* interned attribute names */
@@ -488,6 +494,9 @@ static int plain_tensor(Core *self, PyObject *t)
 {
     if (Py_TYPE(t) != (PyTypeObject *)self->o[O_TENSOR_TYPE])
         return 0;
+    mpidag_tensor_facts facts;
+    if (self->tensor_facts != NULL && self->tensor_facts(t, &facts))
+        return facts.contiguous; /* (strided and on the CPU, read in C++) */
     int ok = attr_is(t, self->s_layout, 0, self->o[O_STRIDED]);
     if (ok == 1)
         ok = attr_is(t, self->s_is_cpu, 0, Py_True);
@@ -502,6 +511,14 @@ static int fits_frame0(Core *self, PyObject *tensors, Py_ssize_t n_tensors)
 {
     Py_ssize_t inline_bytes = 0;
     for (Py_ssize_t i = 0; i < n_tensors; i++) {
+        mpidag_tensor_facts facts;
+        if (self->tensor_facts != NULL &&
+                self->tensor_facts(PyList_GET_ITEM(tensors, i), &facts)) {
+            inline_bytes += ((Py_ssize_t)facts.nbytes + ALIGN - 1) & ~(Py_ssize_t)(ALIGN - 1);
+            if (inline_bytes > self->inline_limit)
+                return 0;
+            continue;
+        }
         PyObject *nbytes = PyObject_GetAttr(PyList_GET_ITEM(tensors, i), self->s_nbytes);
         if (nbytes == NULL)
             return -1;
@@ -687,6 +704,13 @@ static int Core_init(Core *self, PyObject *args, PyObject *kwds)
         self->torch_futures = (const mpidag_torch_futures *)PyCapsule_GetPointer(
             self->o[O_TORCH_FUTURES], MPIDAG_TORCH_FUTURES_CAPSULE);
         if (self->torch_futures == NULL)
+            return -1;
+    }
+    self->tensor_facts = NULL;
+    if (self->o[O_TENSOR_FACTS] != Py_None) {
+        self->tensor_facts = (mpidag_tensor_facts_fn)PyCapsule_GetPointer(
+            self->o[O_TENSOR_FACTS], MPIDAG_TENSOR_FACTS_CAPSULE);
+        if (self->tensor_facts == NULL)
             return -1;
     }
     if (self->empty_dict == NULL && (self->empty_dict = PyDict_New()) == NULL)

@@ -24,6 +24,8 @@ class Peers:
         self.world_size = len(workers)
         self.info = workers[rank]
         self.by_name = {w.name: w for w in workers}
+        #: the worker name of each rank (what messages' names read: no call per name)
+        self.names: tuple[str, ...] = tuple(w.name for w in workers)
         #: ranks that failed (fault-tolerant jobs): calls to them raise WorkerFailedError
         self.failed: set[int] = set()
         #: ranks that shut down alone (graceful=False); also in ``failed``

@@ -279,7 +279,7 @@ class Server:
             >>> runtime.agent.server.arguments_from(1)
             'the arguments of a call from worker1'
         """
-        return f"the arguments of a call from {self.peers.name(src)}"
+        return f"the arguments of a call from {self.peers.names[src]}"
 
     def arguments_served(self, func: Callable, args: tuple, src: int) -> str:
         """The name of a served call's arguments (a recv function's, once unpickled).
@@ -289,7 +289,7 @@ class Server:
             >>> runtime.agent.server.arguments_served(torch.add, (), 1)
             'the arguments of torch.add from worker1'
         """
-        return f"the arguments of {describe(func, args)} from {self.peers.name(src)}"
+        return f"the arguments of {describe(func, args)} from {self.peers.names[src]}"
 
     def result_sent(self, call: tuple | None, dst: int) -> str:
         """The name of a call's result sent back to ``dst`` (``call``: its ``(func, args)``).
@@ -300,7 +300,7 @@ class Server:
             'the result of torch.add sent to worker0'
         """
         return f"the result of {describe(*call) if call else 'a call'} sent to " \
-               f"{self.peers.name(dst)}"
+               f"{self.peers.names[dst]}"
 
     def _reply_error(self, env: Envelope, exc: BaseException) -> None:
         payload = pack_exception(exc, self.peers.where())

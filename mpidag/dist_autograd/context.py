@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import operator
 import threading
 import time
 import weakref
@@ -186,7 +187,8 @@ class SendFunction(_Named):
                 self._edges, self.reach = edges_and_reach(self._tensors, RECV_NODE_TYPES,
                                                           self._native)
                 self._tensors = None
-                _ = self.what  # the name now: the callable may hold the call's arguments
+                if not isinstance(self._what, str):  # the name now: the callable may hold
+                    self._what = self._what()        # the call's arguments
             if self.reach is None:
                 self.reach = Reach(self._edges, RECV_NODE_TYPES, self._native)
             return self.reach
@@ -475,6 +477,8 @@ class _ThreadContext(threading.local):
 
 _current = _ThreadContext()
 
+_requires_grad = operator.attrgetter("requires_grad")
+
 
 class ContextContainer(CallObserver):
     """All distributed autograd contexts of one rank; the agent's call observer.
@@ -510,6 +514,7 @@ class ContextContainer(CallObserver):
         self.live_recvs = LiveCount()
         #: the C++ records (None: the Python ones; MPIDAG_COMPILED=0 or not built)
         self.native = records_module(agent.config.compiled)
+        self._ids = agent.ids  # (the agent's property, read once: every recorded call asks)
         self._release_handler = agent.register_handler(
             "autograd.release", self.release_id, mode="control")
         agent.set_observer(self)
@@ -527,11 +532,10 @@ class ContextContainer(CallObserver):
                  what: Callable[[], str]) -> int:
         return self.record_send(self.contexts.get(context_id), dst, tensors, what)[1]
 
-    def sent(self, context_id: int, message_id: int) -> None:
-        self.prepare_send(context_id, message_id)
-
     def received(self, env: Envelope, what: Callable[[], str]) -> DistAutogradContext | None:
-        ctx = self.incoming(env.context_id, env.src)
+        ctx = self.contexts.get(env.context_id)
+        if ctx is None or env.src not in ctx.known_workers:  # (else incoming() gives ctx)
+            ctx = self.incoming(env.context_id, env.src)
         if ctx is not None and env.message_id:
             # a call's name before unpickling (Server.arguments_from: the server and the
             # sender's rank) is kept uncalled: serving names the record once unpickled;
@@ -542,16 +546,19 @@ class ContextContainer(CallObserver):
 
     def serving(self, state: DistAutogradContext, message_id: int,
                 what: Callable[[], str]) -> DistAutogradContext | None:
-        if message_id:
-            self.describe_recv(state, message_id, what)
-        return self.enter(state)
+        if message_id:  # (describe_recv and enter, without their frames: once per call)
+            record = state.recvs.get(message_id)
+            if record is not None:
+                record._what = what()  # (the ``what`` setter without its frame)
+        previous, _current.ctx = _current.ctx, state
+        return previous
 
     def served(self, token: DistAutogradContext | None) -> None:
-        self.leave(token)
+        _current.ctx = token
 
     # -------------------------------------------------------------- lifetime
     def new_context(self) -> DistAutogradContext:
-        ctx = DistAutogradContext(self, self.agent.ids.next())
+        ctx = DistAutogradContext(self, self._ids.next())
         with self.lock:
             self.contexts[ctx.context_id] = ctx
             self.active = True
@@ -678,12 +685,12 @@ class ContextContainer(CallObserver):
         """
         if ctx is None or ctx.released:
             return 0, 0
-        grad_tensors = [t for t in tensors if t.requires_grad]
+        grad_tensors = list(filter(_requires_grad, tensors))  # (no comprehension's frame)
         if not grad_tensors:
             with ctx.lock:
                 ctx.known_workers.add(dst)
             return ctx.context_id, 0
-        message_id = self.agent.ids.next()
+        message_id = self._ids.next()
         send = SendFunction(message_id, dst, grad_tensors, what, self.live_sends, self.native)
         with ctx.lock:
             ctx.known_workers.add(dst)
@@ -726,6 +733,9 @@ class ContextContainer(CallObserver):
                 send.prepare()
             except Exception:  # the backward pass walks it again and reports what fails
                 log.debug("could not walk the graph of %r", send, exc_info=True)
+
+    #: the observer's ``sent`` (the agent's name for it) is :meth:`prepare_send` itself
+    sent = prepare_send
 
     @staticmethod
     def describe_recv(ctx: DistAutogradContext, message_id: int,

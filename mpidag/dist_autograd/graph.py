@@ -156,7 +156,9 @@ def edges_and_reach(tensors: list[torch.Tensor], recv_types: frozenset[type],
     edges, walked = native.send_reach(tensors, GradientEdge, recv_types, AccumulateGrad)
     if walked is None:
         return _completed(edges, tensors), None
-    return edges, Reach.from_walk(walked)
+    reach = Reach.__new__(Reach)  # (Reach.from_walk without its frame: once per message)
+    reach.succ, reach.leaf_edges, reach.recv_edges, reach.recv_nodes = walked
+    return edges, reach
 
 
 def _type_set(recv_types: type | frozenset[type]) -> frozenset[type]:
@@ -233,7 +235,7 @@ class Reach:
     def from_walk(cls, walked: tuple[dict, set, set, set]) -> Reach:
         """The reach a C++ walk gave: ``(succ, leaf_edges, recv_edges, recv_nodes)``."""
         reach = cls.__new__(cls)
-        reach._take(walked)
+        reach.succ, reach.leaf_edges, reach.recv_edges, reach.recv_nodes = walked
         return reach
 
 

@@ -45,6 +45,7 @@ static struct {
     PyObject *grad_dtypes;                         /* list: wire code -> may require grad */
     PyObject *frombuffer_kwnames;                  /* ("dtype", "count", "offset") */
     mpidag_frame_tensor_fn frame_tensor;           /* _mpidag_torch's, or NULL */
+    mpidag_tensor_facts_fn tensor_facts;           /* _mpidag_torch's, or NULL */
     PyObject *cpu;                                 /* "cpu" */
     Py_ssize_t inline_limit, payload_frame_limit;
     /* attribute names */
@@ -119,16 +120,16 @@ static PyObject *configure(PyObject *Py_UNUSED(module), PyObject *args, PyObject
     static char *kwlist[] = {"envelope", "header", "spec", "dtypes", "dtype_codes",
                              "device_name", "device_codes", "strided", "encode", "decode",
                              "decode_message", "frombuffer", "grad_dtypes", "inline_limit",
-                             "payload_frame_limit", "frame_tensor", NULL};
-    PyObject *o[13], *frame_tensor = Py_None;
+                             "payload_frame_limit", "frame_tensor", "tensor_facts", NULL};
+    PyObject *o[13], *frame_tensor = Py_None, *tensor_facts = Py_None;
     Py_ssize_t inline_limit, payload_frame_limit;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!O!O!OO!OOOOOO!nn|O", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!O!O!OO!OOOOOO!nn|OO", kwlist,
                                      &PyType_Type, &o[0], &PyType_Type, &o[1],
                                      &PyType_Type, &o[2], &PyList_Type, &o[3],
                                      &PyDict_Type, &o[4], &o[5], &PyDict_Type, &o[6],
                                      &o[7], &o[8], &o[9], &o[10], &o[11], &PyList_Type,
                                      &o[12], &inline_limit, &payload_frame_limit,
-                                     &frame_tensor))
+                                     &frame_tensor, &tensor_facts))
         return NULL;
     if (frame_tensor != Py_None) {
         S.frame_tensor = (mpidag_frame_tensor_fn)PyCapsule_GetPointer(
@@ -137,6 +138,14 @@ static PyObject *configure(PyObject *Py_UNUSED(module), PyObject *args, PyObject
             return NULL;
     } else {
         S.frame_tensor = NULL;
+    }
+    if (tensor_facts != Py_None) {
+        S.tensor_facts = (mpidag_tensor_facts_fn)PyCapsule_GetPointer(
+            tensor_facts, MPIDAG_TENSOR_FACTS_CAPSULE);
+        if (S.tensor_facts == NULL)
+            return NULL;
+    } else {
+        S.tensor_facts = NULL;
     }
     if (PyList_GET_SIZE(o[12]) != PyList_GET_SIZE(o[3])) {
         PyErr_SetString(PyExc_ValueError, "configure: one grad_dtypes entry per dtype");
@@ -206,8 +215,12 @@ typedef struct {
     PyObject *tensor; /* borrowed (the env's list holds it) */
     int code, ndim, flags, dev_type, dev_index;
     int64_t offset, nbytes;
-    PyObject *shape;    /* new reference */
+    PyObject *shape;    /* new reference; NULL where facts were read (sizes in dims) */
     const void *data;   /* inline: where its bytes are */
+    int known;          /* read through tensor_facts: copyable and where say the rest */
+    int copyable;
+    const void *where;
+    int64_t dims[MPIDAG_FACTS_DIMS];
 } Part;
 
 #define FALLBACK 1 /* hand the message to the Python encoder */
@@ -215,6 +228,33 @@ typedef struct {
 /* Fill ``part`` for tensor ``t`` landing on ``device``; 0, FALLBACK or -1 (error). */
 static int describe(PyObject *t, PyObject *device, Part *part)
 {
+    mpidag_tensor_facts facts;
+    part->shape = NULL;
+    part->data = NULL;
+    part->known = S.tensor_facts != NULL && S.tensor_facts(t, &facts);
+    if (part->known) { /* a strided CPU tensor read in C++: no Python attribute */
+        PyObject *code = PyDict_GetItemWithError(S.dtype_codes, facts.dtype);
+        if (code == NULL)
+            return PyErr_Occurred() ? -1 : FALLBACK;
+        PyObject *dev = PyDict_GetItemWithError(S.device_codes, device);
+        if (dev == NULL)
+            return PyErr_Occurred() ? -1 : FALLBACK;
+        if (!PyTuple_Check(dev) || PyTuple_GET_SIZE(dev) != 2)
+            return FALLBACK;
+        part->tensor = t;
+        part->code = (int)PyLong_AsLong(code);
+        part->dev_type = (int)PyLong_AsLong(PyTuple_GET_ITEM(dev, 0));
+        part->dev_index = (int)PyLong_AsLong(PyTuple_GET_ITEM(dev, 1));
+        if (PyErr_Occurred())
+            return -1;
+        part->flags = facts.requires_grad ? REQUIRES_GRAD : 0;
+        part->nbytes = facts.nbytes;
+        part->ndim = facts.ndim;
+        memcpy(part->dims, facts.sizes, sizeof(int64_t) * (size_t)facts.ndim);
+        part->copyable = facts.copyable;
+        part->where = facts.data;
+        return 0;
+    }
     PyObject *layout = PyObject_GetAttr(t, S.s_layout);
     if (layout == NULL)
         return -1;
@@ -267,6 +307,12 @@ static int describe(PyObject *t, PyObject *device, Part *part)
  * neither conjugated nor negated): 0, FALLBACK (copy it in Python) or -1 (error). */
 static int inline_data(Part *part)
 {
+    if (part->known) {
+        if (!part->copyable)
+            return FALLBACK;
+        part->data = part->where;
+        return 0;
+    }
     PyObject *t = part->tensor;
     int contiguous = attr_true(t, S.s_is_contiguous, 1);
     int conj = contiguous > 0 ? attr_true(t, S.s_is_conj, 1) : 0;
@@ -409,7 +455,8 @@ static PyObject *encode(PyObject *Py_UNUSED(module), PyObject *const *args, Py_s
         put_i64(q + 6, part->offset);
         put_i64(q + 14, part->nbytes);
         for (int d = 0; d < part->ndim; d++) {
-            long long size = PyLong_AsLongLong(PyTuple_GET_ITEM(part->shape, d));
+            long long size = part->shape == NULL ? part->dims[d]
+                                                 : PyLong_AsLongLong(PyTuple_GET_ITEM(part->shape, d));
             if (size == -1 && PyErr_Occurred())
                 goto done;
             put_i64(q + SPEC_FIXED + 8 * d, size);
@@ -750,7 +797,7 @@ PyMODINIT_FUNC PyInit__mpidag_frames(void)
 {
     PyObject *module = PyModule_Create(&frames_module);
     /* what frames.py expects (CODEC_VERSION): a build from older sources is not used */
-    if (module != NULL && PyModule_AddIntConstant(module, "VERSION", 4) < 0)
+    if (module != NULL && PyModule_AddIntConstant(module, "VERSION", 5) < 0)
         Py_CLEAR(module);
     return module;
 }

@@ -903,7 +903,7 @@ _codec: Any = None
 
 #: the ``VERSION`` of ``frames.c`` this module calls (a build from older sources is not
 #: used: the Python codec runs, with a warning to rebuild)
-CODEC_VERSION = 4
+CODEC_VERSION = 5
 
 
 def _load_codec() -> Any:
@@ -924,8 +924,9 @@ def _load_codec() -> Any:
 
 def configure_codec(codec: Any, use_torch_native: bool) -> None:
     """Give the C codec this module's classes, tables and Python fallbacks, and
-    ``_mpidag_torch``'s frame-0 tensor maker (a capsule) where it is built and
-    ``use_torch_native`` (else the codec calls ``torch.frombuffer``: the tests run both)."""
+    ``_mpidag_torch``'s frame-0 tensor maker and tensor reader (capsules) where it is built
+    and ``use_torch_native`` (else the codec calls ``torch.frombuffer`` and reads tensors'
+    Python attributes: the tests run both)."""
     module = torch_module() if use_torch_native else None
     codec.configure(envelope=Envelope, header=Header, spec=TensorSpec, dtypes=DTYPES,
                     dtype_codes=DTYPE_CODE, device_name=_device_name,
@@ -935,7 +936,8 @@ def configure_codec(codec: Any, use_torch_native: bool) -> None:
                     grad_dtypes=[dt.is_floating_point or dt.is_complex for dt in DTYPES],
                     inline_limit=INLINE_LIMIT,
                     payload_frame_limit=PAYLOAD_FRAME_LIMIT,
-                    frame_tensor=None if module is None else module.frame_tensor_api)
+                    frame_tensor=None if module is None else module.frame_tensor_api,
+                    tensor_facts=None if module is None else module.tensor_facts_api)
 
 
 def use_compiled(compiled: bool) -> bool:

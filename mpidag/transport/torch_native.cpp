@@ -7,7 +7,11 @@
 //    ndim, sizes, requires_grad), reached through the capsule FRAME_TENSOR_CAPSULE, makes
 //    the tensor of an inline spec as a view of frame 0's bytes (at::from_blob holding a
 //    buffer view of the frame) in one step: what torch.frombuffer, .view(*sizes) and
-//    .requires_grad_() do in three Python calls.
+//    .requires_grad_() do in three Python calls. And the other way, for the encoder:
+//    tensor_facts(tensor, &facts), through the capsule TENSOR_FACTS_CAPSULE, reads what the
+//    codec writes of a tensor it sends (dtype, sizes, nbytes, requires_grad, whether its
+//    bytes can be copied as they are, where they are) from the C++ tensor in one call
+//    instead of ten Python attribute reads and method calls.
 // 2. The per-message records of distributed autograd (mpidag.dist_autograd.native):
 //    record_recv(record, tensors)  the received tensors that require grad become outputs of
 //                                 one new RecvRpcBackward node, a C++ node of this module's
@@ -86,7 +90,7 @@
 
 namespace {
 
-constexpr long VERSION = 5;
+constexpr long VERSION = 6;
 
 #ifndef MPIDAG_TORCH_VERSION  // torch.__version__ at build time (the build defines it)
 #error "build with -DMPIDAG_TORCH_VERSION=\"<torch.__version__>\" (mpidag's wire_build does)"
@@ -271,6 +275,58 @@ PyObject* frame_tensor(PyObject* frame, Py_ssize_t offset, PyObject* dtype, int 
 
 static_assert(std::is_same_v<decltype(&frame_tensor), mpidag_frame_tensor_fn>,
               "frame_tensor must be what frame_tensor.h promises frames.c");
+
+// The type of torch.nn.Parameter (set at import): tensor_facts takes it as a plain tensor
+// (its __torch_function__ is torch's disabled one, so its attributes are torch.Tensor's).
+PyTypeObject* parameter_type = nullptr;
+
+int tensor_facts(PyObject* obj, mpidag_tensor_facts* facts) {
+  if (!THPVariable_CheckExact(obj) && Py_TYPE(obj) != parameter_type) return 0;
+  try {
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    if (!t.defined() || t.layout() != c10::kStrided || !t.device().is_cpu() ||
+        t.key_set().has_any(c10::python_ks) || t.key_set().has_any(c10::functorch_transforms_ks))
+      return 0;
+    int64_t ndim = t.dim();
+    if (ndim > MPIDAG_FACTS_DIMS) return 0;
+    facts->dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));
+    facts->nbytes = static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
+    facts->ndim = static_cast<int>(ndim);
+    auto sizes = t.sizes();
+    for (int64_t d = 0; d < ndim; d++) facts->sizes[d] = sizes[d];
+    facts->requires_grad = t.requires_grad() ? 1 : 0;
+    facts->contiguous = t.is_contiguous() ? 1 : 0;
+    facts->copyable = facts->contiguous && !t.is_conj() && !t.is_neg();
+    facts->data = facts->copyable && facts->nbytes > 0 ? t.const_data_ptr() : nullptr;
+    return 1;
+  }
+  catch (const std::exception&) {  // (the Python attributes raise it again, as before)
+    return 0;
+  }
+}
+
+static_assert(std::is_same_v<decltype(&tensor_facts), mpidag_tensor_facts_fn>,
+              "tensor_facts must be what frame_tensor.h promises frames.c");
+
+// tensor_facts(tensor) from Python (for tests): (dtype, nbytes, sizes, requires_grad,
+// contiguous, copyable, data_ptr) or None
+PyObject* tensor_facts_py(PyObject* /*module*/, PyObject* obj) {
+  mpidag_tensor_facts facts;
+  if (!tensor_facts(obj, &facts)) Py_RETURN_NONE;
+  PyObject* sizes = PyTuple_New(facts.ndim);
+  if (sizes == nullptr) return nullptr;
+  for (int d = 0; d < facts.ndim; d++) {
+    PyObject* size = PyLong_FromLongLong(facts.sizes[d]);
+    if (size == nullptr) {
+      Py_DECREF(sizes);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(sizes, d, size);
+  }
+  return Py_BuildValue("(OLNiiiN)", facts.dtype, static_cast<long long>(facts.nbytes), sizes,
+                       facts.requires_grad, facts.contiguous, facts.copyable,
+                       PyLong_FromVoidPtr(const_cast<void*>(facts.data)));
+}
 
 // frame_tensor(frame, offset, dtype, sizes, requires_grad) from Python (for tests)
 PyObject* frame_tensor_py(PyObject* /*module*/, PyObject* args) {
@@ -1041,6 +1097,10 @@ PyMethodDef module_methods[] = {
      "frame_tensor(frame, offset, dtype, sizes: tuple, requires_grad) -> Tensor: the tensor "
      "whose bytes start at offset in frame (a view of them, no copy); frames.c calls the "
      "same function through the capsule frame_tensor_api"},
+    {"tensor_facts", tensor_facts_py, METH_O,
+     "tensor_facts(tensor) -> (dtype, nbytes, sizes, requires_grad, contiguous, copyable, "
+     "data_ptr) or None: what the C codec and call path read of a tensor they send, through "
+     "the capsule tensor_facts_api (None: they ask the tensor's Python attributes)"},
     {"record_recv", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(record_recv)),
      METH_FASTCALL,
      "record_recv(record, tensors) -> list: the tensors requiring grad become outputs of a "
@@ -1115,12 +1175,27 @@ PyMODINIT_FUNC PyInit__mpidag_torch(void) {
 
   PyObject* module = PyModule_Create(&module_def);
   if (module == nullptr) return nullptr;
+  PyObject* parameter_module = PyImport_ImportModule("torch.nn.parameter");
+  if (parameter_module == nullptr) return nullptr;
+  PyObject* parameter = PyObject_GetAttrString(parameter_module, "Parameter");
+  Py_DECREF(parameter_module);
+  if (parameter == nullptr) return nullptr;
+  if (!PyType_Check(parameter)) {
+    Py_DECREF(parameter);
+    PyErr_SetString(PyExc_TypeError, "torch.nn.parameter.Parameter is not a type");
+    return nullptr;
+  }
+  parameter_type = reinterpret_cast<PyTypeObject*>(parameter);  // (kept: torch never frees it)
+
   PyObject* api = PyCapsule_New(reinterpret_cast<void*>(&frame_tensor),
                                 MPIDAG_FRAME_TENSOR_CAPSULE, nullptr);
+  PyObject* facts = PyCapsule_New(reinterpret_cast<void*>(&tensor_facts),
+                                  MPIDAG_TENSOR_FACTS_CAPSULE, nullptr);
   PyObject* futures = PyCapsule_New(reinterpret_cast<void*>(&futures_api),
                                     MPIDAG_TORCH_FUTURES_CAPSULE, nullptr);
-  if (api == nullptr || futures == nullptr) {
+  if (api == nullptr || futures == nullptr || facts == nullptr) {
     Py_XDECREF(api);
+    Py_XDECREF(facts);
     Py_XDECREF(futures);
     Py_DECREF(module);
     return nullptr;
@@ -1132,6 +1207,7 @@ PyMODINIT_FUNC PyInit__mpidag_torch(void) {
       PyModule_AddObject(module, "RecvRpcBackward", recv_type) < 0 ||
       PyModule_AddObject(module, "WeakNode", reinterpret_cast<PyObject*>(&weak_node_type)) < 0 ||
       PyModule_AddObject(module, "frame_tensor_api", api) < 0 ||
+      PyModule_AddObject(module, "tensor_facts_api", facts) < 0 ||
       PyModule_AddObject(module, "futures_api", futures) < 0 ||
       PyModule_AddIntConstant(module, "VERSION", VERSION) < 0 ||
       PyModule_AddStringConstant(module, "TORCH_VERSION", MPIDAG_TORCH_VERSION) < 0) {
