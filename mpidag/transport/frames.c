@@ -131,22 +131,14 @@ static PyObject *configure(PyObject *Py_UNUSED(module), PyObject *args, PyObject
                                      &o[12], &inline_limit, &payload_frame_limit,
                                      &frame_tensor, &tensor_facts))
         return NULL;
-    if (frame_tensor != Py_None) {
-        S.frame_tensor = (mpidag_frame_tensor_fn)PyCapsule_GetPointer(
-            frame_tensor, MPIDAG_FRAME_TENSOR_CAPSULE);
-        if (S.frame_tensor == NULL)
-            return NULL;
-    } else {
-        S.frame_tensor = NULL;
-    }
-    if (tensor_facts != Py_None) {
-        S.tensor_facts = (mpidag_tensor_facts_fn)PyCapsule_GetPointer(
-            tensor_facts, MPIDAG_TENSOR_FACTS_CAPSULE);
-        if (S.tensor_facts == NULL)
-            return NULL;
-    } else {
-        S.tensor_facts = NULL;
-    }
+    void *frame_tensor_fn = NULL, *tensor_facts_fn = NULL; /* (None: not built) */
+    if ((frame_tensor != Py_None && (frame_tensor_fn = PyCapsule_GetPointer(
+             frame_tensor, MPIDAG_FRAME_TENSOR_CAPSULE)) == NULL) ||
+        (tensor_facts != Py_None && (tensor_facts_fn = PyCapsule_GetPointer(
+             tensor_facts, MPIDAG_TENSOR_FACTS_CAPSULE)) == NULL))
+        return NULL;
+    S.frame_tensor = (mpidag_frame_tensor_fn)frame_tensor_fn;
+    S.tensor_facts = (mpidag_tensor_facts_fn)tensor_facts_fn;
     if (PyList_GET_SIZE(o[12]) != PyList_GET_SIZE(o[3])) {
         PyErr_SetString(PyExc_ValueError, "configure: one grad_dtypes entry per dtype");
         return NULL;
@@ -225,6 +217,25 @@ typedef struct {
 
 #define FALLBACK 1 /* hand the message to the Python encoder */
 
+/* part's tensor and the wire codes of its dtype (a torch.dtype) and of the device it lands
+ * on; 0, FALLBACK (a dtype or device the wire has no code for yet) or -1 (error). */
+static int place(Part *part, PyObject *t, PyObject *dtype, PyObject *device)
+{
+    PyObject *code = PyDict_GetItemWithError(S.dtype_codes, dtype);
+    if (code == NULL)
+        return PyErr_Occurred() ? -1 : FALLBACK;
+    PyObject *dev = PyDict_GetItemWithError(S.device_codes, device);
+    if (dev == NULL)
+        return PyErr_Occurred() ? -1 : FALLBACK;
+    if (!PyTuple_Check(dev) || PyTuple_GET_SIZE(dev) != 2)
+        return FALLBACK;
+    part->tensor = t;
+    part->code = (int)PyLong_AsLong(code);
+    part->dev_type = (int)PyLong_AsLong(PyTuple_GET_ITEM(dev, 0));
+    part->dev_index = (int)PyLong_AsLong(PyTuple_GET_ITEM(dev, 1));
+    return PyErr_Occurred() ? -1 : 0;
+}
+
 /* Fill ``part`` for tensor ``t`` landing on ``device``; 0, FALLBACK or -1 (error). */
 static int describe(PyObject *t, PyObject *device, Part *part)
 {
@@ -233,20 +244,9 @@ static int describe(PyObject *t, PyObject *device, Part *part)
     part->data = NULL;
     part->known = S.tensor_facts != NULL && S.tensor_facts(t, &facts);
     if (part->known) { /* a strided CPU tensor read in C++: no Python attribute */
-        PyObject *code = PyDict_GetItemWithError(S.dtype_codes, facts.dtype);
-        if (code == NULL)
-            return PyErr_Occurred() ? -1 : FALLBACK;
-        PyObject *dev = PyDict_GetItemWithError(S.device_codes, device);
-        if (dev == NULL)
-            return PyErr_Occurred() ? -1 : FALLBACK;
-        if (!PyTuple_Check(dev) || PyTuple_GET_SIZE(dev) != 2)
-            return FALLBACK;
-        part->tensor = t;
-        part->code = (int)PyLong_AsLong(code);
-        part->dev_type = (int)PyLong_AsLong(PyTuple_GET_ITEM(dev, 0));
-        part->dev_index = (int)PyLong_AsLong(PyTuple_GET_ITEM(dev, 1));
-        if (PyErr_Occurred())
-            return -1;
+        int placed = place(part, t, facts.dtype, device);
+        if (placed != 0)
+            return placed;
         part->flags = facts.requires_grad ? REQUIRES_GRAD : 0;
         part->nbytes = facts.nbytes;
         part->ndim = facts.ndim;
@@ -267,21 +267,10 @@ static int describe(PyObject *t, PyObject *device, Part *part)
     PyObject *dtype = PyObject_GetAttr(t, S.s_dtype);
     if (dtype == NULL)
         return -1;
-    PyObject *code = PyDict_GetItemWithError(S.dtype_codes, dtype);
+    int placed = place(part, t, dtype, device);
     Py_DECREF(dtype);
-    if (code == NULL)
-        return PyErr_Occurred() ? -1 : FALLBACK;
-    PyObject *dev = PyDict_GetItemWithError(S.device_codes, device);
-    if (dev == NULL)
-        return PyErr_Occurred() ? -1 : FALLBACK;
-    if (!PyTuple_Check(dev) || PyTuple_GET_SIZE(dev) != 2)
-        return FALLBACK;
-    part->tensor = t;
-    part->code = (int)PyLong_AsLong(code);
-    part->dev_type = (int)PyLong_AsLong(PyTuple_GET_ITEM(dev, 0));
-    part->dev_index = (int)PyLong_AsLong(PyTuple_GET_ITEM(dev, 1));
-    if (PyErr_Occurred())
-        return -1;
+    if (placed != 0)
+        return placed;
     int grad = attr_true(t, S.s_requires_grad, 0);
     if (grad < 0)
         return -1;
