@@ -546,7 +546,7 @@ class ContextContainer(CallObserver):
 
     def serving(self, state: DistAutogradContext, message_id: int,
                 what: Callable[[], str]) -> DistAutogradContext | None:
-        if message_id:  # (describe_recv and enter, without their frames: once per call)
+        if message_id:  # the recv record named once its call is unpickled
             record = state.recvs.get(message_id)
             if record is not None:
                 record._what = what()  # (the ``what`` setter without its frame)
@@ -736,14 +736,6 @@ class ContextContainer(CallObserver):
 
     #: the observer's ``sent`` (the agent's name for it) is :meth:`prepare_send` itself
     sent = prepare_send
-
-    @staticmethod
-    def describe_recv(ctx: DistAutogradContext, message_id: int,
-                      what: Callable[[], str]) -> None:
-        """Name a recv function better once the call it belongs to is unpickled."""
-        record = ctx.recvs.get(message_id)
-        if record is not None:
-            record.what = what()
 
     # ------------------------------------------------------------- debugging
     def torch_debug_info(self) -> dict[str, str]:
