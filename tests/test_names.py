@@ -14,11 +14,12 @@ import functools
 import gc
 import weakref
 
+import pytest
 import torch
 
-from mpidag.agent import handlers
+from mpidag.agent import fastpath, handlers
 from mpidag.agent.handlers import Handler, describe
-from mpidag.dist_autograd.context import LiveCount, RecvRecord
+from mpidag.dist_autograd.context import LiveCount, RecvRecord, SendFunction, live_count
 
 
 def module_level(x: torch.Tensor) -> torch.Tensor:
@@ -101,11 +102,28 @@ def test_a_recv_records_name_is_asked_for_once_when_first_read():
     assert unnamed.what == "set before read" and asked == [1]  # never asked
 
 
-def test_live_counts_count_without_a_python_frame():
-    count = LiveCount()
+@pytest.mark.parametrize("compiled", [True, False], ids=["c-tickets", "python-tickets"])
+def test_live_counts_count_records_while_they_live(compiled):
+    count = live_count(compiled)
+    if compiled and fastpath.compiled_module() is None:
+        pytest.skip("_mpidag_fastpath is not built here")
+    assert isinstance(count, LiveCount) is not compiled
     records = [RecvRecord(1, i, 1, 1, "x", count) for i in range(5)]
+    sends = [SendFunction(i, 1, [], "y", count) for i in range(3)]
+    assert count.live == 8
+    del records[:3], sends[0]
+    assert count.live == 4
+    cycle = [RecvRecord(1, 9, 1, 1, "z", count)]
+    cycle.append(cycle)  # freed by the collector, not by its reference count
+    del cycle
     assert count.live == 5
-    del records[:3]
-    assert count.live == 2
+    gc.collect()
+    assert count.live == 4
+    del records, sends
+    assert count.live == 0
+
+
+def test_the_python_counts_count_without_a_python_frame_of_their_own():
+    count = LiveCount()
     # the itertools counters' own __next__ (a C method), not a Python function
     assert type(count.made) is type(iter(()).__next__) is type(count.freed)

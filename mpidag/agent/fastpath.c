@@ -54,7 +54,7 @@
 #include "../transport/torch_futures.h"
 #include "../transport/frame_tensor.h"
 
-#define VERSION 11
+#define VERSION 12
 
 /* the protocol's constants (messages.py); Core.__init__ checks them against Python's */
 #define CALL 1
@@ -211,6 +211,77 @@ static PyTypeObject CountersType = {
     .tp_dealloc = (destructor)Counters_dealloc,
     .tp_methods = Counters_methods,
     .tp_getset = Counters_getset,
+};
+
+/* ================================================================== LiveCount */
+/* How many objects of one kind are alive (distributed autograd's send functions and recv
+ * records: debug_info's num_live_*): each object holds a Ticket from ticket(), counted when
+ * made and, from the ticket's dealloc, when freed. What the Python LiveCount does with a
+ * __del__ per object, without a Python call when the object dies. The counts change under
+ * the GIL, atomically all the same. */
+
+typedef struct {
+    PyObject_HEAD
+    long long made, freed;
+} LiveCount;
+
+typedef struct {
+    PyObject_HEAD
+    LiveCount *count;
+} Ticket;
+
+static void Ticket_dealloc(Ticket *self)
+{
+    __atomic_fetch_add(&self->count->freed, 1, __ATOMIC_RELAXED);
+    Py_DECREF(self->count);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject TicketType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "_mpidag_fastpath.Ticket",
+    .tp_basicsize = sizeof(Ticket),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One live object of a LiveCount: counted as freed when it goes.",
+    .tp_dealloc = (destructor)Ticket_dealloc,
+};
+
+static PyObject *LiveCount_ticket(LiveCount *self, PyObject *Py_UNUSED(ignored))
+{
+    Ticket *ticket = PyObject_New(Ticket, &TicketType);
+    if (ticket == NULL)
+        return NULL;
+    ticket->count = (LiveCount *)Py_NewRef((PyObject *)self);
+    __atomic_fetch_add(&self->made, 1, __ATOMIC_RELAXED);
+    return (PyObject *)ticket;
+}
+
+static PyObject *LiveCount_live(LiveCount *self, void *Py_UNUSED(closure))
+{
+    long long freed = __atomic_load_n(&self->freed, __ATOMIC_RELAXED);
+    return PyLong_FromLongLong(__atomic_load_n(&self->made, __ATOMIC_RELAXED) - freed);
+}
+
+static PyMethodDef LiveCount_methods[] = {
+    {"ticket", (PyCFunction)LiveCount_ticket, METH_NOARGS,
+     "ticket() -> Ticket: one more object alive, until the ticket goes"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef LiveCount_getset[] = {
+    {"live", (getter)LiveCount_live, NULL, "objects whose ticket is still alive", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject LiveCountType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "_mpidag_fastpath.LiveCount",
+    .tp_basicsize = sizeof(LiveCount),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "LiveCount(): how many objects holding one of its tickets are alive.",
+    .tp_new = PyType_GenericNew,
+    .tp_methods = LiveCount_methods,
+    .tp_getset = LiveCount_getset,
 };
 
 /* ================================================================== Core */
@@ -2633,7 +2704,8 @@ static int add_names(PyObject *module, const char *name, const char **names, int
 
 PyMODINIT_FUNC PyInit__mpidag_fastpath(void)
 {
-    if (PyType_Ready(&CountersType) < 0 || PyType_Ready(&CoreType) < 0)
+    if (PyType_Ready(&CountersType) < 0 || PyType_Ready(&CoreType) < 0 ||
+        PyType_Ready(&TicketType) < 0 || PyType_Ready(&LiveCountType) < 0)
         return NULL;
     ServeWorkType = (PyTypeObject *)PyType_FromSpec(&serve_work_spec);
     if (ServeWorkType == NULL)
@@ -2651,6 +2723,7 @@ PyMODINIT_FUNC PyInit__mpidag_fastpath(void)
         PyModule_AddIntConstant(module, "FLAG_HANDLER", FLAG_HANDLER) < 0 ||
         PyModule_AddIntConstant(module, "FLAG_FUNCTION_REF", FLAG_FUNCTION_REF) < 0 ||
         PyModule_AddObjectRef(module, "Counters", (PyObject *)&CountersType) < 0 ||
+        PyModule_AddObjectRef(module, "LiveCount", (PyObject *)&LiveCountType) < 0 ||
         PyModule_AddObjectRef(module, "Core", (PyObject *)&CoreType) < 0 ||
         PyModule_AddObjectRef(module, "ServeWork", (PyObject *)ServeWorkType) < 0 ||
         add_names(module, "ENVELOPE_FIELDS", ENV_FIELDS, N_ENV) < 0 ||

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd.graph import GradientEdge
 
+from mpidag.agent import fastpath
 from mpidag.agent.agent import CallObserver, RpcAgent
 from mpidag.agent.messages import CALL
 from mpidag.dist_autograd.graph import Reach, edges_and_reach
@@ -60,6 +61,7 @@ __all__ = [
     "RecvRPC",
     "RecvRecord",
     "SendFunction",
+    "live_count",
 ]
 
 log = logging.getLogger(__name__)
@@ -69,8 +71,12 @@ RELEASED_MEMORY = 1 << 16
 
 
 class LiveCount:
-    """How many objects of one kind are alive: counted when made and when freed (from
-    their ``__del__``, in whichever thread frees them), without a lock either way.
+    """How many objects of one kind are alive: counted when made and when freed (when
+    the :meth:`ticket` each holds goes, in whichever thread frees it), without a lock
+    either way. This is the Python one; :func:`live_count` gives the C one
+    (``_mpidag_fastpath.LiveCount``) where it is built, whose tickets are counted from
+    their C dealloc instead of a Python ``__del__`` (two Python calls less per recorded
+    message: 2.5 % of the instructions of a call recorded in a new context).
 
     :meth:`made` and :meth:`freed` are one ``next()`` of an ``itertools.count`` each: one C
     call, atomic under the GIL, so no count is lost between threads, and a ``__del__`` that
@@ -90,6 +96,12 @@ class LiveCount:
 
         >>> sends = LiveCount()
         >>> _ = sends.made(), sends.made(), sends.freed()
+        >>> sends.live
+        1
+        >>> ticket = sends.ticket()       # what a send function holds
+        >>> sends.live
+        2
+        >>> del ticket
         >>> sends.live
         1
     """
@@ -122,6 +134,40 @@ class LiveCount:
                 if attempts % 64 == 0:
                     time.sleep(0)  # let the threads that make objects move on
 
+    def ticket(self) -> _Ticket:
+        """One more object alive, until the returned ticket goes (the object holds it)."""
+        return _Ticket(self)
+
+
+class _Ticket:
+    """One live object of a Python :class:`LiveCount`: counted as freed from its
+    ``__del__``."""
+
+    __slots__ = ("_freed",)
+
+    def __init__(self, count: LiveCount) -> None:
+        self._freed = count.freed
+        count.made()
+
+    def __del__(self) -> None:
+        self._freed()
+
+
+def live_count(compiled: bool = True) -> Any:
+    """A :class:`LiveCount`: ``_mpidag_fastpath``'s (tickets counted in C) where it is built
+    and ``compiled``, else the Python one; both have ``ticket()`` and ``live``.
+
+    Example::
+
+        >>> count = live_count()
+        >>> tickets = [count.ticket() for _ in range(3)]
+        >>> del tickets[0]
+        >>> count.live
+        2
+    """
+    module = fastpath.compiled_module() if compiled else None
+    return LiveCount() if module is None else module.LiveCount()
+
 
 class _Named:
     """``what``, the name of a message for errors and reprs: kept as a string, or as a
@@ -152,13 +198,14 @@ class SendFunction(_Named):
     through the C++ records (``native``: :mod:`mpidag.dist_autograd.native`).
     """
 
-    __slots__ = ("_count", "message_id", "peer", "_tensors", "_edges", "_what", "reach",
+    __slots__ = ("_ticket", "message_id", "peer", "_tensors", "_edges", "_what", "reach",
                  "_walking", "_native", "__weakref__")
 
     def __init__(self, message_id: int, peer: int, tensors: list[torch.Tensor],
-                 what: str | Callable[[], str], count: LiveCount | None = None,
+                 what: str | Callable[[], str], count: Any = None,
                  native: Any = None):
-        self._count = count  # its container's live send functions (first: see __del__)
+        #: counted among its container's live send functions (a LiveCount) while it lives
+        self._ticket = None if count is None else count.ticket()
         self._native = native  # the C++ records module that finds the edges, or None
         self.message_id = message_id
         self.peer = peer  # the rank the tensors went to (and the gradients come from)
@@ -167,8 +214,6 @@ class SendFunction(_Named):
         self._what = what
         self.reach: Reach | None = None
         self._walking = threading.Lock()
-        if count is not None:
-            count.made()
 
     @property
     def edges(self) -> list[GradientEdge]:
@@ -192,10 +237,6 @@ class SendFunction(_Named):
             if self.reach is None:
                 self.reach = Reach(self._edges, RECV_NODE_TYPES, self._native)
             return self.reach
-
-    def __del__(self) -> None:
-        if self._count is not None:
-            self._count.freed()
 
     @property
     def next_functions(self) -> tuple[tuple[Any, int], ...]:
@@ -222,12 +263,13 @@ class RecvRecord(_Named):
     C++ that Python's collector cannot see.
     """
 
-    __slots__ = ("_count", "context_id", "message_id", "peer", "n_outputs", "_what", "node",
+    __slots__ = ("_ticket", "context_id", "message_id", "peer", "n_outputs", "_what", "node",
                  "__weakref__")
 
     def __init__(self, context_id: int, message_id: int, peer: int, n_outputs: int,
-                 what: str | Callable[[], str], count: LiveCount | None = None) -> None:
-        self._count = count  # its container's live recv functions (first: see __del__)
+                 what: str | Callable[[], str], count: Any = None) -> None:
+        #: counted among its container's live recv functions (a LiveCount) while it lives
+        self._ticket = None if count is None else count.ticket()
         #: the recv node, once recorded: a weak reference (called, the node or None)
         self.node: Callable[[], Any] | None = None
         self.context_id = context_id
@@ -235,12 +277,6 @@ class RecvRecord(_Named):
         self.peer = peer  # the rank the tensors came from (and the gradients go to)
         self.n_outputs = n_outputs
         self._what = what
-        if count is not None:
-            count.made()
-
-    def __del__(self) -> None:
-        if self._count is not None:
-            self._count.freed()
 
     def __repr__(self) -> str:
         return f"RecvRpcBackward(message_id=0x{self.message_id:x}, from rank {self.peer}, " \
@@ -510,8 +546,8 @@ class ContextContainer(CallObserver):
         self.anchor = torch.empty(0, requires_grad=True)
         #: the send functions and recv records this container made that are still alive
         #: (debug_info's num_live_*: a graph kept after its context was released)
-        self.live_sends = LiveCount()
-        self.live_recvs = LiveCount()
+        self.live_sends = live_count(agent.config.compiled)
+        self.live_recvs = live_count(agent.config.compiled)
         #: the C++ records (None: the Python ones; MPIDAG_COMPILED=0 or not built)
         self.native = records_module(agent.config.compiled)
         self._ids = agent.ids  # (the agent's property, read once: every recorded call asks)
