@@ -37,7 +37,7 @@ class Peers:
 
     def name(self, rank: int) -> str:
         """The worker name of ``rank``."""
-        return self.workers[rank].name
+        return self.names[rank]
 
     def failed_error(self, rank: int, what: str = "") -> WorkerFailedError:
         """The error of a call to (or that needed) a failed rank.
@@ -48,7 +48,7 @@ class Peers:
             >>> peers.failed_error(1, "the call of f").worker_name
             'b'
         """
-        name = self.workers[rank].name
+        name = self.names[rank]
         prefix = f"{what} to {name}" if what else f"a call to {name}"
         return WorkerFailedError(
             f"{prefix} could not complete: worker {name} (rank {rank}) failed; the other "

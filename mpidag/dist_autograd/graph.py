@@ -156,7 +156,7 @@ def edges_and_reach(tensors: list[torch.Tensor], recv_types: frozenset[type],
     edges, walked = native.send_reach(tensors, GradientEdge, recv_types, AccumulateGrad)
     if walked is None:
         return _completed(edges, tensors), None
-    reach = Reach.__new__(Reach)  # (Reach.from_walk without its frame: once per message)
+    reach = Reach.__new__(Reach)  # (a Reach of the C++ walk, without _take's frame)
     reach.succ, reach.leaf_edges, reach.recv_edges, reach.recv_nodes = walked
     return edges, reach
 
@@ -230,13 +230,6 @@ class Reach:
                     succ[nxt] = ()
                     stack.append(nxt)
         return succ, leaf_edges, recv_edges, recv_nodes
-
-    @classmethod
-    def from_walk(cls, walked: tuple[dict, set, set, set]) -> Reach:
-        """The reach a C++ walk gave: ``(succ, leaf_edges, recv_edges, recv_nodes)``."""
-        reach = cls.__new__(cls)
-        reach.succ, reach.leaf_edges, reach.recv_edges, reach.recv_nodes = walked
-        return reach
 
 
 @dataclass(slots=True, eq=False)
