@@ -9,6 +9,7 @@ the C path where it is built; the test matrix runs it again with ``MPIDAG_COMPIL
 
 from __future__ import annotations
 
+import logging
 import math
 import pickle
 import sys
@@ -17,11 +18,14 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+import mpidag.dist_autograd.context
 from mpidag._config import Config
 from mpidag._runtime import Runtime
 from mpidag.agent import compiled, fastpath
 from mpidag.agent.futures import RpcFuture
 from mpidag.agent.messages import CALL, FLAG_FUNCTION_REF, FLAG_PLAIN, RESULT
+from mpidag.dist_autograd import native
+from mpidag.dist_autograd.context import RecvRecord, SendFunction
 from mpidag.errors import RPCTimeoutError
 from mpidag.transport import frames
 from tests import rpc_funcs as rf
@@ -249,6 +253,134 @@ def test_calls_in_an_autograd_context_take_the_compiled_path_and_record_what_pyt
         python_path.close()
 
 
+class ContextFrames:
+    """The names of the functions of mpidag/dist_autograd/context.py that run in this thread
+    (use it with :class:`HandDriven`)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, int] = {}
+
+    def __enter__(self) -> ContextFrames:
+        def profile(frame, event, arg):  # noqa: ARG001 - sys.setprofile's signature
+            code = frame.f_code
+            if event == "call" and code.co_filename.endswith("dist_autograd/context.py"):
+                self.seen[code.co_name] = self.seen.get(code.co_name, 0) + 1
+        sys.setprofile(profile)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(None)
+
+
+#: the container's per-message hooks (and what they call) that the C++ recorder replaces
+PER_MESSAGE_HOOKS = {"outgoing", "replying", "received", "serving", "served", "record_send",
+                     "record_recv", "prepare_send", "next"}
+
+
+def test_a_compiled_container_records_each_message_without_its_python_hooks():
+    if native.records_module() is None:
+        pytest.skip(f"needs mpidag's C++ records: {native.problem()}")
+    ranks = HandDriven()
+    try:
+        containers = [runtime.autograd.container for runtime in ranks.runtimes]
+        assert all(isinstance(c, native.records_module().ContextRecorder) for c in containers)
+        assert all(runtime.agent.observer is c for runtime, c in zip(ranks.runtimes,
+                                                                       containers, strict=True))
+        a, b = torch.rand(2, requires_grad=True), torch.rand(2, requires_grad=True)
+        ranks.call(rf.add, a.detach(), b.detach())
+        with ContextFrames() as first:  # a context new on the callee: its Python incoming()
+            seen = _recorded_call(ranks, a, b)
+        ctx_id = max(containers[0].contexts)
+        ctx = containers[0].contexts[ctx_id]
+        previous = containers[0].enter(ctx)
+        try:
+            with ContextFrames() as later:  # both ranks know the context now
+                result = ranks.call(rf.add, a, b)
+        finally:
+            containers[0].leave(previous)
+        assert not set(first.seen) & PER_MESSAGE_HOOKS, first.seen
+        assert first.seen["incoming"] == 1
+        assert not set(later.seen) & (PER_MESSAGE_HOOKS | {"incoming"}), later.seen
+        # what was recorded: the SendFunction/RecvRecord objects Python reads
+        assert seen["ids_pair"] == (True, True)
+        assert len(ctx.sends) == len(ctx.recvs) == 2
+        send = ctx.sends[max(ctx.sends)]
+        assert isinstance(send, SendFunction) and send.peer == 1
+        assert send.reach is not None  # walked right after it was sent ("sent")
+        assert containers[0].debug_info()["num_send_functions"] == 2
+        assert type(result.grad_fn).__name__ == "torch::distributed::autograd::RecvRpcBackward"
+        assert result.grad_fn.record.what == "the result of tests.rpc_funcs.add from worker1"
+        assert _release_all(ranks) == (False, False)
+    finally:
+        ranks.close()
+
+
+def test_the_compiled_recorder_refuses_to_run_unbound_and_leaves_rare_cases_to_python(
+        monkeypatch, caplog):
+    module = native.records_module()
+    if module is None:
+        pytest.skip(f"needs mpidag's C++ records: {native.problem()}")
+    with pytest.raises(RuntimeError, match="never bound"):
+        module.ContextRecorder().outgoing(1, [], lambda: "a call")
+    with pytest.raises(TypeError, match=r"outgoing\(dst, tensors, what\) takes 3"):
+        module.ContextRecorder().outgoing(1)
+    ranks = HandDriven()
+    try:
+        containers = [runtime.autograd.container for runtime in ranks.runtimes]
+        a = torch.rand(2, requires_grad=True)
+        ranks.call(rf.identity, a.detach())
+        # a released context records nothing; a context of another container neither
+        ctx = containers[0].new_context()
+        containers[0].release(ctx)
+        previous = containers[0].enter(ctx)
+        try:
+            assert containers[0].outgoing(1, [a], lambda: "x") == (0, 0)
+            assert containers[0].replying(ctx.context_id, 1, [a], lambda: "x") == 0
+            assert containers[1].outgoing(0, [a], lambda: "x") == (0, 0)
+        finally:
+            containers[0].leave(previous)
+        # under a functorch transform the Python records (RecvRPC.apply) are made
+        context_module = mpidag.dist_autograd.context
+        functorch_active = context_module._functorch_active
+        monkeypatch.setattr(context_module, "_functorch_active", lambda: True)
+        for container in containers:
+            container._start_recording()  # (bound again: with the check above)
+        ctx = containers[0].new_context()
+        previous = containers[0].enter(ctx)
+        try:
+            with ContextFrames() as frames:
+                result = ranks.call(rf.identity, a)
+        finally:
+            containers[0].leave(previous)
+            monkeypatch.setattr(context_module, "_functorch_active", functorch_active)
+            for container in containers:
+                container._start_recording()
+        assert frames.seen.get("record_recv") == 2, frames.seen
+        assert result.grad_fn.name() == "torch::distributed::autograd::RecvRpcBackward"
+        assert torch.equal(result, a)
+        containers[0].release(ctx)
+        ranks.world.deliver_all([agent.dispatch for agent in ranks.agents])
+        # a walk that fails after the send is logged, not raised
+        monkeypatch.setattr(SendFunction, "prepare", _failing_prepare)
+        ctx = containers[0].new_context()
+        previous = containers[0].enter(ctx)
+        try:
+            with caplog.at_level(logging.DEBUG, logger="mpidag.dist_autograd.context"):
+                assert torch.equal(ranks.call(rf.identity, a), a)
+        finally:
+            containers[0].leave(previous)
+        assert "could not walk the graph of SendRpcBackward" in caplog.text
+        assert "RuntimeError: the walk broke" in caplog.text
+        containers[0].release(ctx)
+        ranks.world.deliver_all([agent.dispatch for agent in ranks.agents])
+    finally:
+        ranks.close()
+
+
+def _failing_prepare(self):
+    raise RuntimeError("the walk broke")
+
+
 def test_a_failing_recording_in_a_context_is_the_calls_error_on_the_compiled_path(
         monkeypatch):
     ranks = HandDriven()
@@ -256,15 +388,16 @@ def test_a_failing_recording_in_a_context_is_the_calls_error_on_the_compiled_pat
         a = torch.ones(2, requires_grad=True)
         ranks.call(rf.identity, torch.ones(2))
         contexts = [runtime.autograd.container for runtime in ranks.runtimes]
-        original = type(contexts[1]).record_recv
+        original = RecvRecord.__init__
         failing = {"rank": 1}
 
-        def record_recv(self, *args):
-            if self is contexts[failing["rank"]]:
+        def failing_record(self, *args, count=None):  # (the Python and the C++ hooks
+            count = args[5] if len(args) > 5 else count  # both make their records here)
+            if count is contexts[failing["rank"]].live_recvs:
                 raise RuntimeError("recording broke")
-            return original(self, *args)
+            original(self, *args[:5], count=count)
 
-        monkeypatch.setattr(type(contexts[1]), "record_recv", record_recv)
+        monkeypatch.setattr(RecvRecord, "__init__", failing_record)
         # the callee's failure: the Python server answers with the error, which the caller's
         # Python completes; the caller's: the C path completes the call with its error
         python_answers = {"serve_call": 1, "dispatch": 1, "complete": 1}

@@ -30,6 +30,7 @@ pass.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import logging
 import operator
@@ -62,6 +63,7 @@ __all__ = [
     "RecvRecord",
     "SendFunction",
     "live_count",
+    "new_container",
 ]
 
 log = logging.getLogger(__name__)
@@ -447,6 +449,9 @@ class DistAutogradContext:
         {1}
     """
 
+    __slots__ = ("container", "context_id", "lock", "sends", "recvs", "known_workers",
+                 "_gradients", "passes", "released", "__weakref__")
+
     def __init__(self, container: ContextContainer, context_id: int) -> None:
         self.container = container
         self.context_id = context_id
@@ -551,10 +556,15 @@ class ContextContainer(CallObserver):
         #: the C++ records (None: the Python ones; MPIDAG_COMPILED=0 or not built)
         self.native = records_module(agent.config.compiled)
         self._ids = agent.ids  # (the agent's property, read once: every recorded call asks)
+        self._start_recording()  # (before the agent can call a hook)
         self._release_handler = agent.register_handler(
             "autograd.release", self.release_id, mode="control")
         agent.set_observer(self)
         agent.add_failure_listener(self._on_peer_failed)
+
+    def _start_recording(self) -> None:
+        """Ready the hooks before the agent first calls one: nothing for these Python
+        hooks; :func:`new_container`'s compiled container binds its C++ ones here."""
 
     # ------------------------------------------------------ the agent's observer
     def outgoing(self, dst: int, tensors: list[torch.Tensor],
@@ -773,6 +783,11 @@ class ContextContainer(CallObserver):
     #: the observer's ``sent`` (the agent's name for it) is :meth:`prepare_send` itself
     sent = prepare_send
 
+    @staticmethod
+    def _unprepared(send: SendFunction, error: BaseException) -> None:
+        """The walk of a send function just sent failed (the compiled ``sent``'s report)."""
+        log.debug("could not walk the graph of %r", send, exc_info=error)
+
     # ------------------------------------------------------------- debugging
     def torch_debug_info(self) -> dict[str, str]:
         """torch's two counters, as strings (``dist_autograd._get_debug_info()``)."""
@@ -792,3 +807,43 @@ class ContextContainer(CallObserver):
             "num_live_send_functions": self.live_sends.live,
             "num_live_recv_functions": self.live_recvs.live,
         }
+
+
+def new_container(agent: RpcAgent) -> ContextContainer:
+    """The context container of ``agent``: one whose per-message hooks (``outgoing``,
+    ``replying``, ``received``, ``serving``, ``served``, ``sent``) are C++
+    (``_mpidag_torch.ContextRecorder``, a first base class) where the C++ records are built
+    and ``agent.config.compiled``, else the Python :class:`ContextContainer`. Both keep the
+    same tables in the same Python objects; the compiled hooks leave the rare cases (a
+    context new on this rank, a functorch transform) to the Python methods.
+
+    Example::
+
+        >>> container = runtime.autograd.container  # new_container(runtime.agent)
+        >>> isinstance(container, ContextContainer), runtime.agent.observer is container
+        (True, True)
+    """
+    native = records_module(agent.config.compiled)
+    recorder = getattr(native, "ContextRecorder", None)
+    cls = ContextContainer if recorder is None else _compiled_container(recorder)
+    return cls(agent)
+
+
+@functools.cache
+def _compiled_container(recorder: type) -> type[ContextContainer]:
+    """:class:`ContextContainer` with the C++ hooks of ``recorder`` ahead of its own."""
+
+    class CompiledContextContainer(recorder, ContextContainer):  # type: ignore[misc,valid-type]
+        """A :class:`ContextContainer` whose per-message hooks are C++ (see
+        ``torch_recorder.cpp``), working on the container's own tables."""
+
+        def _start_recording(self) -> None:
+            self._bind_recorder(
+                contexts=self.contexts, current=_current, ids=self._ids,
+                SendFunction=SendFunction, RecvRecord=RecvRecord,
+                DistAutogradContext=DistAutogradContext, Envelope=Envelope,
+                live_sends=self.live_sends, live_recvs=self.live_recvs, native=self.native,
+                functorch_active=_functorch_active, call_kind=CALL,
+                Parameter=torch.nn.Parameter)
+
+    return CompiledContextContainer

@@ -79,6 +79,7 @@ from mpidag.dist_autograd.context import (
     RECV_NODE_TYPES,
     ContextContainer,
     DistAutogradContext,
+    new_container,
 )
 from mpidag.dist_autograd.graph import Plan, edge_of, track_intermediate_hooks
 from mpidag.errors import detached_copy, frameless, future_error, node_error
@@ -732,7 +733,7 @@ class DistAutograd:
 
     def __init__(self, agent: RpcAgent) -> None:
         self.agent = agent
-        self.container = ContextContainer(agent)
+        self.container = new_container(agent)
         #: tensor hooks of intermediate tensors run once on their whole gradient (graph.py)
         self.close = track_intermediate_hooks()
         self.gradients_handler = agent.register_handler(

@@ -76,6 +76,7 @@
 
 #include "frame_tensor.h"
 #include "torch_futures.h"
+#include "torch_records.h"
 
 #include <sys/mman.h>
 
@@ -90,7 +91,7 @@
 
 namespace {
 
-constexpr long VERSION = 6;
+constexpr long VERSION = 7;
 
 #ifndef MPIDAG_TORCH_VERSION  // torch.__version__ at build time (the build defines it)
 #error "build with -DMPIDAG_TORCH_VERSION=\"<torch.__version__>\" (mpidag's wire_build does)"
@@ -1142,6 +1143,15 @@ PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_mpidag_torch",
 
 }  // namespace
 
+// the records for torch_recorder.cpp's ContextRecorder (torch_records.h)
+PyObject* mpidag::record_recv(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
+  return ::record_recv(module, args, nargs);
+}
+
+PyObject* mpidag::send_reach(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
+  return ::send_reach(module, args, nargs);
+}
+
 PyMODINIT_FUNC PyInit__mpidag_torch(void) {
   n_outputs_name = PyUnicode_InternFromString("n_outputs");
   node_name = PyUnicode_InternFromString("node");
@@ -1209,6 +1219,7 @@ PyMODINIT_FUNC PyInit__mpidag_torch(void) {
       PyModule_AddObject(module, "frame_tensor_api", api) < 0 ||
       PyModule_AddObject(module, "tensor_facts_api", facts) < 0 ||
       PyModule_AddObject(module, "futures_api", futures) < 0 ||
+      mpidag::add_context_recorder(module) < 0 ||
       PyModule_AddIntConstant(module, "VERSION", VERSION) < 0 ||
       PyModule_AddStringConstant(module, "TORCH_VERSION", MPIDAG_TORCH_VERSION) < 0) {
     Py_DECREF(module);

@@ -44,7 +44,9 @@ CODEC_SOURCE = Path(__file__).with_name("frames.c")
 FASTPATH = "_mpidag_fastpath"
 FASTPATH_SOURCE = Path(__file__).resolve().parent.parent / "agent" / "fastpath.c"
 TORCH_NATIVE = "_mpidag_torch"
-TORCH_NATIVE_SOURCE = Path(__file__).with_name("torch_native.cpp")
+#: the translation units of ``_mpidag_torch`` (sharing ``torch_records.h``)
+TORCH_NATIVE_SOURCES = [Path(__file__).with_name("torch_native.cpp"),
+                        Path(__file__).with_name("torch_recorder.cpp")]
 
 _CHECK = """
 import sys
@@ -156,7 +158,7 @@ def _run_compiler(command: list[str], timeout: float) -> str | None:
     return None
 
 
-def compile_torch_module(compiler: str, source: Path, out: Path) -> str | None:
+def compile_torch_module(compiler: str, sources: list[Path], out: Path) -> str | None:
     """Compile a C++ module against the torch this interpreter imports (its headers,
     libraries and C++ ABI, as ``torch.utils.cpp_extension`` would) into ``out``; ``None``,
     or what went wrong."""
@@ -175,7 +177,7 @@ def compile_torch_module(compiler: str, source: Path, out: Path) -> str | None:
     command = [compiler, "-O2", "-std=c++20", "-shared", "-fPIC", "-Wall",
                f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
                f'-DMPIDAG_TORCH_VERSION="{torch.__version__}"',
-               f"-I{sysconfig.get_paths()['include']}", *flags, str(source),
+               f"-I{sysconfig.get_paths()['include']}", *flags, *map(str, sources),
                "-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python", "-o", str(partial)]
     failure = _run_compiler(command, 600)
     if failure is not None:
@@ -202,7 +204,7 @@ def build(into: Path | None = None) -> tuple[bool, str]:
         if failure is not None:
             return False, failure
     # C++ against torch: where that fails, the C modules still serve
-    torch_failure = compile_torch_module(cxx, TORCH_NATIVE_SOURCE, target(TORCH_NATIVE, into))
+    torch_failure = compile_torch_module(cxx, TORCH_NATIVE_SOURCES, target(TORCH_NATIVE, into))
     if torch_failure is not None:
         target(TORCH_NATIVE, into).unlink(missing_ok=True)
         stamp = target(TORCH_NATIVE, into)

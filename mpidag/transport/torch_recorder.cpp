@@ -1,0 +1,584 @@
+// ContextRecorder: the hooks of distributed autograd's call observer that every message of a
+// context runs, in C++ (part of _mpidag_torch; see torch_native.cpp for the rest).
+//
+// mpidag.dist_autograd.context.ContextContainer is the agent's call observer: the agent (its
+// compiled call path and its Python one) calls outgoing/sent on the caller, received at
+// dispatch, serving/served around the served function, replying/sent for a result. Where
+// this module is built, the container's class has ContextRecorder as its first base: those
+// six methods are this type's, working on the container's own Python objects (its context
+// table, the thread-local current context, the DistAutogradContext records' dicts and sets
+// under their locks, the IdGenerator's counter), so the tables Python reads (the engine,
+// debug_info, _send_functions, ...) stay the only ones. What the Python methods did per
+// message in 15 Python frames, this does in C: a SendFunction or RecvRecord is still the
+// Python object the rest of mpidag reads, made by its class.
+//
+// Anything rare goes to the container's Python methods, which it inherits: a context new
+// on this rank (incoming), the recv of a message under a functorch transform or without
+// the C++ records (record_recv), a send function whose walk failed (_unprepared logs it).
+// _bind_recorder(...) hands the recorder the objects it works on, once, from the
+// container's __init__; an unbound recorder refuses every call.
+
+#include <torch/csrc/python_headers.h>
+
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <structmember.h>
+
+#include "torch_records.h"
+
+namespace {
+
+// interned names
+PyObject *s_ctx, *s_acquire, *s_release, *s_incoming, *s_record_recv, *s_prepare,
+    *s_unprepared, *s_requires_grad, *s_next;
+
+enum Ref {
+  R_CONTEXTS,       // dict: context id -> DistAutogradContext (the container's `contexts`)
+  R_CURRENT,        // the threading.local whose `ctx` is the thread's context
+  R_IDS,            // the agent's IdGenerator (its next() raises the overflow)
+  R_COUNTER,        // its itertools.count
+  R_SEND_TYPE,      // SendFunction
+  R_RECORD_TYPE,    // RecvRecord
+  R_LIVE_SENDS,     // LiveCount of the send functions
+  R_LIVE_RECVS,     // LiveCount of the recv records
+  R_NATIVE,         // this module (the send functions' `native`)
+  R_FUNCTORCH,      // torch._C._are_functorch_transforms_active
+  R_CALL,           // the kind of a call (mpidag.agent.messages.CALL)
+  R_PARAMETER,      // torch.nn.Parameter
+  R_ZEROS,          // (0, 0)
+  // member descriptors (slots) of Envelope, DistAutogradContext and RecvRecord
+  R_ENV_CONTEXT_ID, R_ENV_SRC, R_ENV_MESSAGE_ID, R_ENV_KIND, R_ENV_TENSORS,
+  R_CTX_CONTAINER, R_CTX_CONTEXT_ID, R_CTX_RELEASED, R_CTX_LOCK, R_CTX_KNOWN, R_CTX_SENDS,
+  R_CTX_RECVS,
+  R_RECORD_WHAT,
+  N_REFS
+};
+
+struct ContextRecorder {
+  PyObject_HEAD
+  PyObject* refs[N_REFS];
+  long long id_base;  // this rank's bits of every id
+  long long id_max;   // the largest counter value
+};
+
+// ------------------------------------------------------------------------------ helpers
+int unbound(ContextRecorder* self) {
+  if (self->refs[R_CONTEXTS] != nullptr) return 0;
+  PyErr_SetString(PyExc_RuntimeError,
+                  "this ContextRecorder was never bound (_bind_recorder: the context "
+                  "container's __init__ binds it)");
+  return 1;
+}
+
+// obj's slot (a new reference), or nullptr with an error (AttributeError if unset)
+PyObject* get(ContextRecorder* self, Ref descr, PyObject* obj) {
+  PyObject* d = self->refs[descr];
+  return Py_TYPE(d)->tp_descr_get(d, obj, reinterpret_cast<PyObject*>(Py_TYPE(obj)));
+}
+
+int set(ContextRecorder* self, Ref descr, PyObject* obj, PyObject* value) {
+  PyObject* d = self->refs[descr];
+  return Py_TYPE(d)->tp_descr_set(d, obj, value);
+}
+
+// whether a tensor requires grad: read from the C++ tensor for torch.Tensor and
+// nn.Parameter, the Python attribute for anything else (a subclass may override it);
+// -1: error
+int requires_grad(ContextRecorder* self, PyObject* t) {
+  if (THPVariable_CheckExact(t) || Py_TYPE(t) == reinterpret_cast<PyTypeObject*>(
+                                                     self->refs[R_PARAMETER])) {
+    return THPVariable_Unpack(t).requires_grad() ? 1 : 0;
+  }
+  PyObject* flag = PyObject_GetAttr(t, s_requires_grad);
+  if (flag == nullptr) return -1;
+  int truth = PyObject_IsTrue(flag);
+  Py_DECREF(flag);
+  return truth;
+}
+
+// a new id of this rank: what IdGenerator.next() returns
+PyObject* next_id(ContextRecorder* self) {
+  PyObject* value = PyIter_Next(self->refs[R_COUNTER]);
+  if (value == nullptr) {
+    if (!PyErr_Occurred())
+      PyErr_SetString(PyExc_RuntimeError, "the id counter stopped");
+    return nullptr;
+  }
+  long long counter = PyLong_AsLongLong(value);
+  Py_DECREF(value);
+  if (counter == -1 && PyErr_Occurred()) return nullptr;
+  if (counter > self->id_max)  // exhausted: IdGenerator.next() says so
+    return PyObject_CallMethodNoArgs(self->refs[R_IDS], s_next);
+  return PyLong_FromLongLong(self->id_base | counter);
+}
+
+// with ctx.lock: ctx.known_workers.add(worker); table[key] = value (table may be nullptr)
+int locked_record(ContextRecorder* self, PyObject* ctx, PyObject* worker, Ref table_descr,
+                  PyObject* key, PyObject* value) {
+  PyObject* lock = get(self, R_CTX_LOCK, ctx);
+  if (lock == nullptr) return -1;
+  PyObject* known = get(self, R_CTX_KNOWN, ctx);
+  PyObject* table = known != nullptr && key != nullptr ? get(self, table_descr, ctx) : nullptr;
+  if (known == nullptr || (key != nullptr && table == nullptr)) {
+    Py_DECREF(lock);
+    Py_XDECREF(known);
+    return -1;
+  }
+  int rc = -1;
+  PyObject* held = PyObject_CallMethodNoArgs(lock, s_acquire);
+  if (held != nullptr) {
+    Py_DECREF(held);
+    rc = worker == nullptr ? 0 : PySet_Add(known, worker);
+    if (rc == 0 && key != nullptr) rc = PyDict_SetItem(table, key, value);
+    PyObject *type = nullptr, *value = nullptr, *tb = nullptr;
+    if (rc < 0) PyErr_Fetch(&type, &value, &tb);
+    PyObject* freed = PyObject_CallMethodNoArgs(lock, s_release);
+    if (freed == nullptr) {
+      Py_XDECREF(type);
+      Py_XDECREF(value);
+      Py_XDECREF(tb);
+      rc = -1;
+    } else {
+      Py_DECREF(freed);
+      if (type != nullptr) PyErr_Restore(type, value, tb);
+    }
+  }
+  Py_DECREF(lock);
+  Py_DECREF(known);
+  Py_XDECREF(table);
+  return rc;
+}
+
+// ContextContainer.record_send: (context_id, message_id) of a message to dst in ctx (None:
+// no context), a SendFunction of the tensors that require grad kept under a new message id
+PyObject* record_send(ContextRecorder* self, PyObject* ctx, PyObject* dst, PyObject* tensors,
+                      PyObject* what) {
+  if (ctx == Py_None) return Py_NewRef(self->refs[R_ZEROS]);
+  PyObject* released = get(self, R_CTX_RELEASED, ctx);
+  if (released == nullptr) return nullptr;
+  int is_released = PyObject_IsTrue(released);
+  Py_DECREF(released);
+  if (is_released < 0) return nullptr;
+  if (is_released) return Py_NewRef(self->refs[R_ZEROS]);
+  PyObject* seq = PySequence_Fast(tensors, "the tensors of a message must be a sequence");
+  if (seq == nullptr) return nullptr;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  PyObject* grad = PyList_New(0);
+  if (grad == nullptr) {
+    Py_DECREF(seq);
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < n; i++) {
+    int wants = requires_grad(self, items[i]);
+    if (wants < 0 || (wants && PyList_Append(grad, items[i]) < 0)) {
+      Py_DECREF(seq);
+      Py_DECREF(grad);
+      return nullptr;
+    }
+  }
+  Py_DECREF(seq);
+  PyObject* context_id = get(self, R_CTX_CONTEXT_ID, ctx);
+  if (context_id == nullptr) {
+    Py_DECREF(grad);
+    return nullptr;
+  }
+  PyObject* result = nullptr;
+  if (PyList_GET_SIZE(grad) == 0) {  // only the context travels: no send function
+    if (locked_record(self, ctx, dst, R_CTX_SENDS, nullptr, nullptr) == 0) {
+      PyObject* zero = PyTuple_GET_ITEM(self->refs[R_ZEROS], 1);
+      result = PyTuple_Pack(2, context_id, zero);
+    }
+  } else {
+    PyObject* message_id = next_id(self);
+    if (message_id != nullptr) {
+      PyObject* argv[6] = {message_id, dst, grad, what, self->refs[R_LIVE_SENDS],
+                           self->refs[R_NATIVE]};
+      PyObject* send = PyObject_Vectorcall(self->refs[R_SEND_TYPE], argv, 6, nullptr);
+      if (send != nullptr &&
+          locked_record(self, ctx, dst, R_CTX_SENDS, message_id, send) == 0)
+        result = PyTuple_Pack(2, context_id, message_id);
+      Py_XDECREF(send);
+      Py_DECREF(message_id);
+    }
+  }
+  Py_DECREF(context_id);
+  Py_DECREF(grad);
+  return result;
+}
+
+// ContextContainer.record_recv's common case: the tensors as received in ctx (a new
+// reference), those that require grad made outputs of one new recv node
+PyObject* record_recv(ContextRecorder* self, PyObject* container, PyObject* ctx,
+                      PyObject* message_id, PyObject* src, PyObject* tensors,
+                      PyObject* what) {
+  PyObject* functorch = PyObject_CallNoArgs(self->refs[R_FUNCTORCH]);
+  if (functorch == nullptr) return nullptr;
+  int transformed = PyObject_IsTrue(functorch);
+  Py_DECREF(functorch);
+  if (transformed < 0) return nullptr;
+  if (transformed || !PyList_Check(tensors))  // the Python records (RecvRPC.apply)
+    return PyObject_CallMethodObjArgs(container, s_record_recv, ctx, message_id, src,
+                                      tensors, what, nullptr);
+  int any = 0;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(tensors) && !any; i++) {
+    PyObject* t = PyList_GET_ITEM(tensors, i);
+    if (!THPVariable_Check(t))  // record_recv's own error
+      return PyObject_CallMethodObjArgs(container, s_record_recv, ctx, message_id, src,
+                                        tensors, what, nullptr);
+    any = requires_grad(self, t);
+    if (any < 0) return nullptr;
+  }
+  if (!any) return Py_NewRef(tensors);  // nothing to record
+  PyObject* context_id = get(self, R_CTX_CONTEXT_ID, ctx);
+  if (context_id == nullptr) return nullptr;
+  PyObject* zero = PyTuple_GET_ITEM(self->refs[R_ZEROS], 0);
+  PyObject* argv[6] = {context_id, message_id, src, zero, what, self->refs[R_LIVE_RECVS]};
+  PyObject* record = PyObject_Vectorcall(self->refs[R_RECORD_TYPE], argv, 6, nullptr);
+  Py_DECREF(context_id);
+  if (record == nullptr) return nullptr;
+  PyObject* recv_args[2] = {record, tensors};
+  PyObject* result = mpidag::record_recv(nullptr, recv_args, 2);
+  if (result != nullptr &&
+      locked_record(self, ctx, nullptr, R_CTX_RECVS, message_id, record) < 0)
+    Py_CLEAR(result);
+  Py_DECREF(record);
+  return result;
+}
+
+int check_args(Py_ssize_t nargs, Py_ssize_t want, const char* signature) {
+  if (nargs == want) return 0;
+  PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", signature, want, nargs);
+  return -1;
+}
+
+// ------------------------------------------------------------------------------ methods
+// outgoing(dst, tensors, what) -> (context_id, message_id)
+PyObject* outgoing(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
+  auto* self = reinterpret_cast<ContextRecorder*>(obj);
+  if (check_args(nargs, 3, "outgoing(dst, tensors, what)") < 0 || unbound(self))
+    return nullptr;
+  PyObject* ctx = PyObject_GetAttr(self->refs[R_CURRENT], s_ctx);
+  if (ctx == nullptr) return nullptr;
+  PyObject* result;
+  if (ctx == Py_None) {
+    result = Py_NewRef(self->refs[R_ZEROS]);
+  } else {
+    PyObject* container = get(self, R_CTX_CONTAINER, ctx);
+    if (container == nullptr) {
+      result = nullptr;
+    } else {
+      result = container == obj ? record_send(self, ctx, args[0], args[1], args[2])
+                                : Py_NewRef(self->refs[R_ZEROS]);
+      Py_DECREF(container);
+    }
+  }
+  Py_DECREF(ctx);
+  return result;
+}
+
+// replying(context_id, dst, tensors, what) -> message_id
+PyObject* replying(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
+  auto* self = reinterpret_cast<ContextRecorder*>(obj);
+  if (check_args(nargs, 4, "replying(context_id, dst, tensors, what)") < 0 || unbound(self))
+    return nullptr;
+  PyObject* ctx = PyDict_GetItemWithError(self->refs[R_CONTEXTS], args[0]);
+  if (ctx == nullptr && PyErr_Occurred()) return nullptr;
+  Py_XINCREF(ctx);
+  PyObject* ids = record_send(self, ctx != nullptr ? ctx : Py_None, args[1], args[2], args[3]);
+  Py_XDECREF(ctx);
+  if (ids == nullptr) return nullptr;
+  PyObject* message_id = Py_NewRef(PyTuple_GET_ITEM(ids, 1));
+  Py_DECREF(ids);
+  return message_id;
+}
+
+// received(env, what) -> the message's context, or None (released)
+PyObject* received(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
+  auto* self = reinterpret_cast<ContextRecorder*>(obj);
+  if (check_args(nargs, 2, "received(env, what)") < 0 || unbound(self)) return nullptr;
+  PyObject *env = args[0], *what = args[1];
+  PyObject* context_id = get(self, R_ENV_CONTEXT_ID, env);
+  PyObject* src = context_id != nullptr ? get(self, R_ENV_SRC, env) : nullptr;
+  if (src == nullptr) {
+    Py_XDECREF(context_id);
+    return nullptr;
+  }
+  PyObject* ctx = PyDict_GetItemWithError(self->refs[R_CONTEXTS], context_id);
+  int known = 0;
+  if (ctx != nullptr) {
+    Py_INCREF(ctx);
+    PyObject* workers = get(self, R_CTX_KNOWN, ctx);
+    known = workers == nullptr ? -1 : PySet_Contains(workers, src);
+    Py_XDECREF(workers);
+  } else if (PyErr_Occurred()) {
+    known = -1;
+  }
+  if (known == 0) {  // new here, or from a new peer: the container's incoming()
+    Py_XDECREF(ctx);
+    ctx = PyObject_CallMethodObjArgs(obj, s_incoming, context_id, src, nullptr);
+  }
+  Py_DECREF(context_id);
+  if (known < 0 || ctx == nullptr) {
+    Py_XDECREF(ctx);
+    Py_DECREF(src);
+    return nullptr;
+  }
+  PyObject* message_id = ctx != Py_None ? get(self, R_ENV_MESSAGE_ID, env) : nullptr;
+  int recorded = message_id == nullptr ? (ctx != Py_None ? -1 : 0)
+                                       : PyObject_IsTrue(message_id);
+  if (recorded > 0) {
+    // a call's name is kept uncalled (serving names its record once unpickled); any other
+    // name may hold the message (an answer's holds the pending call): called now
+    PyObject* kind = get(self, R_ENV_KIND, env);
+    int is_call = kind == nullptr ? -1 : PyObject_RichCompareBool(kind, self->refs[R_CALL],
+                                                                  Py_EQ);
+    Py_XDECREF(kind);
+    PyObject* name = is_call < 0 ? nullptr : is_call ? Py_NewRef(what)
+                                                     : PyObject_CallNoArgs(what);
+    PyObject* tensors = name != nullptr ? get(self, R_ENV_TENSORS, env) : nullptr;
+    PyObject* result = tensors != nullptr
+        ? record_recv(self, obj, ctx, message_id, src, tensors, name) : nullptr;
+    if (result == nullptr || (result != tensors && set(self, R_ENV_TENSORS, env, result) < 0))
+      recorded = -1;
+    Py_XDECREF(result);
+    Py_XDECREF(tensors);
+    Py_XDECREF(name);
+  }
+  Py_XDECREF(message_id);
+  Py_DECREF(src);
+  if (recorded < 0) {
+    Py_DECREF(ctx);
+    return nullptr;
+  }
+  return ctx;
+}
+
+// serving(state, message_id, what) -> the thread's context before (for served)
+PyObject* serving(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
+  auto* self = reinterpret_cast<ContextRecorder*>(obj);
+  if (check_args(nargs, 3, "serving(state, message_id, what)") < 0 || unbound(self))
+    return nullptr;
+  PyObject *state = args[0], *message_id = args[1];
+  int named = state == Py_None ? 0 : PyObject_IsTrue(message_id);
+  if (named < 0) return nullptr;
+  if (named) {  // the recv record named once its call is unpickled
+    PyObject* recvs = get(self, R_CTX_RECVS, state);
+    if (recvs == nullptr) return nullptr;
+    PyObject* record = PyDict_GetItemWithError(recvs, message_id);
+    Py_XINCREF(record);
+    Py_DECREF(recvs);
+    if (record == nullptr && PyErr_Occurred()) return nullptr;
+    if (record != nullptr) {
+      PyObject* name = PyObject_CallNoArgs(args[2]);
+      int rc = name == nullptr ? -1 : set(self, R_RECORD_WHAT, record, name);
+      Py_XDECREF(name);
+      Py_DECREF(record);
+      if (rc < 0) return nullptr;
+    }
+  }
+  PyObject* previous = PyObject_GetAttr(self->refs[R_CURRENT], s_ctx);
+  if (previous == nullptr) return nullptr;
+  if (PyObject_SetAttr(self->refs[R_CURRENT], s_ctx, state) < 0) {
+    Py_DECREF(previous);
+    return nullptr;
+  }
+  return previous;
+}
+
+// served(token): the thread's context back to what serving() returned
+PyObject* served(PyObject* obj, PyObject* token) {
+  auto* self = reinterpret_cast<ContextRecorder*>(obj);
+  if (unbound(self) || PyObject_SetAttr(self->refs[R_CURRENT], s_ctx, token) < 0)
+    return nullptr;
+  Py_RETURN_NONE;
+}
+
+// sent(context_id, message_id): the send function just sent walks its graph (never raises
+// for the walk: the backward pass walks it again and reports what fails)
+PyObject* sent(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
+  auto* self = reinterpret_cast<ContextRecorder*>(obj);
+  if (check_args(nargs, 2, "sent(context_id, message_id)") < 0 || unbound(self))
+    return nullptr;
+  PyObject* ctx = PyDict_GetItemWithError(self->refs[R_CONTEXTS], args[0]);
+  if (ctx == nullptr) {
+    if (PyErr_Occurred()) return nullptr;
+    Py_RETURN_NONE;
+  }
+  Py_INCREF(ctx);
+  PyObject* sends = get(self, R_CTX_SENDS, ctx);
+  Py_DECREF(ctx);
+  if (sends == nullptr) return nullptr;
+  PyObject* send = PyDict_GetItemWithError(sends, args[1]);
+  Py_XINCREF(send);
+  Py_DECREF(sends);
+  if (send == nullptr) {
+    if (PyErr_Occurred()) return nullptr;
+    Py_RETURN_NONE;
+  }
+  PyObject* reach = PyObject_CallMethodNoArgs(send, s_prepare);
+  if (reach == nullptr) {
+    PyObject *type, *exc, *tb;
+    PyErr_Fetch(&type, &exc, &tb);
+    PyErr_NormalizeException(&type, &exc, &tb);
+    if (exc != nullptr && tb != nullptr) PyException_SetTraceback(exc, tb);
+    reach = exc == nullptr ? nullptr
+                           : PyObject_CallMethodObjArgs(obj, s_unprepared, send, exc, nullptr);
+    Py_XDECREF(type);
+    Py_XDECREF(exc);
+    Py_XDECREF(tb);
+  }
+  Py_DECREF(send);
+  if (reach == nullptr) return nullptr;
+  Py_DECREF(reach);
+  Py_RETURN_NONE;
+}
+
+// the member descriptor cls.name, or nullptr with a TypeError (sources changed without a
+// rebuild: the container then keeps its Python hooks)
+PyObject* member(PyObject* cls, const char* name) {
+  PyObject* d = PyObject_GetAttrString(cls, name);
+  if (d == nullptr) return nullptr;
+  if (!PyObject_TypeCheck(d, &PyMemberDescr_Type)) {
+    Py_DECREF(d);
+    PyErr_Format(PyExc_TypeError, "%R.%s is not a slot: rebuild mpidag's C++ module "
+                                  "(python -m mpidag.transport.wire_build)", cls, name);
+    return nullptr;
+  }
+  return d;
+}
+
+// _bind_recorder(contexts, current, ids, SendFunction, RecvRecord, DistAutogradContext,
+//                Envelope, live_sends, live_recvs, native, functorch_active, call_kind,
+//                Parameter)
+PyObject* bind_recorder(PyObject* obj, PyObject* args, PyObject* kwargs) {
+  auto* self = reinterpret_cast<ContextRecorder*>(obj);
+  static const char* names[] = {"contexts", "current", "ids", "SendFunction", "RecvRecord",
+                                "DistAutogradContext", "Envelope", "live_sends",
+                                "live_recvs", "native", "functorch_active", "call_kind",
+                                "Parameter", nullptr};
+  PyObject *contexts, *current, *ids, *send_type, *record_type, *ctx_type, *env_type,
+      *live_sends, *live_recvs, *native, *functorch, *call_kind, *parameter;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOO!O!O!O!OOOOOO!:_bind_recorder",
+                                   const_cast<char**>(names), &PyDict_Type, &contexts,
+                                   &current, &ids, &PyType_Type, &send_type, &PyType_Type,
+                                   &record_type, &PyType_Type, &ctx_type, &PyType_Type,
+                                   &env_type, &live_sends, &live_recvs, &native, &functorch,
+                                   &call_kind, &PyType_Type, &parameter))
+    return nullptr;
+  PyObject* refs[N_REFS] = {};
+  PyObject* base = PyObject_GetAttrString(ids, "base");
+  PyObject* max = base != nullptr ? PyObject_GetAttrString(ids, "max_counter") : nullptr;
+  refs[R_COUNTER] = max != nullptr ? PyObject_GetAttrString(ids, "counter") : nullptr;
+  long long id_base = base != nullptr ? PyLong_AsLongLong(base) : -1;
+  long long id_max = max != nullptr ? PyLong_AsLongLong(max) : -1;
+  Py_XDECREF(base);
+  Py_XDECREF(max);
+  refs[R_CONTEXTS] = Py_NewRef(contexts);
+  refs[R_CURRENT] = Py_NewRef(current);
+  refs[R_IDS] = Py_NewRef(ids);
+  refs[R_SEND_TYPE] = Py_NewRef(send_type);
+  refs[R_RECORD_TYPE] = Py_NewRef(record_type);
+  refs[R_LIVE_SENDS] = Py_NewRef(live_sends);
+  refs[R_LIVE_RECVS] = Py_NewRef(live_recvs);
+  refs[R_NATIVE] = Py_NewRef(native);
+  refs[R_FUNCTORCH] = Py_NewRef(functorch);
+  refs[R_CALL] = Py_NewRef(call_kind);
+  refs[R_PARAMETER] = Py_NewRef(parameter);
+  refs[R_ZEROS] = Py_BuildValue("(ii)", 0, 0);
+  struct {
+    Ref ref;
+    PyObject* cls;
+    const char* name;
+  } slots[] = {{R_ENV_CONTEXT_ID, env_type, "context_id"}, {R_ENV_SRC, env_type, "src"},
+               {R_ENV_MESSAGE_ID, env_type, "message_id"}, {R_ENV_KIND, env_type, "kind"},
+               {R_ENV_TENSORS, env_type, "tensors"},
+               {R_CTX_CONTAINER, ctx_type, "container"},
+               {R_CTX_CONTEXT_ID, ctx_type, "context_id"},
+               {R_CTX_RELEASED, ctx_type, "released"}, {R_CTX_LOCK, ctx_type, "lock"},
+               {R_CTX_KNOWN, ctx_type, "known_workers"}, {R_CTX_SENDS, ctx_type, "sends"},
+               {R_CTX_RECVS, ctx_type, "recvs"}, {R_RECORD_WHAT, record_type, "_what"}};
+  bool ok = !PyErr_Occurred() && refs[R_COUNTER] != nullptr && refs[R_ZEROS] != nullptr;
+  for (auto& slot : slots) {
+    if (!ok) break;
+    refs[slot.ref] = member(slot.cls, slot.name);
+    ok = refs[slot.ref] != nullptr;
+  }
+  if (!ok) {
+    for (auto*& ref : refs) Py_CLEAR(ref);
+    return nullptr;
+  }
+  for (int i = 0; i < N_REFS; i++) Py_XSETREF(self->refs[i], refs[i]);
+  self->id_base = id_base;
+  self->id_max = id_max;
+  Py_RETURN_NONE;
+}
+
+int recorder_traverse(PyObject* obj, visitproc visit, void* arg) {
+  auto* self = reinterpret_cast<ContextRecorder*>(obj);
+  for (auto* ref : self->refs) Py_VISIT(ref);
+  return 0;
+}
+
+int recorder_clear(PyObject* obj) {
+  auto* self = reinterpret_cast<ContextRecorder*>(obj);
+  for (auto*& ref : self->refs) Py_CLEAR(ref);
+  return 0;
+}
+
+void recorder_dealloc(PyObject* obj) {
+  PyObject_GC_UnTrack(obj);
+  recorder_clear(obj);
+  Py_TYPE(obj)->tp_free(obj);
+}
+
+#define FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(f))
+
+PyMethodDef recorder_methods[] = {
+    {"outgoing", FASTCALL(outgoing), METH_FASTCALL,
+     "outgoing(dst, tensors, what) -> (context_id, message_id) of a request from this thread"},
+    {"replying", FASTCALL(replying), METH_FASTCALL,
+     "replying(context_id, dst, tensors, what) -> the message id of a reply (0: none)"},
+    {"received", FASTCALL(received), METH_FASTCALL,
+     "received(env, what) -> the context of a message that arrived (recorded), or None"},
+    {"serving", FASTCALL(serving), METH_FASTCALL,
+     "serving(state, message_id, what) -> the thread's context before (for served)"},
+    {"served", served, METH_O, "served(token): the thread's context back"},
+    {"sent", FASTCALL(sent), METH_FASTCALL,
+     "sent(context_id, message_id): the send function just sent walks its graph"},
+    {"_bind_recorder", FASTCALL(bind_recorder), METH_VARARGS | METH_KEYWORDS,
+     "_bind_recorder(contexts=, current=, ids=, ...): the objects the hooks work on"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyTypeObject recorder_type = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+}  // namespace
+
+int mpidag::add_context_recorder(PyObject* module) {
+  struct {
+    PyObject** name;
+    const char* text;
+  } names[] = {{&s_ctx, "ctx"},           {&s_acquire, "acquire"},
+               {&s_release, "release"},   {&s_incoming, "incoming"},
+               {&s_record_recv, "record_recv"}, {&s_prepare, "prepare"},
+               {&s_unprepared, "_unprepared"}, {&s_requires_grad, "requires_grad"},
+               {&s_next, "next"}};
+  for (auto& n : names) {
+    *n.name = PyUnicode_InternFromString(n.text);
+    if (*n.name == nullptr) return -1;
+  }
+  recorder_type.tp_name = "_mpidag_torch.ContextRecorder";
+  recorder_type.tp_basicsize = sizeof(ContextRecorder);
+  recorder_type.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC;
+  recorder_type.tp_doc =
+      "the call observer's per-message hooks of distributed autograd (the first base of "
+      "the compiled ContextContainer)";
+  recorder_type.tp_new = PyType_GenericNew;
+  recorder_type.tp_traverse = recorder_traverse;
+  recorder_type.tp_clear = recorder_clear;
+  recorder_type.tp_dealloc = recorder_dealloc;
+  recorder_type.tp_methods = recorder_methods;
+  if (PyType_Ready(&recorder_type) < 0) return -1;
+  return PyModule_AddObjectRef(module, "ContextRecorder",
+                               reinterpret_cast<PyObject*>(&recorder_type));
+}

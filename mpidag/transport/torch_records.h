@@ -1,0 +1,21 @@
+// What the two translation units of _mpidag_torch share: torch_native.cpp's per-message
+// records of distributed autograd, called by torch_recorder.cpp's ContextRecorder without a
+// Python call, and the recorder's type, added to the module by torch_native.cpp's init.
+#ifndef MPIDAG_TORCH_RECORDS_H
+#define MPIDAG_TORCH_RECORDS_H
+
+#include <Python.h>
+
+namespace mpidag {
+
+// record_recv(record, tensors) and send_reach(tensors, GradientEdge, recv_types,
+// AccumulateGrad) of the module (torch_native.cpp), as METH_FASTCALL functions
+PyObject* record_recv(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
+PyObject* send_reach(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
+
+// the ContextRecorder type (torch_recorder.cpp), made ready and added to module; -1: error
+int add_context_recorder(PyObject* module);
+
+}  // namespace mpidag
+
+#endif
