@@ -274,7 +274,7 @@ class ContextFrames:
 
 #: the container's per-message hooks (and what they call) that the C++ recorder replaces
 PER_MESSAGE_HOOKS = {"outgoing", "replying", "received", "serving", "served", "record_send",
-                     "record_recv", "prepare_send", "next"}
+                     "record_recv", "prepare_send", "next", "prepare"}
 
 
 def test_a_compiled_container_records_each_message_without_its_python_hooks():
@@ -310,6 +310,18 @@ def test_a_compiled_container_records_each_message_without_its_python_hooks():
         assert containers[0].debug_info()["num_send_functions"] == 2
         assert type(result.grad_fn).__name__ == "torch::distributed::autograd::RecvRpcBackward"
         assert result.grad_fn.record.what == "the result of tests.rpc_funcs.add from worker1"
+        # a custom Function's output: its send function is walked by Python's prepare()
+        previous = containers[0].enter(ctx)
+        try:
+            with ContextFrames() as custom:
+                doubled = ranks.call(rf.identity, _Double.apply(a))
+        finally:
+            containers[0].leave(previous)
+        assert custom.seen.get("prepare") == 1, custom.seen
+        send = ctx.sends[max(ctx.sends)]
+        assert send.reach is not None and send.what.startswith("the arguments of ")
+        assert [edge.node.name() for edge in send.edges] == ["_DoubleBackward"]
+        assert torch.equal(doubled, a * 2)
         assert _release_all(ranks) == (False, False)
     finally:
         ranks.close()
@@ -361,7 +373,13 @@ def test_the_compiled_recorder_refuses_to_run_unbound_and_leaves_rare_cases_to_p
         containers[0].release(ctx)
         ranks.world.deliver_all([agent.dispatch for agent in ranks.agents])
         # a walk that fails after the send is logged, not raised
-        monkeypatch.setattr(SendFunction, "prepare", _failing_prepare)
+        made = SendFunction.__init__
+
+        def unwalkable(self, *args, **kwargs):
+            made(self, *args, **kwargs)
+            self._walking = _BrokenLock()
+
+        monkeypatch.setattr(SendFunction, "__init__", unwalkable)
         ctx = containers[0].new_context()
         previous = containers[0].enter(ctx)
         try:
@@ -377,8 +395,29 @@ def test_the_compiled_recorder_refuses_to_run_unbound_and_leaves_rare_cases_to_p
         ranks.close()
 
 
-def _failing_prepare(self):
-    raise RuntimeError("the walk broke")
+class _Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class _BrokenLock:
+    """A send function's walking lock that breaks its walk."""
+
+    def acquire(self, *args):
+        raise RuntimeError("the walk broke")
+
+    __enter__ = acquire
+
+    def release(self):
+        pass
+
+    def __exit__(self, *exc):
+        pass
 
 
 def test_a_failing_recording_in_a_context_is_the_calls_error_on_the_compiled_path(

@@ -24,7 +24,11 @@ The container sees the agent's messages as its :class:`~mpidag.agent.agent.CallO
 (the one way autograd learns of RPC messages); besides that it registers the
 ``autograd.release`` handler and a failure listener in the agent, and
 :class:`~mpidag.dist_autograd.engine.DistAutograd` registers the handlers of the backward
-pass.
+pass. Where mpidag's C++ records are built, :func:`new_container` gives the container a
+first base class, ``_mpidag_torch.ContextRecorder`` (``transport/torch_recorder.cpp``),
+whose C++ hooks (``outgoing``, ``replying``, ``received``, ``serving``, ``served``,
+``sent``) do what the Python ones here do, on the same tables; the rare cases (a context
+new on this rank, a functorch transform, a failed walk) call the Python methods.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from torch.autograd.graph import GradientEdge
 from mpidag.agent import fastpath
 from mpidag.agent.agent import CallObserver, RpcAgent
 from mpidag.agent.messages import CALL
-from mpidag.dist_autograd.graph import Reach, edges_and_reach
+from mpidag.dist_autograd.graph import AccumulateGrad, Reach, edges_and_reach
 from mpidag.dist_autograd.native import records_module
 from mpidag.transport.frames import Envelope
 
@@ -844,6 +848,7 @@ def _compiled_container(recorder: type) -> type[ContextContainer]:
                 DistAutogradContext=DistAutogradContext, Envelope=Envelope,
                 live_sends=self.live_sends, live_recvs=self.live_recvs, native=self.native,
                 functorch_active=_functorch_active, call_kind=CALL,
-                Parameter=torch.nn.Parameter)
+                Parameter=torch.nn.Parameter, GradientEdge=GradientEdge,
+                recv_types=RECV_NODE_TYPES, AccumulateGrad=AccumulateGrad, Reach=Reach)
 
     return CompiledContextContainer

@@ -12,6 +12,9 @@
 // message in 15 Python frames, this does in C: a SendFunction or RecvRecord is still the
 // Python object the rest of mpidag reads, made by its class.
 //
+// `sent` walks the graph behind the send function just sent as SendFunction.prepare does
+// (send_reach of the other translation unit, the Reach made through its slots).
+//
 // Anything rare goes to the container's Python methods, which it inherits: a context new
 // on this rank (incoming), the recv of a message under a functorch transform or without
 // the C++ records (record_recv), a send function whose walk failed (_unprepared logs it).
@@ -51,6 +54,13 @@ enum Ref {
   R_CTX_CONTAINER, R_CTX_CONTEXT_ID, R_CTX_RELEASED, R_CTX_LOCK, R_CTX_KNOWN, R_CTX_SENDS,
   R_CTX_RECVS,
   R_RECORD_WHAT,
+  R_SEND_WALKING, R_SEND_TENSORS, R_SEND_EDGES, R_SEND_REACH, R_SEND_WHAT,
+  R_REACH_SUCC, R_REACH_LEAF_EDGES, R_REACH_RECV_EDGES, R_REACH_RECV_NODES,
+  // what a send function's walk needs (SendFunction.prepare's edges_and_reach)
+  R_EDGE_TYPE,      // torch.autograd.graph.GradientEdge
+  R_RECV_TYPES,     // frozenset of the recv node types
+  R_ACCUMULATE,     // AccumulateGrad's node type
+  R_REACH_TYPE,     // mpidag.dist_autograd.graph.Reach
   N_REFS
 };
 
@@ -394,6 +404,71 @@ PyObject* served(PyObject* obj, PyObject* token) {
   Py_RETURN_NONE;
 }
 
+// SendFunction.prepare's common case: the edges of the send function's tensors and the
+// Reach of torch's C++ walk behind them, in one call of send_reach, under its lock; 1
+// where Python must prepare it (a custom Function's node among the edges, or prepared
+// already), 0 done, -1 error
+int prepare(ContextRecorder* self, PyObject* send) {
+  PyObject* lock = get(self, R_SEND_WALKING, send);
+  if (lock == nullptr) return -1;
+  PyObject* held = PyObject_CallMethodNoArgs(lock, s_acquire);
+  if (held == nullptr) {
+    Py_DECREF(lock);
+    return -1;
+  }
+  Py_DECREF(held);
+  int rc = 1;
+  PyObject* tensors = get(self, R_SEND_TENSORS, send);
+  if (tensors == nullptr) {
+    rc = -1;
+  } else if (tensors != Py_None) {
+    PyObject* argv[4] = {tensors, self->refs[R_EDGE_TYPE], self->refs[R_RECV_TYPES],
+                         self->refs[R_ACCUMULATE]};
+    PyObject* found = mpidag::send_reach(nullptr, argv, 4);
+    PyObject* walked = found != nullptr ? PyTuple_GET_ITEM(found, 1) : nullptr;
+    if (found == nullptr) {
+      rc = -1;
+    } else if (walked != Py_None) {  // (None: Python walks it)
+      auto* reach_type = reinterpret_cast<PyTypeObject*>(self->refs[R_REACH_TYPE]);
+      PyObject* reach = reach_type->tp_alloc(reach_type, 0);
+      const Ref parts[4] = {R_REACH_SUCC, R_REACH_LEAF_EDGES, R_REACH_RECV_EDGES,
+                            R_REACH_RECV_NODES};
+      rc = reach == nullptr ? -1 : 0;
+      for (int i = 0; i < 4 && rc == 0; i++)
+        rc = set(self, parts[i], reach, PyTuple_GET_ITEM(walked, i));
+      if (rc == 0 && (set(self, R_SEND_EDGES, send, PyTuple_GET_ITEM(found, 0)) < 0 ||
+                      set(self, R_SEND_REACH, send, reach) < 0 ||
+                      set(self, R_SEND_TENSORS, send, Py_None) < 0))
+        rc = -1;
+      Py_XDECREF(reach);
+      PyObject* what = rc == 0 ? get(self, R_SEND_WHAT, send) : nullptr;
+      if (what != nullptr && !PyUnicode_Check(what)) {  // the name now: the callable may
+        PyObject* name = PyObject_CallNoArgs(what);      // hold the call's arguments
+        if (name == nullptr || set(self, R_SEND_WHAT, send, name) < 0) rc = -1;
+        Py_XDECREF(name);
+      } else if (what == nullptr) {
+        rc = -1;
+      }
+      Py_XDECREF(what);
+    }
+    Py_XDECREF(found);
+  }
+  Py_XDECREF(tensors);
+  PyObject *type = nullptr, *value = nullptr, *tb = nullptr;
+  if (rc < 0) PyErr_Fetch(&type, &value, &tb);
+  PyObject* freed = PyObject_CallMethodNoArgs(lock, s_release);
+  Py_DECREF(lock);
+  if (freed == nullptr) {
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    return -1;
+  }
+  Py_DECREF(freed);
+  if (type != nullptr) PyErr_Restore(type, value, tb);
+  return rc;
+}
+
 // sent(context_id, message_id): the send function just sent walks its graph (never raises
 // for the walk: the backward pass walks it again and reports what fails)
 PyObject* sent(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
@@ -416,7 +491,9 @@ PyObject* sent(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
     if (PyErr_Occurred()) return nullptr;
     Py_RETURN_NONE;
   }
-  PyObject* reach = PyObject_CallMethodNoArgs(send, s_prepare);
+  int rc = prepare(self, send);
+  PyObject* reach = rc == 0 ? Py_NewRef(Py_None)
+                  : rc > 0  ? PyObject_CallMethodNoArgs(send, s_prepare) : nullptr;
   if (reach == nullptr) {
     PyObject *type, *exc, *tb;
     PyErr_Fetch(&type, &exc, &tb);
@@ -450,21 +527,24 @@ PyObject* member(PyObject* cls, const char* name) {
 
 // _bind_recorder(contexts, current, ids, SendFunction, RecvRecord, DistAutogradContext,
 //                Envelope, live_sends, live_recvs, native, functorch_active, call_kind,
-//                Parameter)
+//                Parameter, GradientEdge, recv_types, AccumulateGrad, Reach)
 PyObject* bind_recorder(PyObject* obj, PyObject* args, PyObject* kwargs) {
   auto* self = reinterpret_cast<ContextRecorder*>(obj);
   static const char* names[] = {"contexts", "current", "ids", "SendFunction", "RecvRecord",
                                 "DistAutogradContext", "Envelope", "live_sends",
                                 "live_recvs", "native", "functorch_active", "call_kind",
-                                "Parameter", nullptr};
+                                "Parameter", "GradientEdge", "recv_types", "AccumulateGrad",
+                                "Reach", nullptr};
   PyObject *contexts, *current, *ids, *send_type, *record_type, *ctx_type, *env_type,
-      *live_sends, *live_recvs, *native, *functorch, *call_kind, *parameter;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOO!O!O!O!OOOOOO!:_bind_recorder",
-                                   const_cast<char**>(names), &PyDict_Type, &contexts,
-                                   &current, &ids, &PyType_Type, &send_type, &PyType_Type,
-                                   &record_type, &PyType_Type, &ctx_type, &PyType_Type,
-                                   &env_type, &live_sends, &live_recvs, &native, &functorch,
-                                   &call_kind, &PyType_Type, &parameter))
+      *live_sends, *live_recvs, *native, *functorch, *call_kind, *parameter, *edge_type,
+      *recv_types, *accumulate, *reach_type;
+  if (!PyArg_ParseTupleAndKeywords(
+          args, kwargs, "O!OOO!O!O!O!OOOOOO!O!O!O!O!:_bind_recorder",
+          const_cast<char**>(names), &PyDict_Type, &contexts, &current, &ids, &PyType_Type,
+          &send_type, &PyType_Type, &record_type, &PyType_Type, &ctx_type, &PyType_Type,
+          &env_type, &live_sends, &live_recvs, &native, &functorch, &call_kind, &PyType_Type,
+          &parameter, &PyType_Type, &edge_type, &PyFrozenSet_Type, &recv_types, &PyType_Type,
+          &accumulate, &PyType_Type, &reach_type))
     return nullptr;
   PyObject* refs[N_REFS] = {};
   PyObject* base = PyObject_GetAttrString(ids, "base");
@@ -485,6 +565,10 @@ PyObject* bind_recorder(PyObject* obj, PyObject* args, PyObject* kwargs) {
   refs[R_FUNCTORCH] = Py_NewRef(functorch);
   refs[R_CALL] = Py_NewRef(call_kind);
   refs[R_PARAMETER] = Py_NewRef(parameter);
+  refs[R_EDGE_TYPE] = Py_NewRef(edge_type);
+  refs[R_RECV_TYPES] = Py_NewRef(recv_types);
+  refs[R_ACCUMULATE] = Py_NewRef(accumulate);
+  refs[R_REACH_TYPE] = Py_NewRef(reach_type);
   refs[R_ZEROS] = Py_BuildValue("(ii)", 0, 0);
   struct {
     Ref ref;
@@ -497,7 +581,13 @@ PyObject* bind_recorder(PyObject* obj, PyObject* args, PyObject* kwargs) {
                {R_CTX_CONTEXT_ID, ctx_type, "context_id"},
                {R_CTX_RELEASED, ctx_type, "released"}, {R_CTX_LOCK, ctx_type, "lock"},
                {R_CTX_KNOWN, ctx_type, "known_workers"}, {R_CTX_SENDS, ctx_type, "sends"},
-               {R_CTX_RECVS, ctx_type, "recvs"}, {R_RECORD_WHAT, record_type, "_what"}};
+               {R_CTX_RECVS, ctx_type, "recvs"}, {R_RECORD_WHAT, record_type, "_what"},
+               {R_SEND_WALKING, send_type, "_walking"}, {R_SEND_TENSORS, send_type, "_tensors"},
+               {R_SEND_EDGES, send_type, "_edges"}, {R_SEND_REACH, send_type, "reach"},
+               {R_SEND_WHAT, send_type, "_what"}, {R_REACH_SUCC, reach_type, "succ"},
+               {R_REACH_LEAF_EDGES, reach_type, "leaf_edges"},
+               {R_REACH_RECV_EDGES, reach_type, "recv_edges"},
+               {R_REACH_RECV_NODES, reach_type, "recv_nodes"}};
   bool ok = !PyErr_Occurred() && refs[R_COUNTER] != nullptr && refs[R_ZEROS] != nullptr;
   for (auto& slot : slots) {
     if (!ok) break;
