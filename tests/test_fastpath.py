@@ -275,6 +275,8 @@ class ContextFrames:
 #: the container's per-message hooks (and what they call) that the C++ recorder replaces
 PER_MESSAGE_HOOKS = {"outgoing", "replying", "received", "serving", "served", "record_send",
                      "record_recv", "prepare_send", "next", "prepare"}
+#: and its methods of a context's life
+LIFE = {"new_context", "incoming", "release", "release_id", "_remember", "__init__"}
 
 
 def test_a_compiled_container_records_each_message_without_its_python_hooks():
@@ -298,9 +300,10 @@ def test_a_compiled_container_records_each_message_without_its_python_hooks():
                 result = ranks.call(rf.add, a, b)
         finally:
             containers[0].leave(previous)
-        assert not set(first.seen) & PER_MESSAGE_HOOKS, first.seen
-        assert first.seen["incoming"] == 1
-        assert not set(later.seen) & (PER_MESSAGE_HOOKS | {"incoming"}), later.seen
+        # (the records' own __init__ runs: 2 send functions and 2 recv records a call)
+        assert not set(first.seen) & (PER_MESSAGE_HOOKS | LIFE - {"__init__"}), first.seen
+        assert first.seen["__init__"] == 4
+        assert not set(later.seen) & (PER_MESSAGE_HOOKS | LIFE - {"__init__"}), later.seen
         # what was recorded: the SendFunction/RecvRecord objects Python reads
         assert seen["ids_pair"] == (True, True)
         assert len(ctx.sends) == len(ctx.recvs) == 2
@@ -322,7 +325,15 @@ def test_a_compiled_container_records_each_message_without_its_python_hooks():
         assert send.reach is not None and send.what.startswith("the arguments of ")
         assert [edge.node.name() for edge in send.edges] == ["_DoubleBackward"]
         assert torch.equal(doubled, a * 2)
-        assert _release_all(ranks) == (False, False)
+        with ContextFrames() as released:  # the release: only the message is Python's
+            assert _release_all(ranks) == (False, False)
+        assert set(released.seen) == {"_tell_released"}, released.seen
+        assert containers[0].contexts == containers[1].contexts == {}
+        assert not containers[0].active and not containers[1].active
+        assert ctx.released and ctx.sends == ctx.recvs == {}
+        assert ctx_id in containers[0]._released_set and ctx_id in containers[1]._released_set
+        del send
+        assert containers[0].debug_info()["num_live_send_functions"] == 0
     finally:
         ranks.close()
 
@@ -343,7 +354,16 @@ def test_the_compiled_recorder_refuses_to_run_unbound_and_leaves_rare_cases_to_p
         ranks.call(rf.identity, a.detach())
         # a released context records nothing; a context of another container neither
         ctx = containers[0].new_context()
-        containers[0].release(ctx)
+        containers[0].release(ctx, from_rank=None)
+        containers[0].release(ctx)  # (again: nothing left to do)
+        with pytest.raises(TypeError, match="ctx must be a DistAutogradContext"):
+            containers[0].release(ctx.context_id)
+        with pytest.raises(TypeError, match=r"release\(ctx, from_rank=None\)"):
+            containers[0].release(ctx, rank=1)
+        containers[1].release_id(12345, 0)  # an id this rank never saw: remembered
+        assert 12345 in containers[1]._released_set
+        assert containers[1].incoming(12345, 0) is None  # its late messages: not recorded
+        assert 12345 not in containers[1].contexts
         previous = containers[0].enter(ctx)
         try:
             assert containers[0].outgoing(1, [a], lambda: "x") == (0, 0)

@@ -639,8 +639,7 @@ class ContextContainer(CallObserver):
                 ctx = self.contexts.get(context_id)
                 if ctx is None:
                     if context_id in self._released_set:
-                        log.debug("message of released context %d from rank %d: not "
-                                  "recorded", context_id, src)
+                        self._late(context_id, src)
                         return None
                     ctx = self.contexts[context_id] = DistAutogradContext(self, context_id)
                     self.active = True
@@ -667,8 +666,13 @@ class ContextContainer(CallObserver):
                 ctx.recvs.clear()
             if ctx.passes:
                 ctx.passes.clear()
-        if not peers:
-            return
+        if peers:
+            self._tell_released(context_id, peers, from_rank)
+
+    def _tell_released(self, context_id: int, peers: list[int],
+                       from_rank: int | None) -> None:
+        """Send the release of ``context_id`` to ``peers`` (but ``from_rank``, this rank and
+        failed ranks)."""
         agent, me = self.agent, self.rank
         failed = agent.failed
         for peer in peers:
@@ -697,6 +701,11 @@ class ContextContainer(CallObserver):
                        if self.agent.ids.creator(cid) == rank]
         for ctx in orphans:
             self.release(ctx, from_rank=rank)
+
+    @staticmethod
+    def _late(context_id: int, src: int) -> None:
+        log.debug("message of released context %d from rank %d: not recorded", context_id,
+                  src)
 
     def _remember(self, context_id: int) -> None:
         released = self._released
@@ -847,6 +856,8 @@ def _compiled_container(recorder: type) -> type[ContextContainer]:
                 SendFunction=SendFunction, RecvRecord=RecvRecord,
                 DistAutogradContext=DistAutogradContext, Envelope=Envelope,
                 live_sends=self.live_sends, live_recvs=self.live_recvs, native=self.native,
+                lock=self.lock, released=self._released, released_set=self._released_set,
+                rank=self.rank,
                 functorch_active=_functorch_active, call_kind=CALL,
                 Parameter=torch.nn.Parameter, GradientEdge=GradientEdge,
                 recv_types=RECV_NODE_TYPES, AccumulateGrad=AccumulateGrad, Reach=Reach)

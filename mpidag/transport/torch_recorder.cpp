@@ -32,8 +32,9 @@
 namespace {
 
 // interned names
-PyObject *s_ctx, *s_acquire, *s_release, *s_incoming, *s_record_recv, *s_prepare,
-    *s_unprepared, *s_requires_grad, *s_next;
+PyObject *s_ctx, *s_acquire, *s_release, *s_record_recv, *s_prepare,
+    *s_unprepared, *s_requires_grad, *s_next, *s_active, *s_append, *s_late,
+    *s_tell_released;
 
 enum Ref {
   R_CONTEXTS,       // dict: context id -> DistAutogradContext (the container's `contexts`)
@@ -61,6 +62,14 @@ enum Ref {
   R_RECV_TYPES,     // frozenset of the recv node types
   R_ACCUMULATE,     // AccumulateGrad's node type
   R_REACH_TYPE,     // mpidag.dist_autograd.graph.Reach
+  // the contexts' life (new_context, incoming, release, release_id)
+  R_LOCK,           // the container's lock (its context table and released ids)
+  R_RELEASED,       // deque of the released context ids (oldest first)
+  R_RELEASED_SET,   // set of the same ids
+  R_CTX_TYPE,       // DistAutogradContext
+  R_ALLOCATE_LOCK,  // _thread.allocate_lock
+  R_CTX_GRADIENTS, R_CTX_PASSES,
+  R_RANK,           // this rank (an int)
   N_REFS
 };
 
@@ -69,6 +78,7 @@ struct ContextRecorder {
   PyObject* refs[N_REFS];
   long long id_base;  // this rank's bits of every id
   long long id_max;   // the largest counter value
+  Py_ssize_t released_memory;  // how many released ids are remembered (the deque's maxlen)
 };
 
 // ------------------------------------------------------------------------------ helpers
@@ -122,6 +132,75 @@ PyObject* next_id(ContextRecorder* self) {
   return PyLong_FromLongLong(self->id_base | counter);
 }
 
+// lock.acquire() (0), or -1
+int acquire(PyObject* lock) {
+  PyObject* held = PyObject_CallMethodNoArgs(lock, s_acquire);
+  Py_XDECREF(held);
+  return held == nullptr ? -1 : 0;
+}
+
+// lock.release(), keeping the error of what ran under it (rc < 0); returns rc, or -1
+int release(PyObject* lock, int rc) {
+  PyObject *type = nullptr, *value = nullptr, *tb = nullptr;
+  if (rc < 0) PyErr_Fetch(&type, &value, &tb);
+  PyObject* freed = PyObject_CallMethodNoArgs(lock, s_release);
+  if (freed == nullptr) {
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    return -1;
+  }
+  Py_DECREF(freed);
+  if (type != nullptr) PyErr_Restore(type, value, tb);
+  return rc;
+}
+
+// a new DistAutogradContext(self, context_id), made through its slots as its __init__
+// fills them (the slots are checked at binding)
+PyObject* new_ctx(ContextRecorder* self, PyObject* context_id) {
+  auto* type = reinterpret_cast<PyTypeObject*>(self->refs[R_CTX_TYPE]);
+  PyObject* ctx = type->tp_alloc(type, 0);
+  if (ctx == nullptr) return nullptr;
+  struct {
+    Ref slot;
+    PyObject* value;  // a new reference
+  } fields[] = {{R_CTX_CONTAINER, Py_NewRef(reinterpret_cast<PyObject*>(self))},
+                {R_CTX_CONTEXT_ID, Py_NewRef(context_id)},
+                {R_CTX_LOCK, PyObject_CallNoArgs(self->refs[R_ALLOCATE_LOCK])},
+                {R_CTX_SENDS, PyDict_New()}, {R_CTX_RECVS, PyDict_New()},
+                {R_CTX_KNOWN, PySet_New(nullptr)}, {R_CTX_GRADIENTS, Py_NewRef(Py_None)},
+                {R_CTX_PASSES, PyDict_New()}, {R_CTX_RELEASED, Py_NewRef(Py_False)}};
+  int rc = 0;
+  for (auto& field : fields) {
+    if (rc == 0 && (field.value == nullptr || set(self, field.slot, ctx, field.value) < 0))
+      rc = -1;
+    Py_XDECREF(field.value);
+  }
+  if (rc < 0) Py_CLEAR(ctx);
+  return ctx;
+}
+
+// remember a released context id (under the container's lock): ContextContainer._remember
+int remember(ContextRecorder* self, PyObject* context_id) {
+  PyObject *released = self->refs[R_RELEASED], *ids = self->refs[R_RELEASED_SET];
+  Py_ssize_t n = PyObject_Length(released);
+  if (n < 0) return -1;
+  if (n == self->released_memory) {
+    PyObject* oldest = PySequence_GetItem(released, 0);
+    int rc = oldest == nullptr ? -1 : PySet_Discard(ids, oldest);
+    Py_XDECREF(oldest);
+    if (rc < 0) return -1;
+  }
+  PyObject* done = PyObject_CallMethodOneArg(released, s_append, context_id);
+  Py_XDECREF(done);
+  return done == nullptr ? -1 : PySet_Add(ids, context_id);
+}
+
+// self.active = whether the container has a context (the agent reads it)
+int set_active(PyObject* obj, bool active) {
+  return PyObject_SetAttr(obj, s_active, active ? Py_True : Py_False);
+}
+
 // with ctx.lock: ctx.known_workers.add(worker); table[key] = value (table may be nullptr)
 int locked_record(ContextRecorder* self, PyObject* ctx, PyObject* worker, Ref table_descr,
                   PyObject* key, PyObject* value) {
@@ -134,24 +213,11 @@ int locked_record(ContextRecorder* self, PyObject* ctx, PyObject* worker, Ref ta
     Py_XDECREF(known);
     return -1;
   }
-  int rc = -1;
-  PyObject* held = PyObject_CallMethodNoArgs(lock, s_acquire);
-  if (held != nullptr) {
-    Py_DECREF(held);
+  int rc = acquire(lock);
+  if (rc == 0) {
     rc = worker == nullptr ? 0 : PySet_Add(known, worker);
     if (rc == 0 && key != nullptr) rc = PyDict_SetItem(table, key, value);
-    PyObject *type = nullptr, *value = nullptr, *tb = nullptr;
-    if (rc < 0) PyErr_Fetch(&type, &value, &tb);
-    PyObject* freed = PyObject_CallMethodNoArgs(lock, s_release);
-    if (freed == nullptr) {
-      Py_XDECREF(type);
-      Py_XDECREF(value);
-      Py_XDECREF(tb);
-      rc = -1;
-    } else {
-      Py_DECREF(freed);
-      if (type != nullptr) PyErr_Restore(type, value, tb);
-    }
+    rc = release(lock, rc);
   }
   Py_DECREF(lock);
   Py_DECREF(known);
@@ -256,6 +322,118 @@ PyObject* record_recv(ContextRecorder* self, PyObject* container, PyObject* ctx,
   return result;
 }
 
+// ContextContainer.incoming: the context a message from src belongs to, made if new (a
+// new reference; None: released)
+PyObject* incoming_ctx(ContextRecorder* self, PyObject* context_id, PyObject* src) {
+  PyObject* contexts = self->refs[R_CONTEXTS];
+  PyObject* ctx = PyDict_GetItemWithError(contexts, context_id);
+  if (ctx == nullptr) {
+    if (PyErr_Occurred() || acquire(self->refs[R_LOCK]) < 0) return nullptr;
+    int rc = 0;
+    ctx = PyDict_GetItemWithError(contexts, context_id);
+    Py_XINCREF(ctx);
+    if (ctx == nullptr && !PyErr_Occurred()) {
+      int late = PySet_Contains(self->refs[R_RELEASED_SET], context_id);
+      if (late > 0) {
+        ctx = Py_NewRef(Py_None);
+      } else if (late == 0) {
+        ctx = new_ctx(self, context_id);
+        if (ctx != nullptr && (PyDict_SetItem(contexts, context_id, ctx) < 0 ||
+                               set_active(reinterpret_cast<PyObject*>(self), true) < 0))
+          Py_CLEAR(ctx);
+      }
+    }
+    if (ctx == nullptr) rc = -1;
+    if (release(self->refs[R_LOCK], rc) < 0) {
+      Py_XDECREF(ctx);
+      return nullptr;
+    }
+    if (ctx == Py_None) {  // a late message of a released context: logged, not recorded
+      PyObject* logged = PyObject_CallMethodObjArgs(reinterpret_cast<PyObject*>(self), s_late,
+                                                    context_id, src, nullptr);
+      Py_XDECREF(logged);
+      if (logged == nullptr) Py_CLEAR(ctx);
+      return ctx;
+    }
+  } else {
+    Py_INCREF(ctx);
+  }
+  PyObject* known = get(self, R_CTX_KNOWN, ctx);
+  int is_known = known == nullptr ? -1 : PySet_Contains(known, src);
+  Py_XDECREF(known);
+  if (is_known == 0)  // (an answer's sender is known: the call went there)
+    is_known = locked_record(self, ctx, src, R_CTX_SENDS, nullptr, nullptr);
+  if (is_known < 0) Py_CLEAR(ctx);
+  return ctx;
+}
+
+// ContextContainer.release: drop ctx here; then (Python) tell the ranks it exchanged
+// messages with, but from_rank
+PyObject* release_ctx(ContextRecorder* self, PyObject* ctx, PyObject* from_rank) {
+  PyObject* obj = reinterpret_cast<PyObject*>(self);
+  PyObject* contexts = self->refs[R_CONTEXTS];
+  PyObject* context_id = get(self, R_CTX_CONTEXT_ID, ctx);
+  if (context_id == nullptr) return nullptr;
+  if (acquire(self->refs[R_LOCK]) < 0) {
+    Py_DECREF(context_id);
+    return nullptr;
+  }
+  PyObject* current = PyDict_GetItemWithError(contexts, context_id);
+  int rc = current == nullptr && PyErr_Occurred() ? -1 : 0;
+  bool ours = current == ctx;
+  if (rc == 0 && ours) {
+    rc = PyDict_DelItem(contexts, context_id);
+    if (rc == 0) rc = set_active(obj, PyDict_GET_SIZE(contexts) > 0);
+    if (rc == 0) rc = remember(self, context_id);
+  }
+  if (release(self->refs[R_LOCK], rc) < 0 || !ours) {
+    Py_DECREF(context_id);
+    if (PyErr_Occurred()) return nullptr;
+    Py_RETURN_NONE;
+  }
+  // with ctx.lock: released, the ranks to tell, the records dropped
+  PyObject* lock = get(self, R_CTX_LOCK, ctx);
+  PyObject* peers = nullptr;
+  if (lock != nullptr && acquire(lock) == 0) {
+    rc = set(self, R_CTX_RELEASED, ctx, Py_True);
+    PyObject* known = rc == 0 ? get(self, R_CTX_KNOWN, ctx) : nullptr;
+    peers = known != nullptr ? PySequence_List(known) : nullptr;
+    Py_XDECREF(known);
+    rc = peers == nullptr || PyList_Sort(peers) < 0 ? -1 : 0;
+    const Ref tables[3] = {R_CTX_SENDS, R_CTX_RECVS, R_CTX_PASSES};
+    for (int i = 0; i < 3 && rc == 0; i++) {
+      PyObject* table = get(self, tables[i], ctx);
+      if (table == nullptr) {
+        rc = -1;
+      } else {
+        if (PyDict_Check(table)) PyDict_Clear(table);  // (frees the graph's records)
+        Py_DECREF(table);
+      }
+    }
+    if (release(lock, rc) < 0) Py_CLEAR(peers);
+  }
+  Py_XDECREF(lock);
+  // the ranks to tell: not from_rank (it told this one), not this rank
+  PyObject* tell = peers != nullptr ? PyList_New(0) : nullptr;
+  for (Py_ssize_t i = 0; tell != nullptr && i < PyList_GET_SIZE(peers); i++) {
+    PyObject* peer = PyList_GET_ITEM(peers, i);
+    int skip = PyObject_RichCompareBool(peer, from_rank, Py_EQ);
+    if (skip == 0) skip = PyObject_RichCompareBool(peer, self->refs[R_RANK], Py_EQ);
+    if (skip < 0 || (skip == 0 && PyList_Append(tell, peer) < 0)) Py_CLEAR(tell);
+  }
+  Py_XDECREF(peers);
+  PyObject* result = nullptr;
+  if (tell != nullptr) {
+    result = PyList_GET_SIZE(tell) == 0
+        ? Py_NewRef(Py_None)
+        : PyObject_CallMethodObjArgs(obj, s_tell_released, context_id, tell, from_rank,
+                                     nullptr);
+    Py_DECREF(tell);
+  }
+  Py_DECREF(context_id);
+  return result;
+}
+
 int check_args(Py_ssize_t nargs, Py_ssize_t want, const char* signature) {
   if (nargs == want) return 0;
   PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", signature, want, nargs);
@@ -324,9 +502,9 @@ PyObject* received(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
   } else if (PyErr_Occurred()) {
     known = -1;
   }
-  if (known == 0) {  // new here, or from a new peer: the container's incoming()
+  if (known == 0) {  // new here, or from a new peer
     Py_XDECREF(ctx);
-    ctx = PyObject_CallMethodObjArgs(obj, s_incoming, context_id, src, nullptr);
+    ctx = incoming_ctx(self, context_id, src);
   }
   Py_DECREF(context_id);
   if (known < 0 || ctx == nullptr) {
@@ -411,12 +589,10 @@ PyObject* served(PyObject* obj, PyObject* token) {
 int prepare(ContextRecorder* self, PyObject* send) {
   PyObject* lock = get(self, R_SEND_WALKING, send);
   if (lock == nullptr) return -1;
-  PyObject* held = PyObject_CallMethodNoArgs(lock, s_acquire);
-  if (held == nullptr) {
+  if (acquire(lock) < 0) {
     Py_DECREF(lock);
     return -1;
   }
-  Py_DECREF(held);
   int rc = 1;
   PyObject* tensors = get(self, R_SEND_TENSORS, send);
   if (tensors == nullptr) {
@@ -454,18 +630,8 @@ int prepare(ContextRecorder* self, PyObject* send) {
     Py_XDECREF(found);
   }
   Py_XDECREF(tensors);
-  PyObject *type = nullptr, *value = nullptr, *tb = nullptr;
-  if (rc < 0) PyErr_Fetch(&type, &value, &tb);
-  PyObject* freed = PyObject_CallMethodNoArgs(lock, s_release);
+  rc = release(lock, rc);
   Py_DECREF(lock);
-  if (freed == nullptr) {
-    Py_XDECREF(type);
-    Py_XDECREF(value);
-    Py_XDECREF(tb);
-    return -1;
-  }
-  Py_DECREF(freed);
-  if (type != nullptr) PyErr_Restore(type, value, tb);
   return rc;
 }
 
@@ -511,6 +677,73 @@ PyObject* sent(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
+// incoming(context_id, src) -> the context, made if new; None: released
+PyObject* incoming(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
+  auto* self = reinterpret_cast<ContextRecorder*>(obj);
+  if (check_args(nargs, 2, "incoming(context_id, src)") < 0 || unbound(self)) return nullptr;
+  return incoming_ctx(self, args[0], args[1]);
+}
+
+// new_context() -> a new context of this rank, in the table
+PyObject* new_context(PyObject* obj, PyObject* /*unused*/) {
+  auto* self = reinterpret_cast<ContextRecorder*>(obj);
+  if (unbound(self)) return nullptr;
+  PyObject* context_id = next_id(self);
+  PyObject* ctx = context_id != nullptr ? new_ctx(self, context_id) : nullptr;
+  if (ctx != nullptr) {
+    int rc = acquire(self->refs[R_LOCK]);
+    if (rc == 0) {
+      rc = PyDict_SetItem(self->refs[R_CONTEXTS], context_id, ctx);
+      if (rc == 0) rc = set_active(obj, true);
+      rc = release(self->refs[R_LOCK], rc);
+    }
+    if (rc < 0) Py_CLEAR(ctx);
+  }
+  Py_XDECREF(context_id);
+  return ctx;
+}
+
+// release(ctx, from_rank=None): drop ctx here and tell every rank it exchanged messages with
+PyObject* release_method(PyObject* obj, PyObject* const* args, Py_ssize_t nargs,
+                         PyObject* kwnames) {
+  auto* self = reinterpret_cast<ContextRecorder*>(obj);
+  static const char* usage = "release(ctx, from_rank=None)";
+  Py_ssize_t n_kw = kwnames == nullptr ? 0 : PyTuple_GET_SIZE(kwnames);
+  PyObject* from_rank = nargs > 1 ? args[1] : Py_None;
+  if (nargs < 1 || nargs + n_kw > 2 ||
+      (n_kw == 1 && PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0),
+                                                     "from_rank") != 0)) {
+    PyErr_Format(PyExc_TypeError, "%s: takes ctx and from_rank", usage);
+    return nullptr;
+  }
+  if (n_kw == 1) from_rank = args[nargs];
+  if (unbound(self)) return nullptr;
+  if (!PyObject_TypeCheck(args[0], reinterpret_cast<PyTypeObject*>(self->refs[R_CTX_TYPE]))) {
+    PyErr_Format(PyExc_TypeError, "%s: ctx must be a DistAutogradContext, got %R", usage,
+                 Py_TYPE(args[0]));
+    return nullptr;
+  }
+  return release_ctx(self, args[0], from_rank);
+}
+
+// release_id(context_id, from_rank): the context ended on from_rank (the autograd.release
+// handler)
+PyObject* release_id(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
+  auto* self = reinterpret_cast<ContextRecorder*>(obj);
+  if (check_args(nargs, 2, "release_id(context_id, from_rank)") < 0 || unbound(self))
+    return nullptr;
+  PyObject* ctx = PyDict_GetItemWithError(self->refs[R_CONTEXTS], args[0]);
+  if (ctx != nullptr) {
+    Py_INCREF(ctx);
+    PyObject* result = release_ctx(self, ctx, args[1]);
+    Py_DECREF(ctx);
+    return result;
+  }
+  if (PyErr_Occurred() || acquire(self->refs[R_LOCK]) < 0) return nullptr;
+  if (release(self->refs[R_LOCK], remember(self, args[0])) < 0) return nullptr;
+  Py_RETURN_NONE;
+}
+
 // the member descriptor cls.name, or nullptr with a TypeError (sources changed without a
 // rebuild: the container then keeps its Python hooks)
 PyObject* member(PyObject* cls, const char* name) {
@@ -527,25 +760,58 @@ PyObject* member(PyObject* cls, const char* name) {
 
 // _bind_recorder(contexts, current, ids, SendFunction, RecvRecord, DistAutogradContext,
 //                Envelope, live_sends, live_recvs, native, functorch_active, call_kind,
-//                Parameter, GradientEdge, recv_types, AccumulateGrad, Reach)
+//                Parameter, GradientEdge, recv_types, AccumulateGrad, Reach, lock, released,
+//                released_set, rank)
 PyObject* bind_recorder(PyObject* obj, PyObject* args, PyObject* kwargs) {
   auto* self = reinterpret_cast<ContextRecorder*>(obj);
   static const char* names[] = {"contexts", "current", "ids", "SendFunction", "RecvRecord",
                                 "DistAutogradContext", "Envelope", "live_sends",
                                 "live_recvs", "native", "functorch_active", "call_kind",
                                 "Parameter", "GradientEdge", "recv_types", "AccumulateGrad",
-                                "Reach", nullptr};
+                                "Reach", "lock", "released", "released_set", "rank",
+                                nullptr};
   PyObject *contexts, *current, *ids, *send_type, *record_type, *ctx_type, *env_type,
       *live_sends, *live_recvs, *native, *functorch, *call_kind, *parameter, *edge_type,
-      *recv_types, *accumulate, *reach_type;
+      *recv_types, *accumulate, *reach_type, *lock, *released, *released_set, *rank;
   if (!PyArg_ParseTupleAndKeywords(
-          args, kwargs, "O!OOO!O!O!O!OOOOOO!O!O!O!O!:_bind_recorder",
+          args, kwargs, "O!OOO!O!O!O!OOOOOO!O!O!O!O!OOO!O!:_bind_recorder",
           const_cast<char**>(names), &PyDict_Type, &contexts, &current, &ids, &PyType_Type,
           &send_type, &PyType_Type, &record_type, &PyType_Type, &ctx_type, &PyType_Type,
           &env_type, &live_sends, &live_recvs, &native, &functorch, &call_kind, &PyType_Type,
           &parameter, &PyType_Type, &edge_type, &PyFrozenSet_Type, &recv_types, &PyType_Type,
-          &accumulate, &PyType_Type, &reach_type))
+          &accumulate, &PyType_Type, &reach_type, &lock, &released, &PySet_Type,
+          &released_set, &PyLong_Type, &rank))
     return nullptr;
+  // new_ctx fills exactly these slots, as DistAutogradContext.__init__ does
+  PyObject* expected = Py_BuildValue("(ssssssssss)", "container", "context_id", "lock",
+                                     "sends", "recvs", "known_workers", "_gradients",
+                                     "passes", "released", "__weakref__");
+  PyObject* declared = expected != nullptr ? PyObject_GetAttrString(ctx_type, "__slots__")
+                                           : nullptr;
+  int same = declared != nullptr ? PyObject_RichCompareBool(declared, expected, Py_EQ) : -1;
+  Py_XDECREF(expected);
+  Py_XDECREF(declared);
+  if (same <= 0) {
+    if (same == 0)
+      PyErr_SetString(PyExc_TypeError, "DistAutogradContext's slots are not the ones this "
+                                       "build fills: rebuild mpidag's C++ module (python -m "
+                                       "mpidag.transport.wire_build)");
+    return nullptr;
+  }
+  PyObject* maxlen = PyObject_GetAttrString(released, "maxlen");
+  Py_ssize_t released_memory = maxlen != nullptr && maxlen != Py_None
+      ? PyLong_AsSsize_t(maxlen) : -1;
+  Py_XDECREF(maxlen);
+  if (released_memory <= 0) {
+    if (!PyErr_Occurred())
+      PyErr_SetString(PyExc_TypeError, "released must be a deque with a maxlen");
+    return nullptr;
+  }
+  PyObject* thread = PyImport_ImportModule("_thread");
+  PyObject* allocate_lock = thread != nullptr ? PyObject_GetAttrString(thread, "allocate_lock")
+                                              : nullptr;
+  Py_XDECREF(thread);
+  if (allocate_lock == nullptr) return nullptr;
   PyObject* refs[N_REFS] = {};
   PyObject* base = PyObject_GetAttrString(ids, "base");
   PyObject* max = base != nullptr ? PyObject_GetAttrString(ids, "max_counter") : nullptr;
@@ -569,6 +835,12 @@ PyObject* bind_recorder(PyObject* obj, PyObject* args, PyObject* kwargs) {
   refs[R_RECV_TYPES] = Py_NewRef(recv_types);
   refs[R_ACCUMULATE] = Py_NewRef(accumulate);
   refs[R_REACH_TYPE] = Py_NewRef(reach_type);
+  refs[R_LOCK] = Py_NewRef(lock);
+  refs[R_RANK] = Py_NewRef(rank);
+  refs[R_RELEASED] = Py_NewRef(released);
+  refs[R_RELEASED_SET] = Py_NewRef(released_set);
+  refs[R_CTX_TYPE] = Py_NewRef(ctx_type);
+  refs[R_ALLOCATE_LOCK] = allocate_lock;
   refs[R_ZEROS] = Py_BuildValue("(ii)", 0, 0);
   struct {
     Ref ref;
@@ -587,7 +859,8 @@ PyObject* bind_recorder(PyObject* obj, PyObject* args, PyObject* kwargs) {
                {R_SEND_WHAT, send_type, "_what"}, {R_REACH_SUCC, reach_type, "succ"},
                {R_REACH_LEAF_EDGES, reach_type, "leaf_edges"},
                {R_REACH_RECV_EDGES, reach_type, "recv_edges"},
-               {R_REACH_RECV_NODES, reach_type, "recv_nodes"}};
+               {R_REACH_RECV_NODES, reach_type, "recv_nodes"},
+               {R_CTX_GRADIENTS, ctx_type, "_gradients"}, {R_CTX_PASSES, ctx_type, "passes"}};
   bool ok = !PyErr_Occurred() && refs[R_COUNTER] != nullptr && refs[R_ZEROS] != nullptr;
   for (auto& slot : slots) {
     if (!ok) break;
@@ -601,6 +874,7 @@ PyObject* bind_recorder(PyObject* obj, PyObject* args, PyObject* kwargs) {
   for (int i = 0; i < N_REFS; i++) Py_XSETREF(self->refs[i], refs[i]);
   self->id_base = id_base;
   self->id_max = id_max;
+  self->released_memory = released_memory;
   Py_RETURN_NONE;
 }
 
@@ -636,6 +910,15 @@ PyMethodDef recorder_methods[] = {
     {"served", served, METH_O, "served(token): the thread's context back"},
     {"sent", FASTCALL(sent), METH_FASTCALL,
      "sent(context_id, message_id): the send function just sent walks its graph"},
+    {"incoming", FASTCALL(incoming), METH_FASTCALL,
+     "incoming(context_id, src) -> the context a message from src belongs to, made if new "
+     "(None: released)"},
+    {"new_context", new_context, METH_NOARGS, "new_context() -> a new context of this rank"},
+    {"release", FASTCALL(release_method), METH_FASTCALL | METH_KEYWORDS,
+     "release(ctx, from_rank=None): drop ctx here and tell every rank it exchanged messages "
+     "with"},
+    {"release_id", FASTCALL(release_id), METH_FASTCALL,
+     "release_id(context_id, from_rank): the context ended on from_rank"},
     {"_bind_recorder", FASTCALL(bind_recorder), METH_VARARGS | METH_KEYWORDS,
      "_bind_recorder(contexts=, current=, ids=, ...): the objects the hooks work on"},
     {nullptr, nullptr, 0, nullptr}};
@@ -649,10 +932,11 @@ int mpidag::add_context_recorder(PyObject* module) {
     PyObject** name;
     const char* text;
   } names[] = {{&s_ctx, "ctx"},           {&s_acquire, "acquire"},
-               {&s_release, "release"},   {&s_incoming, "incoming"},
+               {&s_release, "release"},
                {&s_record_recv, "record_recv"}, {&s_prepare, "prepare"},
                {&s_unprepared, "_unprepared"}, {&s_requires_grad, "requires_grad"},
-               {&s_next, "next"}};
+               {&s_next, "next"}, {&s_active, "active"}, {&s_append, "append"},
+               {&s_late, "_late"}, {&s_tell_released, "_tell_released"}};
   for (auto& n : names) {
     *n.name = PyUnicode_InternFromString(n.text);
     if (*n.name == nullptr) return -1;
