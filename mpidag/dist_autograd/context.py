@@ -27,8 +27,10 @@ The container sees the agent's messages as its :class:`~mpidag.agent.agent.CallO
 pass. Where mpidag's C++ records are built, :func:`new_container` gives the container a
 first base class, ``_mpidag_torch.ContextRecorder`` (``transport/torch_recorder.cpp``),
 whose C++ hooks (``outgoing``, ``replying``, ``received``, ``serving``, ``served``,
-``sent``) do what the Python ones here do, on the same tables; the rare cases (a context
-new on this rank, a functorch transform, a failed walk) call the Python methods.
+``sent``) and context life (``new_context``, ``incoming``, ``release``, ``release_id``) do
+what the Python methods here do, on the same tables; the rare cases (a late message of a
+released context, a functorch transform, a custom Function's node to walk, a failed walk)
+and the release message to the peers call the Python methods.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 // _mpidag_torch: mpidag's C++ against torch, where Python's torch API costs most per message.
 //
-// Five parts, each doing what torch's own C++ does (torch/csrc/distributed/autograd/utils.cpp,
+// Six parts, each doing what torch's own C++ does (torch/csrc/distributed/autograd/utils.cpp,
 // torch/csrc/utils/tensor_new.cpp):
 //
 // 1. Frame-0 tensors for the C codec (_mpidag_frames): frame_tensor(frame, offset, dtype,
@@ -51,6 +51,10 @@
 //    blocks are reused most recently freed first, the oldest unmapped beyond `limit` bytes.
 //    What the Python cache does with an mmap, a numpy array, a weakref.finalize and two
 //    views (17 us a 1 MiB tensor here) in one call.
+// 6. ContextRecorder, in the module's second translation unit (torch_recorder.cpp, sharing
+//    torch_records.h): distributed autograd's per-message hooks and a context's life, the
+//    first base class of the compiled ContextContainer; it calls record_recv and
+//    send_reach above without a Python call.
 //
 // Built per virtual environment against that environment's torch (python -m
 // mpidag.transport.wire_build, run by scripts/setup.sh; mpidag.transport.torch_native loads

@@ -1,23 +1,26 @@
-// ContextRecorder: the hooks of distributed autograd's call observer that every message of a
-// context runs, in C++ (part of _mpidag_torch; see torch_native.cpp for the rest).
+// ContextRecorder: what distributed autograd does for every message of a context and for a
+// context's life, in C++ (part of _mpidag_torch; see torch_native.cpp for the rest).
 //
 // mpidag.dist_autograd.context.ContextContainer is the agent's call observer: the agent (its
 // compiled call path and its Python one) calls outgoing/sent on the caller, received at
-// dispatch, serving/served around the served function, replying/sent for a result. Where
-// this module is built, the container's class has ContextRecorder as its first base: those
-// six methods are this type's, working on the container's own Python objects (its context
-// table, the thread-local current context, the DistAutogradContext records' dicts and sets
-// under their locks, the IdGenerator's counter), so the tables Python reads (the engine,
-// debug_info, _send_functions, ...) stay the only ones. What the Python methods did per
-// message in 15 Python frames, this does in C: a SendFunction or RecvRecord is still the
-// Python object the rest of mpidag reads, made by its class.
+// dispatch, serving/served around the served function, replying/sent for a result; a
+// context is made by new_context (the caller's `with`) or incoming (the first message on
+// another rank) and dropped by release (the `with` block's end) and release_id (the
+// autograd.release message). Where this module is built, the container's class has
+// ContextRecorder as its first base: those ten methods are this type's, working on the
+// container's own Python objects (its context table, lock and released ids, the
+// thread-local current context, the contexts' dicts and sets under their locks, the
+// IdGenerator's counter), so the tables Python reads (the engine, debug_info,
+// _send_functions, ...) stay the only ones. A DistAutogradContext is made through its
+// slots (checked at binding against what new_ctx fills); a SendFunction or RecvRecord is
+// still made by its class; `sent` walks the graph behind a send function as
+// SendFunction.prepare does (send_reach of the other translation unit, the Reach made
+// through its slots).
 //
-// `sent` walks the graph behind the send function just sent as SendFunction.prepare does
-// (send_reach of the other translation unit, the Reach made through its slots).
-//
-// Anything rare goes to the container's Python methods, which it inherits: a context new
-// on this rank (incoming), the recv of a message under a functorch transform or without
-// the C++ records (record_recv), a send function whose walk failed (_unprepared logs it).
+// Anything rare goes to the container's Python methods, which it inherits: a late message
+// of a released context (_late logs it), the recv of a message under a functorch transform
+// (record_recv), a custom Function's node to walk (SendFunction.prepare), a walk that
+// fails (_unprepared logs it), and the release message to the peers (_tell_released).
 // _bind_recorder(...) hands the recorder the objects it works on, once, from the
 // container's __init__; an unbound recorder refuses every call.
 
