@@ -53,7 +53,7 @@ class PythonCalls:
     thread (use it with :class:`HandDriven`, whose ranks run here)."""
 
     NAMES = {"serve_call", "complete", "reply_value", "dispatch", "encode", "decode",
-             "serve_notify"}
+             "serve_notify", "__call__"}  # (Handler.__call__: the C path calls its fn)
 
     def __init__(self) -> None:
         self.seen: dict[str, int] = {}

@@ -399,7 +399,7 @@ typedef struct {
         *s_nbytes, *s_cpu, *s_id, *s_engine, *s_popleft, *s_probe_frame0,
         *s_outgoing, *s_received, *s_serving, *s_served, *s_replying, *s_sent, *s_mode,
         *s_control, *s_done, *s_value, *s_is_profiler_enabled, *s_observing,
-        *s_earliest_deadline;
+        *s_earliest_deadline, *s_fn;
 } Core;
 
 static PyTypeObject *ServeWorkType;
@@ -802,7 +802,7 @@ static int Core_init(Core *self, PyObject *args, PyObject *kwds)
     NAME(s_popleft, "popleft") NAME(s_probe_frame0, "probe_frame0")
     NAME(s_outgoing, "outgoing") NAME(s_received, "received") NAME(s_serving, "serving")
     NAME(s_served, "served") NAME(s_replying, "replying") NAME(s_sent, "sent")
-    NAME(s_mode, "mode") NAME(s_control, "control") NAME(s_done, "done")
+    NAME(s_mode, "mode") NAME(s_control, "control") NAME(s_done, "done") NAME(s_fn, "fn")
     NAME(s_value, "value") NAME(s_is_profiler_enabled, "_is_profiler_enabled")
     NAME(s_observing, "_observing") NAME(s_earliest_deadline, "earliest_deadline")
 #undef NAME
@@ -1982,6 +1982,21 @@ static PyObject *fill_slots(PyObject *holes, PyObject *slots, PyObject *tensors)
     return args;
 }
 
+/* func(*args, **kwargs); a Handler's fn is called directly (all Handler.__call__ does: one
+ * Python frame less for every internal message, e.g. an RRef protocol step or the release
+ * of an autograd context) */
+static PyObject *call_function(Core *self, PyObject *func, PyObject *args, PyObject *kwargs)
+{
+    if (Py_TYPE(func) != (PyTypeObject *)self->o[O_HANDLER_TYPE])
+        return PyObject_Call(func, args, kwargs);
+    PyObject *fn = PyObject_GetAttr(func, self->s_fn);
+    if (fn == NULL)
+        return NULL;
+    PyObject *value = PyObject_Call(fn, args, kwargs);
+    Py_DECREF(fn);
+    return value;
+}
+
 /* func(*args, **kwargs) served in autograd context state (the observer's serving/served
  * around it, as Server._serve_observed_call does; state NULL: no context): the value, or
  * NULL with the error the caller gets */
@@ -1989,7 +2004,7 @@ static PyObject *run_observed(Core *self, PyObject *env, long src, PyObject *sta
                               PyObject *func, PyObject *args, PyObject *kwargs)
 {
     if (state == NULL)
-        return PyObject_Call(func, args, kwargs);
+        return call_function(self, func, args, kwargs);
     PyObject *parts[2] = {func, args};
     PyObject *name = lazy_name(self, O_WHAT_SERVED, parts, 2, src);
     PyObject *message_id = name != NULL ? slot_get(self->env_slots[ENV_MESSAGE_ID], env)
@@ -2003,7 +2018,7 @@ static PyObject *run_observed(Core *self, PyObject *env, long src, PyObject *sta
     Py_XDECREF(message_id);
     if (token == NULL)
         return NULL;
-    PyObject *value = PyObject_Call(func, args, kwargs);
+    PyObject *value = call_function(self, func, args, kwargs);
     PyObject *type, *exc, *tb;
     PyErr_Fetch(&type, &exc, &tb);
     PyObject *argv[2] = {NULL, token};
@@ -2219,7 +2234,7 @@ static int notify_plain(Core *self, PyObject *env)
     int result = unpack_plain(self, env, flags, &func, &args, &kwargs);
     if (result <= 0)
         return result;
-    PyObject *value = PyObject_Call(func, args, PyDict_GET_SIZE(kwargs) ? kwargs : NULL);
+    PyObject *value = call_function(self, func, args, PyDict_GET_SIZE(kwargs) ? kwargs : NULL);
     if (value == NULL) {
         PyObject *exc = take_error();
         PyObject *r = PyObject_CallFunctionObjArgs(self->o[O_PY_NOTIFY_FAILED], env,
