@@ -29,6 +29,7 @@ from mpidag.dist_autograd.context import RecvRecord, SendFunction
 from mpidag.errors import RPCTimeoutError
 from mpidag.transport import frames
 from tests import rpc_funcs as rf
+from tests.autograd_funcs import Cube
 from tests.test_inproc import TIMEOUT, call, on_every_rank, start_world
 
 pytestmark = pytest.mark.skipif(
@@ -317,14 +318,14 @@ def test_a_compiled_container_records_each_message_without_its_python_hooks():
         previous = containers[0].enter(ctx)
         try:
             with ContextFrames() as custom:
-                doubled = ranks.call(rf.identity, _Double.apply(a))
+                cubed = ranks.call(rf.identity, Cube.apply(a))
         finally:
             containers[0].leave(previous)
         assert custom.seen.get("prepare") == 1, custom.seen
         send = ctx.sends[max(ctx.sends)]
         assert send.reach is not None and send.what.startswith("the arguments of ")
-        assert [edge.node.name() for edge in send.edges] == ["_DoubleBackward"]
-        assert torch.equal(doubled, a * 2)
+        assert [edge.node.name() for edge in send.edges] == ["CubeBackward"]
+        assert torch.equal(cubed, a ** 3)
         with ContextFrames() as released:  # the release: only the message is Python's
             assert _release_all(ranks) == (False, False)
         assert set(released.seen) == {"_tell_released"}, released.seen
@@ -413,16 +414,6 @@ def test_the_compiled_recorder_refuses_to_run_unbound_and_leaves_rare_cases_to_p
         ranks.world.deliver_all([agent.dispatch for agent in ranks.agents])
     finally:
         ranks.close()
-
-
-class _Double(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 2
 
 
 class _BrokenLock:
