@@ -826,11 +826,13 @@ class ContextContainer(CallObserver):
 
 def new_container(agent: RpcAgent) -> ContextContainer:
     """The context container of ``agent``: one whose per-message hooks (``outgoing``,
-    ``replying``, ``received``, ``serving``, ``served``, ``sent``) are C++
+    ``replying``, ``received``, ``serving``, ``served``, ``sent``) and context life
+    (``new_context``, ``incoming``, ``release``, ``release_id``) are C++
     (``_mpidag_torch.ContextRecorder``, a first base class) where the C++ records are built
     and ``agent.config.compiled``, else the Python :class:`ContextContainer`. Both keep the
-    same tables in the same Python objects; the compiled hooks leave the rare cases (a
-    context new on this rank, a functorch transform) to the Python methods.
+    same tables in the same Python objects; the compiled methods leave the rare cases (a
+    late message, a functorch transform, a custom Function's node, a failed walk) and the
+    release message to the peers to the Python methods.
 
     Example::
 
@@ -849,8 +851,8 @@ def _compiled_container(recorder: type) -> type[ContextContainer]:
     """:class:`ContextContainer` with the C++ hooks of ``recorder`` ahead of its own."""
 
     class CompiledContextContainer(recorder, ContextContainer):  # type: ignore[misc,valid-type]
-        """A :class:`ContextContainer` whose per-message hooks are C++ (see
-        ``torch_recorder.cpp``), working on the container's own tables."""
+        """A :class:`ContextContainer` whose per-message hooks and context life are C++
+        (see ``torch_recorder.cpp``), working on the container's own tables."""
 
         def _start_recording(self) -> None:
             self._bind_recorder(

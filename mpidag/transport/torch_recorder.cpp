@@ -948,8 +948,8 @@ int mpidag::add_context_recorder(PyObject* module) {
   recorder_type.tp_basicsize = sizeof(ContextRecorder);
   recorder_type.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC;
   recorder_type.tp_doc =
-      "the call observer's per-message hooks of distributed autograd (the first base of "
-      "the compiled ContextContainer)";
+      "distributed autograd's per-message hooks and context life (the first base of the "
+      "compiled ContextContainer)";
   recorder_type.tp_new = PyType_GenericNew;
   recorder_type.tp_traverse = recorder_traverse;
   recorder_type.tp_clear = recorder_clear;
