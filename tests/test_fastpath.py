@@ -14,6 +14,7 @@ import math
 import pickle
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -291,6 +292,8 @@ def test_a_compiled_container_records_each_message_without_its_python_hooks():
                                                                        containers, strict=True))
         a, b = torch.rand(2, requires_grad=True), torch.rand(2, requires_grad=True)
         ranks.call(rf.add, a.detach(), b.detach())
+        _recorded_call(ranks, a, b)  # (the first release message makes its handler's
+        assert _release_all(ranks) == (False, False)  # reference, in Python)
         with ContextFrames() as first:  # a context new on the callee: its Python incoming()
             seen = _recorded_call(ranks, a, b)
         ctx_id = max(containers[0].contexts)
@@ -301,16 +304,24 @@ def test_a_compiled_container_records_each_message_without_its_python_hooks():
                 result = ranks.call(rf.add, a, b)
         finally:
             containers[0].leave(previous)
-        # (the records' own __init__ runs: 2 send functions and 2 recv records a call)
-        assert not set(first.seen) & (PER_MESSAGE_HOOKS | LIFE - {"__init__"}), first.seen
-        assert first.seen["__init__"] == 4
-        assert not set(later.seen) & (PER_MESSAGE_HOOKS | LIFE - {"__init__"}), later.seen
+        # (nor the records' own __init__: the C++ makes them through their slots)
+        assert not set(first.seen) & (PER_MESSAGE_HOOKS | LIFE), first.seen
+        assert not set(later.seen) & (PER_MESSAGE_HOOKS | LIFE), later.seen
         # what was recorded: the SendFunction/RecvRecord objects Python reads
         assert seen["ids_pair"] == (True, True)
         assert len(ctx.sends) == len(ctx.recvs) == 2
         send = ctx.sends[max(ctx.sends)]
         assert isinstance(send, SendFunction) and send.peer == 1
         assert send.reach is not None  # walked right after it was sent ("sent")
+        assert send.message_id == max(ctx.sends) and send._tensors is None
+        assert [edge.node.variable is t for edge, t in zip(send.edges, (a, b),
+                                                           strict=True)] == [True, True]
+        assert send.what == "the arguments of tests.rpc_funcs.add sent to worker1"
+        record = ctx.recvs[max(ctx.recvs)]
+        assert isinstance(record, RecvRecord) and record.peer == 1 and record.n_outputs == 1
+        assert (record.context_id, record.message_id) == (ctx_id, max(ctx.recvs))
+        assert record.node() is result.grad_fn and result.grad_fn.record is record
+        assert containers[0].debug_info()["num_live_recv_functions"] >= 2
         assert containers[0].debug_info()["num_send_functions"] == 2
         assert type(result.grad_fn).__name__ == "torch::distributed::autograd::RecvRpcBackward"
         assert result.grad_fn.record.what == "the result of tests.rpc_funcs.add from worker1"
@@ -326,9 +337,9 @@ def test_a_compiled_container_records_each_message_without_its_python_hooks():
         assert send.reach is not None and send.what.startswith("the arguments of ")
         assert [edge.node.name() for edge in send.edges] == ["CubeBackward"]
         assert torch.equal(cubed, a ** 3)
-        with ContextFrames() as released:  # the release: only the message is Python's
+        with ContextFrames() as released:  # the release and its message: all C++
             assert _release_all(ranks) == (False, False)
-        assert set(released.seen) == {"_tell_released"}, released.seen
+        assert released.seen == {}, released.seen
         assert containers[0].contexts == containers[1].contexts == {}
         assert not containers[0].active and not containers[1].active
         assert ctx.released and ctx.sends == ctx.recvs == {}
@@ -394,13 +405,8 @@ def test_the_compiled_recorder_refuses_to_run_unbound_and_leaves_rare_cases_to_p
         containers[0].release(ctx)
         ranks.world.deliver_all([agent.dispatch for agent in ranks.agents])
         # a walk that fails after the send is logged, not raised
-        made = SendFunction.__init__
-
-        def unwalkable(self, *args, **kwargs):
-            made(self, *args, **kwargs)
-            self._walking = _BrokenLock()
-
-        monkeypatch.setattr(SendFunction, "__init__", unwalkable)
+        monkeypatch.setattr(context_module, "_walking_lock", _BrokenLock)
+        containers[0]._start_recording()  # (bound to the broken locks)
         ctx = containers[0].new_context()
         previous = containers[0].enter(ctx)
         try:
@@ -408,12 +414,21 @@ def test_the_compiled_recorder_refuses_to_run_unbound_and_leaves_rare_cases_to_p
                 assert torch.equal(ranks.call(rf.identity, a), a)
         finally:
             containers[0].leave(previous)
+            monkeypatch.undo()
+            containers[0]._start_recording()
         assert "could not walk the graph of SendRpcBackward" in caplog.text
         assert "RuntimeError: the walk broke" in caplog.text
         containers[0].release(ctx)
         ranks.world.deliver_all([agent.dispatch for agent in ranks.agents])
     finally:
         ranks.close()
+
+
+class _FailingCount:
+    """A live count whose ticket refuses: making a record that it counts fails."""
+
+    def ticket(self):
+        raise RuntimeError("recording broke")
 
 
 class _BrokenLock:
@@ -438,16 +453,14 @@ def test_a_failing_recording_in_a_context_is_the_calls_error_on_the_compiled_pat
         a = torch.ones(2, requires_grad=True)
         ranks.call(rf.identity, torch.ones(2))
         contexts = [runtime.autograd.container for runtime in ranks.runtimes]
-        original = RecvRecord.__init__
+        # a recv record's count refuses: the Python and the C++ hooks both count it
+        counts = [container.live_recvs for container in contexts]
         failing = {"rank": 1}
 
-        def failing_record(self, *args, count=None):  # (the Python and the C++ hooks
-            count = args[5] if len(args) > 5 else count  # both make their records here)
-            if count is contexts[failing["rank"]].live_recvs:
-                raise RuntimeError("recording broke")
-            original(self, *args[:5], count=count)
-
-        monkeypatch.setattr(RecvRecord, "__init__", failing_record)
+        def refuse(container: Any, rank: int) -> None:
+            container.live_recvs = _FailingCount() if rank == failing["rank"] \
+                else counts[rank]
+            container._start_recording()  # (the compiled container: bound to it)
         # the callee's failure: the Python server answers with the error, which the caller's
         # Python completes; the caller's: the C path completes the call with its error
         python_answers = {"serve_call": 1, "dispatch": 1, "complete": 1}
@@ -456,6 +469,8 @@ def test_a_failing_recording_in_a_context_is_the_calls_error_on_the_compiled_pat
                                       "tests.rpc_funcs.identity from worker1: recording "
                                       "broke", {})):
             failing["rank"] = rank
+            for r, container in enumerate(contexts):
+                refuse(container, r)
             ctx = contexts[0].new_context()
             previous = contexts[0].enter(ctx)
             try:

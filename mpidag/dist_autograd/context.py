@@ -77,6 +77,9 @@ log = logging.getLogger(__name__)
 #: how many released context ids a rank remembers (late messages of those are not recorded)
 RELEASED_MEMORY = 1 << 16
 
+#: what makes a send function's walking lock (the compiled container is bound to it)
+_walking_lock = threading.Lock
+
 
 class LiveCount:
     """How many objects of one kind are alive: counted when made and when freed (when
@@ -221,7 +224,7 @@ class SendFunction(_Named):
         self._edges: list[GradientEdge] = []
         self._what = what
         self.reach: Reach | None = None
-        self._walking = threading.Lock()
+        self._walking = _walking_lock()
 
     @property
     def edges(self) -> list[GradientEdge]:
@@ -562,9 +565,9 @@ class ContextContainer(CallObserver):
         #: the C++ records (None: the Python ones; MPIDAG_COMPILED=0 or not built)
         self.native = records_module(agent.config.compiled)
         self._ids = agent.ids  # (the agent's property, read once: every recorded call asks)
-        self._start_recording()  # (before the agent can call a hook)
         self._release_handler = agent.register_handler(
             "autograd.release", self.release_id, mode="control")
+        self._start_recording()  # (before the agent can call a hook: it is not started yet)
         agent.set_observer(self)
         agent.add_failure_listener(self._on_peer_failed)
 
@@ -861,7 +864,9 @@ def _compiled_container(recorder: type) -> type[ContextContainer]:
                 DistAutogradContext=DistAutogradContext, Envelope=Envelope,
                 live_sends=self.live_sends, live_recvs=self.live_recvs, native=self.native,
                 lock=self.lock, released=self._released, released_set=self._released_set,
-                rank=self.rank,
+                rank=self.rank, walking_lock=_walking_lock,
+                notify=None if self.agent.core is None else self.agent.core.notify,
+                release_handler=self._release_handler,
                 functorch_active=_functorch_active, call_kind=CALL,
                 Parameter=torch.nn.Parameter, GradientEdge=GradientEdge,
                 recv_types=RECV_NODE_TYPES, AccumulateGrad=AccumulateGrad, Reach=Reach)

@@ -30,6 +30,8 @@
 
 #include <structmember.h>
 
+#include <array>
+
 #include "torch_records.h"
 
 namespace {
@@ -37,7 +39,7 @@ namespace {
 // interned names
 PyObject *s_ctx, *s_acquire, *s_release, *s_record_recv, *s_prepare,
     *s_unprepared, *s_requires_grad, *s_next, *s_active, *s_append, *s_late,
-    *s_tell_released;
+    *s_tell_released, *s_ticket;
 
 enum Ref {
   R_CONTEXTS,       // dict: context id -> DistAutogradContext (the container's `contexts`)
@@ -57,8 +59,10 @@ enum Ref {
   R_ENV_CONTEXT_ID, R_ENV_SRC, R_ENV_MESSAGE_ID, R_ENV_KIND, R_ENV_TENSORS,
   R_CTX_CONTAINER, R_CTX_CONTEXT_ID, R_CTX_RELEASED, R_CTX_LOCK, R_CTX_KNOWN, R_CTX_SENDS,
   R_CTX_RECVS,
-  R_RECORD_WHAT,
-  R_SEND_WALKING, R_SEND_TENSORS, R_SEND_EDGES, R_SEND_REACH, R_SEND_WHAT,
+  R_RECORD_WHAT, R_RECORD_TICKET, R_RECORD_NODE, R_RECORD_CONTEXT_ID, R_RECORD_MESSAGE_ID,
+  R_RECORD_PEER, R_RECORD_N_OUTPUTS,
+  R_SEND_WALKING, R_SEND_TENSORS, R_SEND_EDGES, R_SEND_REACH, R_SEND_WHAT, R_SEND_TICKET,
+  R_SEND_MESSAGE_ID, R_SEND_PEER, R_SEND_NATIVE,
   R_REACH_SUCC, R_REACH_LEAF_EDGES, R_REACH_RECV_EDGES, R_REACH_RECV_NODES,
   // what a send function's walk needs (SendFunction.prepare's edges_and_reach)
   R_EDGE_TYPE,      // torch.autograd.graph.GradientEdge
@@ -73,6 +77,11 @@ enum Ref {
   R_ALLOCATE_LOCK,  // _thread.allocate_lock
   R_CTX_GRADIENTS, R_CTX_PASSES,
   R_RANK,           // this rank (an int)
+  R_WALKING_LOCK,   // what makes a send function's walking lock (threading.Lock)
+  // the release message (release_ctx): the agent's compiled notify(dst, func, args) -> True
+  // when it sent the message (else None: the Python _tell_released sends it), or None
+  R_NOTIFY,
+  R_RELEASE_HANDLER,  // the autograd.release handler (its message's function)
   N_REFS
 };
 
@@ -158,29 +167,74 @@ int release(PyObject* lock, int rc) {
   return rc;
 }
 
-// a new DistAutogradContext(self, context_id), made through its slots as its __init__
-// fills them (the slots are checked at binding)
-PyObject* new_ctx(ContextRecorder* self, PyObject* context_id) {
-  auto* type = reinterpret_cast<PyTypeObject*>(self->refs[R_CTX_TYPE]);
-  PyObject* ctx = type->tp_alloc(type, 0);
-  if (ctx == nullptr) return nullptr;
-  struct {
-    Ref slot;
-    PyObject* value;  // a new reference
-  } fields[] = {{R_CTX_CONTAINER, Py_NewRef(reinterpret_cast<PyObject*>(self))},
-                {R_CTX_CONTEXT_ID, Py_NewRef(context_id)},
-                {R_CTX_LOCK, PyObject_CallNoArgs(self->refs[R_ALLOCATE_LOCK])},
-                {R_CTX_SENDS, PyDict_New()}, {R_CTX_RECVS, PyDict_New()},
-                {R_CTX_KNOWN, PySet_New(nullptr)}, {R_CTX_GRADIENTS, Py_NewRef(Py_None)},
-                {R_CTX_PASSES, PyDict_New()}, {R_CTX_RELEASED, Py_NewRef(Py_False)}};
-  int rc = 0;
+// one slot of an object made through its slots, and its value (a new reference, stolen)
+struct Field {
+  Ref slot;
+  PyObject* value;
+};
+
+// a new object of the type refs[type_ref] with exactly `fields` set, as its __init__ sets
+// them (the slot lists are checked at binding); nullptr with the error if making a value
+// failed (a nullptr value) or setting one did. The values are stolen either way.
+template <size_t N>
+PyObject* through_slots(ContextRecorder* self, Ref type_ref, Field (&fields)[N]) {
+  auto* type = reinterpret_cast<PyTypeObject*>(self->refs[type_ref]);
+  bool made = true;
+  for (auto& field : fields) made = made && field.value != nullptr;
+  PyObject* obj = made ? type->tp_alloc(type, 0) : nullptr;
+  int rc = obj == nullptr ? -1 : 0;
   for (auto& field : fields) {
-    if (rc == 0 && (field.value == nullptr || set(self, field.slot, ctx, field.value) < 0))
-      rc = -1;
+    if (rc == 0 && set(self, field.slot, obj, field.value) < 0) rc = -1;
     Py_XDECREF(field.value);
   }
-  if (rc < 0) Py_CLEAR(ctx);
-  return ctx;
+  if (rc < 0) Py_CLEAR(obj);
+  return obj;
+}
+
+// a new DistAutogradContext(self, context_id), made through its slots
+PyObject* new_ctx(ContextRecorder* self, PyObject* context_id) {
+  PyObject* lock = PyObject_CallNoArgs(self->refs[R_ALLOCATE_LOCK]);
+  if (lock == nullptr) return nullptr;
+  Field fields[] = {{R_CTX_CONTAINER, Py_NewRef(reinterpret_cast<PyObject*>(self))},
+                    {R_CTX_CONTEXT_ID, Py_NewRef(context_id)}, {R_CTX_LOCK, lock},
+                    {R_CTX_SENDS, PyDict_New()}, {R_CTX_RECVS, PyDict_New()},
+                    {R_CTX_KNOWN, PySet_New(nullptr)}, {R_CTX_GRADIENTS, Py_NewRef(Py_None)},
+                    {R_CTX_PASSES, PyDict_New()}, {R_CTX_RELEASED, Py_NewRef(Py_False)}};
+  return through_slots(self, R_CTX_TYPE, fields);
+}
+
+// a new SendFunction(message_id, dst, tensors, what, live_sends, native), made through its
+// slots: counted among the live send functions, its walking lock made by refs[R_WALKING_LOCK]
+PyObject* new_send(ContextRecorder* self, PyObject* message_id, PyObject* dst,
+                   PyObject* tensors, PyObject* what) {
+  PyObject* ticket = PyObject_CallMethodNoArgs(self->refs[R_LIVE_SENDS], s_ticket);
+  if (ticket == nullptr) return nullptr;
+  PyObject* walking = PyObject_CallNoArgs(self->refs[R_WALKING_LOCK]);
+  if (walking == nullptr) {
+    Py_DECREF(ticket);
+    return nullptr;
+  }
+  Field fields[] = {{R_SEND_TICKET, ticket}, {R_SEND_NATIVE, Py_NewRef(self->refs[R_NATIVE])},
+                    {R_SEND_MESSAGE_ID, Py_NewRef(message_id)}, {R_SEND_PEER, Py_NewRef(dst)},
+                    {R_SEND_TENSORS, Py_NewRef(tensors)}, {R_SEND_EDGES, PyList_New(0)},
+                    {R_SEND_WHAT, Py_NewRef(what)}, {R_SEND_REACH, Py_NewRef(Py_None)},
+                    {R_SEND_WALKING, walking}};
+  return through_slots(self, R_SEND_TYPE, fields);
+}
+
+// a new RecvRecord(context_id, message_id, src, 0, what, live_recvs), made through its
+// slots (record_recv of the other translation unit sets its node and outputs)
+PyObject* new_record(ContextRecorder* self, PyObject* context_id, PyObject* message_id,
+                     PyObject* src, PyObject* what) {
+  PyObject* ticket = PyObject_CallMethodNoArgs(self->refs[R_LIVE_RECVS], s_ticket);
+  if (ticket == nullptr) return nullptr;
+  PyObject* zero = PyTuple_GET_ITEM(self->refs[R_ZEROS], 0);
+  Field fields[] = {{R_RECORD_TICKET, ticket}, {R_RECORD_NODE, Py_NewRef(Py_None)},
+                    {R_RECORD_CONTEXT_ID, Py_NewRef(context_id)},
+                    {R_RECORD_MESSAGE_ID, Py_NewRef(message_id)},
+                    {R_RECORD_PEER, Py_NewRef(src)}, {R_RECORD_N_OUTPUTS, Py_NewRef(zero)},
+                    {R_RECORD_WHAT, Py_NewRef(what)}};
+  return through_slots(self, R_RECORD_TYPE, fields);
 }
 
 // remember a released context id (under the container's lock): ContextContainer._remember
@@ -271,9 +325,7 @@ PyObject* record_send(ContextRecorder* self, PyObject* ctx, PyObject* dst, PyObj
   } else {
     PyObject* message_id = next_id(self);
     if (message_id != nullptr) {
-      PyObject* argv[6] = {message_id, dst, grad, what, self->refs[R_LIVE_SENDS],
-                           self->refs[R_NATIVE]};
-      PyObject* send = PyObject_Vectorcall(self->refs[R_SEND_TYPE], argv, 6, nullptr);
+      PyObject* send = new_send(self, message_id, dst, grad, what);
       if (send != nullptr &&
           locked_record(self, ctx, dst, R_CTX_SENDS, message_id, send) == 0)
         result = PyTuple_Pack(2, context_id, message_id);
@@ -311,9 +363,7 @@ PyObject* record_recv(ContextRecorder* self, PyObject* container, PyObject* ctx,
   if (!any) return Py_NewRef(tensors);  // nothing to record
   PyObject* context_id = get(self, R_CTX_CONTEXT_ID, ctx);
   if (context_id == nullptr) return nullptr;
-  PyObject* zero = PyTuple_GET_ITEM(self->refs[R_ZEROS], 0);
-  PyObject* argv[6] = {context_id, message_id, src, zero, what, self->refs[R_LIVE_RECVS]};
-  PyObject* record = PyObject_Vectorcall(self->refs[R_RECORD_TYPE], argv, 6, nullptr);
+  PyObject* record = new_record(self, context_id, message_id, src, what);
   Py_DECREF(context_id);
   if (record == nullptr) return nullptr;
   PyObject* recv_args[2] = {record, tensors};
@@ -368,6 +418,29 @@ PyObject* incoming_ctx(ContextRecorder* self, PyObject* context_id, PyObject* sr
     is_known = locked_record(self, ctx, src, R_CTX_SENDS, nullptr, nullptr);
   if (is_known < 0) Py_CLEAR(ctx);
   return ctx;
+}
+
+// the release of context_id to each rank of `tell` by the agent's compiled notify, where it
+// takes the message; `tell` keeps the ranks it did not take (closed, failed, an error: the
+// Python _tell_released sends or skips those, and logs what fails). 0, or -1 with an error.
+int tell_released(ContextRecorder* self, PyObject* context_id, PyObject* tell) {
+  PyObject* notify = self->refs[R_NOTIFY];
+  if (notify == Py_None || PyList_GET_SIZE(tell) == 0) return 0;
+  PyObject* args = PyTuple_Pack(2, context_id, self->refs[R_RANK]);
+  PyObject* rest = args != nullptr ? PyList_New(0) : nullptr;
+  for (Py_ssize_t i = 0; rest != nullptr && i < PyList_GET_SIZE(tell); i++) {
+    PyObject* peer = PyList_GET_ITEM(tell, i);
+    PyObject* argv[3] = {peer, self->refs[R_RELEASE_HANDLER], args};
+    PyObject* sent = PyObject_Vectorcall(notify, argv, 3, nullptr);
+    if (sent == nullptr) PyErr_Clear();  // (Python tries again and logs the error)
+    if (sent != Py_True && PyList_Append(rest, peer) < 0) Py_CLEAR(rest);
+    Py_XDECREF(sent);
+  }
+  Py_XDECREF(args);
+  if (rest == nullptr) return -1;
+  int rc = PyList_SetSlice(tell, 0, PyList_GET_SIZE(tell), rest);
+  Py_DECREF(rest);
+  return rc;
 }
 
 // ContextContainer.release: drop ctx here; then (Python) tell the ranks it exchanged
@@ -426,13 +499,13 @@ PyObject* release_ctx(ContextRecorder* self, PyObject* ctx, PyObject* from_rank)
   }
   Py_XDECREF(peers);
   PyObject* result = nullptr;
-  if (tell != nullptr) {
+  if (tell != nullptr && tell_released(self, context_id, tell) == 0) {
     result = PyList_GET_SIZE(tell) == 0
         ? Py_NewRef(Py_None)
         : PyObject_CallMethodObjArgs(obj, s_tell_released, context_id, tell, from_rank,
                                      nullptr);
-    Py_DECREF(tell);
   }
+  Py_XDECREF(tell);
   Py_DECREF(context_id);
   return result;
 }
@@ -764,7 +837,7 @@ PyObject* member(PyObject* cls, const char* name) {
 // _bind_recorder(contexts, current, ids, SendFunction, RecvRecord, DistAutogradContext,
 //                Envelope, live_sends, live_recvs, native, functorch_active, call_kind,
 //                Parameter, GradientEdge, recv_types, AccumulateGrad, Reach, lock, released,
-//                released_set, rank)
+//                released_set, rank, walking_lock, notify, release_handler)
 PyObject* bind_recorder(PyObject* obj, PyObject* args, PyObject* kwargs) {
   auto* self = reinterpret_cast<ContextRecorder*>(obj);
   static const char* names[] = {"contexts", "current", "ids", "SendFunction", "RecvRecord",
@@ -772,34 +845,52 @@ PyObject* bind_recorder(PyObject* obj, PyObject* args, PyObject* kwargs) {
                                 "live_recvs", "native", "functorch_active", "call_kind",
                                 "Parameter", "GradientEdge", "recv_types", "AccumulateGrad",
                                 "Reach", "lock", "released", "released_set", "rank",
-                                nullptr};
+                                "walking_lock", "notify", "release_handler", nullptr};
   PyObject *contexts, *current, *ids, *send_type, *record_type, *ctx_type, *env_type,
       *live_sends, *live_recvs, *native, *functorch, *call_kind, *parameter, *edge_type,
-      *recv_types, *accumulate, *reach_type, *lock, *released, *released_set, *rank;
+      *recv_types, *accumulate, *reach_type, *lock, *released, *released_set, *rank,
+      *walking_lock, *notify, *release_handler;
   if (!PyArg_ParseTupleAndKeywords(
-          args, kwargs, "O!OOO!O!O!O!OOOOOO!O!O!O!O!OOO!O!:_bind_recorder",
+          args, kwargs, "O!OOO!O!O!O!OOOOOO!O!O!O!O!OOO!O!OOO:_bind_recorder",
           const_cast<char**>(names), &PyDict_Type, &contexts, &current, &ids, &PyType_Type,
           &send_type, &PyType_Type, &record_type, &PyType_Type, &ctx_type, &PyType_Type,
           &env_type, &live_sends, &live_recvs, &native, &functorch, &call_kind, &PyType_Type,
           &parameter, &PyType_Type, &edge_type, &PyFrozenSet_Type, &recv_types, &PyType_Type,
           &accumulate, &PyType_Type, &reach_type, &lock, &released, &PySet_Type,
-          &released_set, &PyLong_Type, &rank))
+          &released_set, &PyLong_Type, &rank, &walking_lock, &notify, &release_handler))
     return nullptr;
-  // new_ctx fills exactly these slots, as DistAutogradContext.__init__ does
-  PyObject* expected = Py_BuildValue("(ssssssssss)", "container", "context_id", "lock",
-                                     "sends", "recvs", "known_workers", "_gradients",
-                                     "passes", "released", "__weakref__");
-  PyObject* declared = expected != nullptr ? PyObject_GetAttrString(ctx_type, "__slots__")
-                                           : nullptr;
-  int same = declared != nullptr ? PyObject_RichCompareBool(declared, expected, Py_EQ) : -1;
-  Py_XDECREF(expected);
-  Py_XDECREF(declared);
-  if (same <= 0) {
-    if (same == 0)
-      PyErr_SetString(PyExc_TypeError, "DistAutogradContext's slots are not the ones this "
-                                       "build fills: rebuild mpidag's C++ module (python -m "
-                                       "mpidag.transport.wire_build)");
+  if (!PyCallable_Check(walking_lock) || (notify != Py_None && !PyCallable_Check(notify))) {
+    PyErr_SetString(PyExc_TypeError, "walking_lock must be callable, notify callable or None");
     return nullptr;
+  }
+  // new_ctx, new_send and new_record fill exactly these slots, as the __init__ do
+  struct {
+    PyObject* cls;
+    const char* format;
+    std::array<const char*, 10> names;
+  } layouts[] = {
+      {ctx_type, "(ssssssssss)", {"container", "context_id", "lock", "sends", "recvs",
+                                  "known_workers", "_gradients", "passes", "released",
+                                  "__weakref__"}},
+      {send_type, "(ssssssssss)", {"_ticket", "message_id", "peer", "_tensors", "_edges",
+                                   "_what", "reach", "_walking", "_native", "__weakref__"}},
+      {record_type, "(ssssssss)", {"_ticket", "context_id", "message_id", "peer",
+                                   "n_outputs", "_what", "node", "__weakref__"}}};
+  for (auto& layout : layouts) {
+    const auto& n = layout.names;
+    PyObject* expected = Py_BuildValue(layout.format, n[0], n[1], n[2], n[3], n[4], n[5],
+                                       n[6], n[7], n[8], n[9]);
+    PyObject* declared = expected != nullptr
+        ? PyObject_GetAttrString(layout.cls, "__slots__") : nullptr;
+    int same = declared != nullptr ? PyObject_RichCompareBool(declared, expected, Py_EQ) : -1;
+    Py_XDECREF(expected);
+    Py_XDECREF(declared);
+    if (same <= 0) {
+      if (same == 0)
+        PyErr_Format(PyExc_TypeError, "%R's slots are not the ones this build fills: rebuild "
+                     "mpidag's C++ module (python -m mpidag.transport.wire_build)", layout.cls);
+      return nullptr;
+    }
   }
   PyObject* maxlen = PyObject_GetAttrString(released, "maxlen");
   Py_ssize_t released_memory = maxlen != nullptr && maxlen != Py_None
@@ -845,6 +936,9 @@ PyObject* bind_recorder(PyObject* obj, PyObject* args, PyObject* kwargs) {
   refs[R_CTX_TYPE] = Py_NewRef(ctx_type);
   refs[R_ALLOCATE_LOCK] = allocate_lock;
   refs[R_ZEROS] = Py_BuildValue("(ii)", 0, 0);
+  refs[R_WALKING_LOCK] = Py_NewRef(walking_lock);
+  refs[R_NOTIFY] = Py_NewRef(notify);
+  refs[R_RELEASE_HANDLER] = Py_NewRef(release_handler);
   struct {
     Ref ref;
     PyObject* cls;
@@ -863,7 +957,15 @@ PyObject* bind_recorder(PyObject* obj, PyObject* args, PyObject* kwargs) {
                {R_REACH_LEAF_EDGES, reach_type, "leaf_edges"},
                {R_REACH_RECV_EDGES, reach_type, "recv_edges"},
                {R_REACH_RECV_NODES, reach_type, "recv_nodes"},
-               {R_CTX_GRADIENTS, ctx_type, "_gradients"}, {R_CTX_PASSES, ctx_type, "passes"}};
+               {R_CTX_GRADIENTS, ctx_type, "_gradients"}, {R_CTX_PASSES, ctx_type, "passes"},
+               {R_RECORD_TICKET, record_type, "_ticket"}, {R_RECORD_NODE, record_type, "node"},
+               {R_RECORD_CONTEXT_ID, record_type, "context_id"},
+               {R_RECORD_MESSAGE_ID, record_type, "message_id"},
+               {R_RECORD_PEER, record_type, "peer"},
+               {R_RECORD_N_OUTPUTS, record_type, "n_outputs"},
+               {R_SEND_TICKET, send_type, "_ticket"},
+               {R_SEND_MESSAGE_ID, send_type, "message_id"}, {R_SEND_PEER, send_type, "peer"},
+               {R_SEND_NATIVE, send_type, "_native"}};
   bool ok = !PyErr_Occurred() && refs[R_COUNTER] != nullptr && refs[R_ZEROS] != nullptr;
   for (auto& slot : slots) {
     if (!ok) break;
@@ -939,7 +1041,8 @@ int mpidag::add_context_recorder(PyObject* module) {
                {&s_record_recv, "record_recv"}, {&s_prepare, "prepare"},
                {&s_unprepared, "_unprepared"}, {&s_requires_grad, "requires_grad"},
                {&s_next, "next"}, {&s_active, "active"}, {&s_append, "append"},
-               {&s_late, "_late"}, {&s_tell_released, "_tell_released"}};
+               {&s_late, "_late"}, {&s_tell_released, "_tell_released"},
+               {&s_ticket, "ticket"}};
   for (auto& n : names) {
     *n.name = PyUnicode_InternFromString(n.text);
     if (*n.name == nullptr) return -1;
