@@ -24,6 +24,7 @@ from mpidag._config import Config
 from mpidag._runtime import Runtime
 from mpidag.agent import compiled, fastpath
 from mpidag.agent.futures import RpcFuture
+from mpidag.agent.handlers import Handler
 from mpidag.agent.messages import CALL, FLAG_FUNCTION_REF, FLAG_PLAIN, RESULT
 from mpidag.dist_autograd import native
 from mpidag.dist_autograd.context import RecvRecord, SendFunction
@@ -279,6 +280,55 @@ PER_MESSAGE_HOOKS = {"outgoing", "replying", "received", "serving", "served", "r
                      "record_recv", "prepare_send", "next", "prepare"}
 #: and its methods of a context's life
 LIFE = {"new_context", "incoming", "release", "release_id", "_remember", "__init__"}
+
+
+class _Unhashable:
+    """A callable that cannot be a key of describe's cache."""
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __call__(self, *args: Any) -> None:
+        pass
+
+
+def test_the_compiled_message_names_are_the_agents_python_names_asked_for_when_read():
+    ranks = HandDriven()
+    try:
+        agent = ranks.agents[0]
+        core, calls, server = agent.core, agent.calls, agent.server
+        described: list[tuple] = []
+        handler = Handler("test.proxy", print,
+                          describe=lambda *a: described.append(a) or f"a proxy of {a[0]}")
+        funcs = [rf.add, torch.add, handler, _Unhashable(), lambda x: x]
+        python = {
+            "arguments_sent": calls.arguments_sent,
+            "arguments_served": server.arguments_served,
+            "result_sent": lambda func, args, rank: server.result_sent((func, args), rank),
+            "result_from": calls.result_from,
+        }
+        for func in funcs:
+            for kind, name_of in python.items():
+                for rank in (0, 1):
+                    name = core.message_name(kind, func, ("x", 2), rank)
+                    assert callable(name) and "worker" in repr(name)
+                    assert name() == name_of(func, ("x", 2), rank), (kind, func)
+        assert core.message_name("arguments_from", None, None, 1)() == \
+            server.arguments_from(1) == "the arguments of a call from worker1"
+        assert core.message_name("result_sent", rf.add, None, 0)() == \
+            "the result of tests.rpc_funcs.add sent to worker0"
+        described.clear()
+        lazy = core.message_name("arguments_sent", handler, ("y",), 1)
+        assert described == []  # named when read, not when made
+        assert lazy() == "the arguments of a proxy of y sent to worker1"
+        assert described == [("y",)]
+        with pytest.raises(ValueError, match="no message name of kind 'result'"):
+            core.message_name("result", rf.add, (), 1)
+        with pytest.raises(IndexError, match="no worker name for rank 2"):
+            core.message_name("result_from", rf.add, (), 2)
+        with pytest.raises(TypeError, match="takes no arguments"):
+            lazy(1)
+    finally:
+        ranks.close()
 
 
 def test_a_compiled_container_records_each_message_without_its_python_hooks():

@@ -31,7 +31,7 @@ def test_module_functions_and_builtins_are_named_once():
     assert describe(module_level) == "tests.test_names.module_level"
     assert describe(print) == "builtins.print"
     for func in (torch.add, module_level, print):
-        assert handlers._NAMES[func] is describe(func)  # kept: the same string again
+        assert handlers.DESCRIBED[func] is describe(func)  # kept: the same string again
 
 
 def test_what_may_hold_something_is_named_every_time_and_not_kept():
@@ -55,7 +55,7 @@ def test_what_may_hold_something_is_named_every_time_and_not_kept():
     for what, func in funcs.items():
         name = describe(func)
         assert name and describe(func) == name, what
-        assert func not in handlers._NAMES, what
+        assert func not in handlers.DESCRIBED, what
     kept = weakref.ref(tensor)
     del funcs, tensor
     gc.collect()
@@ -73,13 +73,13 @@ def test_unhashable_callables_are_named():
 
 
 def test_the_name_cache_starts_over_when_full(monkeypatch):
-    monkeypatch.setattr(handlers, "_NAMES", {})
-    monkeypatch.setattr(handlers, "_NAMES_MAX", 2)
+    monkeypatch.setattr(handlers, "DESCRIBED", {})
+    monkeypatch.setattr(handlers, "_DESCRIBED_MAX", 2)
     describe(torch.add)
     describe(torch.sub)
-    assert len(handlers._NAMES) == 2
+    assert len(handlers.DESCRIBED) == 2
     describe(torch.mul)  # full: cleared, then this one kept
-    assert list(handlers._NAMES) == [torch.mul]
+    assert list(handlers.DESCRIBED) == [torch.mul]
 
 
 def test_a_recv_records_name_is_asked_for_once_when_first_read():

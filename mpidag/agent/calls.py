@@ -415,10 +415,9 @@ class OutgoingCalls:
 
     def record_result(self, env: Envelope, call: PendingCall) -> bool:
         """Record the recv function of ``call``'s result ``env`` (it carries tensors that
-        require grad: the observer's ``received`` replaces ``env.tensors``). The compiled
-        path calls this once it completes the call itself; ``False``: the recording failed,
-        and the call has failed with an error that says so (taken from the table, the
-        message counted as handled).
+        require grad: the observer's ``received`` replaces ``env.tensors``); ``False``: the
+        recording failed, and the call has failed with an error that says so
+        (:meth:`result_not_recorded`). The compiled path does the same in C.
 
         Example (what the compiled path does with such a result ``env``):
 
@@ -432,7 +431,23 @@ class OutgoingCalls:
             self._observe_result(env, call)
             return True
         except Exception as exc:
-            error = self._result_error(call, env.src, exc)
+            return self.result_not_recorded(env, call, exc)
+
+    def result_not_recorded(self, env: Envelope, call: PendingCall, exc: Exception) -> bool:
+        """The recording of ``call``'s result ``env`` raised ``exc``: the call fails with an
+        error that says so (taken from the table, the message counted as handled). Returns
+        ``False`` (the compiled path calls it when its recording raises).
+
+        Example (what the compiled path does when recording such a result ``env`` raises):
+
+        .. code-block:: python
+
+            try:
+                observer.received(env, name)
+            except Exception as exc:
+                calls.result_not_recorded(env, call, exc)  # the call fails with exc
+        """
+        error = self._result_error(call, env.src, exc)
         try:
             if self._pending.pop(env.request_id, None) is not None:
                 self._settle(call, None, error)
@@ -442,7 +457,17 @@ class OutgoingCalls:
 
     def _observe_result(self, env: Envelope, call: PendingCall) -> None:
         self.plugins.observer.received(
-            env, lambda: f"the result of {call.what} from {self.peers.names[env.src]}")
+            env, lambda: self.result_from(call.func, call.args, env.src))
+
+    def result_from(self, func: Callable, args: tuple | None, src: int) -> str:
+        """The name of a call's result as received from ``src`` (a recv function's).
+
+        Example::
+
+            >>> runtime.agent.calls.result_from(torch.add, (), 1)
+            'the result of torch.add from worker1'
+        """
+        return f"the result of {describe(func, args)} from {self.peers.names[src]}"
 
     def _result_error(self, call: PendingCall, src: int, exc: Exception) -> SerializationError:
         return SerializationError(f"could not unpickle the result of {call.what} from "

@@ -12,7 +12,6 @@ Example::
 
 from __future__ import annotations
 
-import functools
 import pickle
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +22,7 @@ from mpidag._remote_profiling import call_profiling, observing, profiling_flags
 from mpidag.agent import fastpath
 from mpidag.agent.calls import EXPIRY_SCAN_INTERVAL, OutgoingCalls, PendingCall
 from mpidag.agent.futures import RpcFuture
-from mpidag.agent.handlers import Handler
+from mpidag.agent.handlers import DESCRIBED, Handler, describe
 from mpidag.agent.serving import Server
 from mpidag.errors import WorkerFailedError
 from mpidag.transport import frames, torch_native
@@ -126,10 +125,9 @@ def make_core(calls: OutgoingCalls, server: Server, transport: Any,
         lone_tensor=frames.LONE_TENSOR_PAYLOAD, inline_limit=frames.INLINE_LIMIT,
         loopback=transport.loopback,
         decode_message=frames.decode_message, receive_rest=transport.receive_rest,
-        poll_wait=transport.poll_wait, partial=functools.partial,
-        what_sent=calls.arguments_sent, what_from=server.arguments_from,
-        what_served=server.arguments_served, what_result=server.result_sent,
-        record_result=calls.record_result, py_unsendable=server.reply_unsendable,
+        poll_wait=transport.poll_wait, describe=describe, described=DESCRIBED,
+        peer_names=calls.peers.names, result_not_recorded=calls.result_not_recorded,
+        py_unsendable=server.reply_unsendable,
         py_serve_notify=server.serve_notify, py_notify_failed=server.notify_failed,
         cfuture_type=torch._C.Future, py_answer_when_done=server.answer_when_done,
         torch_futures=_torch_futures(), tick_hooks=calls.plugins.tick_hooks,

@@ -54,7 +54,7 @@
 #include "../transport/torch_futures.h"
 #include "../transport/frame_tensor.h"
 
-#define VERSION 12
+#define VERSION 13
 
 /* the protocol's constants (messages.py); Core.__init__ checks them against Python's */
 #define CALL 1
@@ -338,12 +338,10 @@ enum {
     O_DECODE_MESSAGE,   /* frames.decode_message(frame0, src) -> (env, header | None) */
     O_RECEIVE_REST,     /* transport.receive_rest(env, header, frame0, src) */
     O_POLL_WAIT,        /* transport.poll_wait(seconds), or None */
-    O_PARTIAL,          /* functools.partial: the lazy names of recorded messages */
-    O_WHAT_SENT,        /* OutgoingCalls.arguments_sent(func, args, dst) -> str */
-    O_WHAT_FROM,        /* Server.arguments_from(src) -> str */
-    O_WHAT_SERVED,      /* Server.arguments_served(func, args, src) -> str */
-    O_WHAT_RESULT,      /* Server.result_sent((func, args), dst) -> str */
-    O_RECORD_RESULT,    /* OutgoingCalls.record_result(env, call) -> bool */
+    O_DESCRIBE,         /* handlers.describe(func, args) -> str */
+    O_DESCRIBED,        /* handlers.DESCRIBED: describe's names of module-level functions */
+    O_PEER_NAMES,       /* Peers.names: the workers' names by rank (a tuple) */
+    O_NOT_RECORDED,     /* OutgoingCalls.result_not_recorded(env, call, exc) -> False */
     O_PY_UNSENDABLE,    /* Server.reply_unsendable(env, value, exc) */
     O_PY_SERVE_NOTIFY,  /* Server.serve_notify(env): a notification's Python path */
     O_PY_NOTIFY_FAILED, /* Server.notify_failed(env, exc): log a failed notification */
@@ -367,8 +365,8 @@ static const char *OBJECT_NAMES[N_OBJECTS] = {
     "py_dispatch", "py_complete", "py_serve", "py_reply_value", "py_fail",
     "failed_error", "worker_failed_error", "by_name", "peers_left", "call_profiling",
     "tensor_type", "strided", "lone_tensor", "loopback", "decode_message",
-    "receive_rest", "poll_wait", "partial", "what_sent", "what_from",
-    "what_served", "what_result", "record_result", "py_unsendable", "py_serve_notify",
+    "receive_rest", "poll_wait", "describe", "described", "peer_names",
+    "result_not_recorded", "py_unsendable", "py_serve_notify",
     "py_notify_failed", "cfuture_type", "py_answer_when_done", "torch_futures",
     "tick_hooks", "expire_due", "profiler_globals", "profiler_enabled", "observing_globals",
     "tensor_facts"};
@@ -865,20 +863,126 @@ static void Core_dealloc(Core *self)
  * received through OutgoingCalls.record_result), with the same arguments; the names of the
  * recorded messages are lazy (functools.partial of the agent's naming methods). */
 
-/* partial(self.o[what], *parts, rank): the lazy name of a recorded message, or NULL */
-static PyObject *lazy_name(Core *self, int what, PyObject *const *parts, int n, long rank)
+/* The lazy name of a recorded message: a MessageName called gives the string the agent's
+ * Python names it with (OutgoingCalls.arguments_sent, Server.arguments_from,
+ * arguments_served, result_sent, and the result's name in OutgoingCalls._observe_result),
+ * made here: describe's cached name of the function (handlers.DESCRIBED; else
+ * handlers.describe itself) and the peer's worker name. A recorded message is named once
+ * (its send function right after its walk, a received call once unpickled, a result at
+ * once), and most never: what it costs is the object, not the string. */
+enum { NAME_ARGUMENTS_SENT, NAME_ARGUMENTS_FROM, NAME_ARGUMENTS_SERVED, NAME_RESULT_SENT,
+       NAME_RESULT_FROM, N_NAME_KINDS };
+static const char *NAME_FORMATS[N_NAME_KINDS] = {
+    "the arguments of %S sent to %S", "the arguments of a call from %S",
+    "the arguments of %S from %S", "the result of %S sent to %S", "the result of %S from %S"};
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *describe, *described; /* handlers.describe, handlers.DESCRIBED */
+    PyObject *func, *args;          /* the called function and its arguments, or NULL */
+    PyObject *peer;                 /* the peer's worker name */
+    int kind;
+} MessageName;
+
+static int MessageName_traverse(MessageName *self, visitproc visit, void *arg)
 {
-    PyObject *argv[4];
-    PyObject *r = PyLong_FromLong(rank);
-    if (r == NULL)
+    Py_VISIT(self->describe);
+    Py_VISIT(self->described);
+    Py_VISIT(self->func);
+    Py_VISIT(self->args);
+    Py_VISIT(self->peer);
+    return 0;
+}
+
+static int MessageName_clear(MessageName *self)
+{
+    Py_CLEAR(self->describe);
+    Py_CLEAR(self->described);
+    Py_CLEAR(self->func);
+    Py_CLEAR(self->args);
+    Py_CLEAR(self->peer);
+    return 0;
+}
+
+static void MessageName_dealloc(MessageName *self)
+{
+    PyObject_GC_UnTrack(self);
+    MessageName_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* describe(func, args): its cached name, else handlers.describe's (a new reference) */
+static PyObject *describe_call(MessageName *self)
+{
+    PyObject *name = PyDict_GetItemWithError(self->described, self->func);
+    if (name != NULL)
+        return Py_NewRef(name);
+    if (PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_TypeError)) /* describe's own: unhashable */
+            return NULL;
+        PyErr_Clear();
+    }
+    PyObject *argv[2] = {self->func, self->args != NULL ? self->args : Py_None};
+    return PyObject_Vectorcall(self->describe, argv, 2, NULL);
+}
+
+static PyObject *MessageName_call(MessageName *self, PyObject *args, PyObject *kwargs)
+{
+    if (PyTuple_GET_SIZE(args) != 0 || (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "a message name takes no arguments");
         return NULL;
-    argv[0] = self->o[what];
-    for (int i = 0; i < n; i++)
-        argv[1 + i] = parts[i];
-    argv[1 + n] = r;
-    PyObject *name = PyObject_Vectorcall(self->o[O_PARTIAL], argv, (size_t)n + 2, NULL);
-    Py_DECREF(r);
+    }
+    const char *format = NAME_FORMATS[self->kind];
+    if (self->kind == NAME_ARGUMENTS_FROM)
+        return PyUnicode_FromFormat(format, self->peer);
+    PyObject *called = self->func != NULL ? describe_call(self) : PyUnicode_FromString("a call");
+    if (called == NULL)
+        return NULL;
+    PyObject *name = PyUnicode_FromFormat(format, called, self->peer);
+    Py_DECREF(called);
     return name;
+}
+
+static PyObject *MessageName_repr(MessageName *self)
+{
+    return PyUnicode_FromFormat("<the lazy name of a message (kind %d) with %S>", self->kind,
+                                self->peer);
+}
+
+static PyTypeObject MessageNameType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "_mpidag_fastpath.MessageName",
+    .tp_basicsize = sizeof(MessageName),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The lazy name of a recorded message: called, the string (made by the compiled "
+              "call path).",
+    .tp_dealloc = (destructor)MessageName_dealloc,
+    .tp_traverse = (traverseproc)MessageName_traverse,
+    .tp_clear = (inquiry)MessageName_clear,
+    .tp_call = (ternaryfunc)MessageName_call,
+    .tp_repr = (reprfunc)MessageName_repr,
+};
+
+/* the lazy name of a message of kind `kind` exchanged with rank (func: the called function
+ * with its args, or NULL), or NULL */
+static PyObject *lazy_name(Core *self, int kind, PyObject *func, PyObject *args, long rank)
+{
+    PyObject *names = self->o[O_PEER_NAMES];
+    if (!PyTuple_Check(names) || rank < 0 || rank >= PyTuple_GET_SIZE(names)) {
+        PyErr_Format(PyExc_IndexError, "no worker name for rank %ld", rank);
+        return NULL;
+    }
+    MessageName *name = PyObject_GC_New(MessageName, &MessageNameType);
+    if (name == NULL)
+        return NULL;
+    name->describe = Py_NewRef(self->o[O_DESCRIBE]);
+    name->described = Py_NewRef(self->o[O_DESCRIBED]);
+    name->func = Py_XNewRef(func);
+    name->args = Py_XNewRef(args);
+    name->peer = Py_NewRef(PyTuple_GET_ITEM(names, rank));
+    name->kind = kind;
+    PyObject_GC_Track(name);
+    return (PyObject *)name;
 }
 
 /* observer.method(*argv) (argv[0] is left free for the observer), or NULL */
@@ -897,8 +1001,8 @@ static PyObject *call_observer(Core *self, PyObject *name, PyObject **argv, Py_s
 static int observe_outgoing(Core *self, long dst, PyObject *func, PyObject *args,
                             PyObject *tensors, long long *context_id, long long *message_id)
 {
-    PyObject *parts[2] = {func, args};
-    PyObject *rank = PyLong_FromLong(dst), *name = lazy_name(self, O_WHAT_SENT, parts, 2, dst);
+    PyObject *rank = PyLong_FromLong(dst);
+    PyObject *name = lazy_name(self, NAME_ARGUMENTS_SENT, func, args, dst);
     PyObject *list = tensors != NULL ? Py_NewRef(tensors) : PyList_New(0);
     PyObject *ids = NULL;
     if (rank != NULL && name != NULL && list != NULL) {
@@ -942,7 +1046,7 @@ static int observe_sent(Core *self, long long context_id, long long message_id)
  * (state, None), or (None, the error) for the call's answer; NULL on a failure to say so */
 static PyObject *observe_call(Core *self, PyObject *env, long src)
 {
-    PyObject *name = lazy_name(self, O_WHAT_FROM, NULL, 0, src);
+    PyObject *name = lazy_name(self, NAME_ARGUMENTS_FROM, NULL, NULL, src);
     if (name == NULL)
         return NULL;
     PyObject *argv[3] = {NULL, env, name};
@@ -959,6 +1063,41 @@ static PyObject *observe_call(Core *self, PyObject *env, long src)
     PyObject *received = PyTuple_Pack(2, state, Py_None);
     Py_DECREF(state);
     return received;
+}
+
+/* observer.received(env, name) of call's result env, whose tensors require grad (what
+ * OutgoingCalls.record_result does): 1 recorded (env.tensors replaced), 0 the recording
+ * failed and the call failed with its error (result_not_recorded), -1 an error */
+static int observe_result(Core *self, PyObject *env, PyObject *call)
+{
+    int ok = 1;
+    long src = (long)slot_ll(self->env_slots[ENV_SRC], env, &ok);
+    if (!ok)
+        return -1;
+    PyObject *func = slot_get(self->pc_slots[PC_FUNC], call);
+    PyObject *args = func != NULL ? slot_get(self->pc_slots[PC_ARGS], call) : NULL;
+    PyObject *name = args != NULL ? lazy_name(self, NAME_RESULT_FROM, func, args, src) : NULL;
+    Py_XDECREF(func);
+    Py_XDECREF(args);
+    if (name == NULL)
+        return -1;
+    PyObject *argv[3] = {NULL, env, name};
+    PyObject *ctx = call_observer(self, self->s_received, argv, 2);
+    Py_DECREF(name);
+    if (ctx != NULL) {
+        Py_DECREF(ctx);
+        return 1;
+    }
+    PyObject *exc = take_error();
+    if (exc == NULL)
+        return -1;
+    PyObject *failed_argv[3] = {env, call, exc};
+    PyObject *r = PyObject_Vectorcall(self->o[O_NOT_RECORDED], failed_argv, 3, NULL);
+    Py_DECREF(exc);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
 }
 
 /* ------------------------------------------------------------------ the caller */
@@ -1730,11 +1869,8 @@ static int complete_plain(Core *self, PyObject *env, long long flags, long src,
         }
     }
     if (message_id) { /* the result's tensors require grad: its recv function */
-        PyObject *record_args[2] = {env, call};
-        PyObject *r = PyObject_Vectorcall(self->o[O_RECORD_RESULT], record_args, 2, NULL);
-        int recorded = r == NULL ? -1 : PyObject_IsTrue(r);
-        Py_XDECREF(r);
-        if (recorded <= 0) { /* False: the call failed with the recording's error */
+        int recorded = observe_result(self, env, call);
+        if (recorded <= 0) { /* 0: the call failed with the recording's error */
             result = recorded < 0 ? -1 : 1;
             goto done;
         }
@@ -1851,15 +1987,13 @@ static int is_asynchronous(Core *self, PyObject *func)
 static long long observe_replying(Core *self, long long context_id, long dst,
                                   PyObject *func, PyObject *args, PyObject *tensors)
 {
-    PyObject *call = PyTuple_Pack(2, func, args);
-    PyObject *name = call != NULL ? lazy_name(self, O_WHAT_RESULT, &call, 1, dst) : NULL;
+    PyObject *name = lazy_name(self, NAME_RESULT_SENT, func, args, dst);
     PyObject *c = PyLong_FromLongLong(context_id), *rank = PyLong_FromLong(dst);
     PyObject *id = NULL;
     if (name != NULL && c != NULL && rank != NULL) {
         PyObject *argv[5] = {NULL, c, rank, tensors, name};
         id = call_observer(self, self->s_replying, argv, 4);
     }
-    Py_XDECREF(call);
     Py_XDECREF(name);
     Py_XDECREF(c);
     Py_XDECREF(rank);
@@ -2005,8 +2139,7 @@ static PyObject *run_observed(Core *self, PyObject *env, long src, PyObject *sta
 {
     if (state == NULL)
         return call_function(self, func, args, kwargs);
-    PyObject *parts[2] = {func, args};
-    PyObject *name = lazy_name(self, O_WHAT_SERVED, parts, 2, src);
+    PyObject *name = lazy_name(self, NAME_ARGUMENTS_SERVED, func, args, src);
     PyObject *message_id = name != NULL ? slot_get(self->env_slots[ENV_MESSAGE_ID], env)
                                         : NULL;
     PyObject *token = NULL;
@@ -2637,6 +2770,32 @@ static PyObject *Core_step(Core *self, PyObject *arg)
     return work;
 }
 
+/* message_name(kind, func, args, rank): the lazy name this path gives a recorded message
+ * of kind kind ("arguments_sent", "arguments_from", "arguments_served", "result_sent",
+ * "result_from"; func and args None for "arguments_from") exchanged with rank */
+static PyObject *Core_message_name(Core *self, PyObject *const *argv, Py_ssize_t nargs)
+{
+    READY(self)
+    static const char *kinds[N_NAME_KINDS] = {"arguments_sent", "arguments_from",
+                                              "arguments_served", "result_sent",
+                                              "result_from"};
+    if (nargs != 4 || !PyUnicode_Check(argv[0])) {
+        PyErr_SetString(PyExc_TypeError, "message_name(kind, func, args, rank)");
+        return NULL;
+    }
+    long rank = PyLong_AsLong(argv[3]);
+    if (rank == -1 && PyErr_Occurred())
+        return NULL;
+    for (int kind = 0; kind < N_NAME_KINDS; kind++) {
+        if (PyUnicode_CompareWithASCIIString(argv[0], kinds[kind]) == 0) {
+            PyObject *func = kind == NAME_ARGUMENTS_FROM ? NULL : argv[1];
+            return lazy_name(self, kind, func, func != NULL ? argv[2] : NULL, rank);
+        }
+    }
+    PyErr_Format(PyExc_ValueError, "no message name of kind %R", argv[0]);
+    return NULL;
+}
+
 static PyMethodDef Core_methods[] = {
     {"send_call", (PyCFunction)(void (*)(void))Core_send_call, METH_FASTCALL,
      "send_call(dst, func, args, kwargs, timeout, record, with_future): send a plain CALL "
@@ -2656,6 +2815,10 @@ static PyMethodDef Core_methods[] = {
     {"dispatch", (PyCFunction)Core_dispatch, METH_O,
      "dispatch(env): complete a plain RESULT here, make a CALL's work item, else the "
      "agent's Python dispatch"},
+    {"message_name", (PyCFunction)(void (*)(void))Core_message_name, METH_FASTCALL,
+     "message_name(kind, func, args, rank): the lazy name this path gives a recorded "
+     "message (kind: arguments_sent, arguments_from, arguments_served, result_sent or "
+     "result_from); called, the string the agent's Python names it with"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -2720,7 +2883,8 @@ static int add_names(PyObject *module, const char *name, const char **names, int
 PyMODINIT_FUNC PyInit__mpidag_fastpath(void)
 {
     if (PyType_Ready(&CountersType) < 0 || PyType_Ready(&CoreType) < 0 ||
-        PyType_Ready(&TicketType) < 0 || PyType_Ready(&LiveCountType) < 0)
+        PyType_Ready(&TicketType) < 0 || PyType_Ready(&LiveCountType) < 0 ||
+        PyType_Ready(&MessageNameType) < 0)
         return NULL;
     ServeWorkType = (PyTypeObject *)PyType_FromSpec(&serve_work_spec);
     if (ServeWorkType == NULL)

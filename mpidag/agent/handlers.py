@@ -90,9 +90,10 @@ def detaches_parameters(func: Any, args: tuple) -> bool:
 
 
 #: names of module-level functions and builtins (``torch.add``), which live as long as their
-#: modules: each call in an autograd context names its messages four times
-_NAMES: dict[Any, str] = {}
-_NAMES_MAX = 4096
+#: modules: each call in an autograd context names its messages four times (the compiled
+#: path's message names read this same dict before they call :func:`describe`)
+DESCRIBED: dict[Any, str] = {}
+_DESCRIBED_MAX = 4096
 _NAMED_TYPES = (types.BuiltinFunctionType, types.FunctionType)
 
 
@@ -106,16 +107,16 @@ def describe(func: Any, args: tuple | None = None) -> str:
         ('torch.sin', 'mpidag:rref.fetch')
     """
     try:
-        name = _NAMES.get(func)
+        name = DESCRIBED.get(func)
     except TypeError:  # unhashable
         name = None
     if name is not None:
         return name
     name = _describe(func, args)
     if _lives_with_its_module(func):
-        if len(_NAMES) >= _NAMES_MAX:  # functions made at run time: start over
-            _NAMES.clear()
-        _NAMES[func] = name
+        if len(DESCRIBED) >= _DESCRIBED_MAX:  # functions made at run time: start over
+            DESCRIBED.clear()
+        DESCRIBED[func] = name
     return name
 
 

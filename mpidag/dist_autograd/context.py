@@ -28,9 +28,10 @@ pass. Where mpidag's C++ records are built, :func:`new_container` gives the cont
 first base class, ``_mpidag_torch.ContextRecorder`` (``transport/torch_recorder.cpp``),
 whose C++ hooks (``outgoing``, ``replying``, ``received``, ``serving``, ``served``,
 ``sent``) and context life (``new_context``, ``incoming``, ``release``, ``release_id``) do
-what the Python methods here do, on the same tables; the rare cases (a late message of a
-released context, a functorch transform, a custom Function's node to walk, a failed walk)
-and the release message to the peers call the Python methods.
+what the Python methods here do, on the same tables, and makes the records through their
+slots; the rare cases (a late message of a released context, a functorch transform, a
+custom Function's node to walk, a failed walk, a release message the agent's compiled
+``notify`` does not take) call the Python methods.
 """
 
 from __future__ import annotations
@@ -834,8 +835,9 @@ def new_container(agent: RpcAgent) -> ContextContainer:
     (``_mpidag_torch.ContextRecorder``, a first base class) where the C++ records are built
     and ``agent.config.compiled``, else the Python :class:`ContextContainer`. Both keep the
     same tables in the same Python objects; the compiled methods leave the rare cases (a
-    late message, a functorch transform, a custom Function's node, a failed walk) and the
-    release message to the peers to the Python methods.
+    late message, a functorch transform, a custom Function's node, a failed walk, a
+    release message the agent's compiled ``notify`` does not take) to the Python
+    methods.
 
     Example::
 

@@ -11,16 +11,17 @@
 // container's own Python objects (its context table, lock and released ids, the
 // thread-local current context, the contexts' dicts and sets under their locks, the
 // IdGenerator's counter), so the tables Python reads (the engine, debug_info,
-// _send_functions, ...) stay the only ones. A DistAutogradContext is made through its
-// slots (checked at binding against what new_ctx fills); a SendFunction or RecvRecord is
-// still made by its class; `sent` walks the graph behind a send function as
+// _send_functions, ...) stay the only ones. A DistAutogradContext, a SendFunction and a
+// RecvRecord are made through their slots (checked at binding against what new_ctx,
+// new_send and new_record fill); `sent` walks the graph behind a send function as
 // SendFunction.prepare does (send_reach of the other translation unit, the Reach made
-// through its slots).
+// through its slots); the release message goes by the agent's compiled notify.
 //
 // Anything rare goes to the container's Python methods, which it inherits: a late message
 // of a released context (_late logs it), the recv of a message under a functorch transform
 // (record_recv), a custom Function's node to walk (SendFunction.prepare), a walk that
-// fails (_unprepared logs it), and the release message to the peers (_tell_released).
+// fails (_unprepared logs it), and a release message the compiled notify does not take
+// (_tell_released: no compiled path, a closed agent, a failed peer, a first message).
 // _bind_recorder(...) hands the recorder the objects it works on, once, from the
 // container's __init__; an unbound recorder refuses every call.
 
