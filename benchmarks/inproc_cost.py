@@ -22,7 +22,7 @@ with and without grad in a context that stays open for 100 calls (both ranks hav
 context made and released per 100 calls, as for the calls after a training step's first).
 Each row is the best of 5 repetitions of 5,000-20,000 calls.
 
-``--instructions`` counts instead of timing: each of the first three rows runs in a process
+``--instructions`` counts instead of timing: each of the first five rows runs in a process
 of its own under ``valgrind --tool=callgrind``, collecting only inside the loop of its calls
 (the loop runs in ``itertools.starmap``, whose C function toggles the collection), and
 prints the instructions per round trip. The count is the same whatever else the machine
@@ -203,19 +203,27 @@ def recording_parts(ranks: TwoRanks, args: tuple, calls: int = 5_000) -> None:
         print(f"  {cls_name + '.' + name:<36}{part}")
 
 
-#: the rows ``--instructions`` counts, and how many calls each
+#: the rows ``--instructions`` counts, and how many calls each: the first rows of the
+#: table, then what the recording row is made of (the call alone; the call and the context)
 COUNTED_ROWS = {"no-op rpc_sync": 2_000, "1 KiB tensor echo": 2_000,
-                "2 tensors requiring grad, in an autograd context": 500}
+                "2 tensors requiring grad, in an autograd context": 500,
+                "the same call, tensors without grad, no context": 500,
+                "the same call, tensors without grad, in a context": 500}
 
 
 def row_calls(ranks: TwoRanks) -> dict[str, Callable[[], None]]:
-    """The calls of :data:`COUNTED_ROWS` (the first rows of the table)."""
+    """The calls of :data:`COUNTED_ROWS`."""
     x = torch.ones(256)
     a, b = torch.rand(3, 3, requires_grad=True), torch.rand(3, 3, requires_grad=True)
+    an, bn = a.detach(), b.detach()
     return {"no-op rpc_sync": lambda: ranks.call(noop, ()),
             "1 KiB tensor echo": lambda: ranks.call(identity, (x,)),
             "2 tensors requiring grad, in an autograd context":
-                lambda: ranks.call_in_context(add, (a, b))}
+                lambda: ranks.call_in_context(add, (a, b)),
+            "the same call, tensors without grad, no context":
+                lambda: ranks.call(add, (an, bn)),
+            "the same call, tensors without grad, in a context":
+                lambda: ranks.call_in_context(add, (an, bn))}
 
 
 def run_counted(row: str, calls: int) -> None:
