@@ -867,9 +867,9 @@ static void Core_dealloc(Core *self)
  * Python names it with (OutgoingCalls.arguments_sent, Server.arguments_from,
  * arguments_served, result_sent, and the result's name in OutgoingCalls._observe_result),
  * made here: describe's cached name of the function (handlers.DESCRIBED; else
- * handlers.describe itself) and the peer's worker name. A recorded message is named once
- * (its send function right after its walk, a received call once unpickled, a result at
- * once), and most never: what it costs is the object, not the string. */
+ * handlers.describe itself) and the peer's worker name. A recorded message is named once,
+ * when first read (a send function right after its walk, a received call once unpickled, a
+ * result at once); until then the name holds the function and its arguments. */
 enum { NAME_ARGUMENTS_SENT, NAME_ARGUMENTS_FROM, NAME_ARGUMENTS_SERVED, NAME_RESULT_SENT,
        NAME_RESULT_FROM, N_NAME_KINDS };
 static const char *NAME_FORMATS[N_NAME_KINDS] = {
