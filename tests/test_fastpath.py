@@ -298,7 +298,7 @@ def test_the_compiled_message_names_are_the_agents_python_names_asked_for_when_r
         core, calls, server = agent.core, agent.calls, agent.server
         described: list[tuple] = []
         handler = Handler("test.proxy", print,
-                          describe=lambda *a: described.append(a) or f"a proxy of {a[0]}")
+                          describe=lambda *a: described.append(a) or f"a proxy of {a[0]} (π)")
         funcs = [rf.add, torch.add, handler, _Unhashable(), lambda x: x]
         python = {
             "arguments_sent": calls.arguments_sent,
@@ -319,7 +319,7 @@ def test_the_compiled_message_names_are_the_agents_python_names_asked_for_when_r
         described.clear()
         lazy = core.message_name("arguments_sent", handler, ("y",), 1)
         assert described == []  # named when read, not when made
-        assert lazy() == "the arguments of a proxy of y sent to worker1"
+        assert lazy() == "the arguments of a proxy of y (π) sent to worker1"
         assert described == [("y",)]
         with pytest.raises(ValueError, match="no message name of kind 'result'"):
             core.message_name("result", rf.add, (), 1)

@@ -872,49 +872,50 @@ static void Core_dealloc(Core *self)
  * result at once); until then the name holds the function and its arguments. */
 enum { NAME_ARGUMENTS_SENT, NAME_ARGUMENTS_FROM, NAME_ARGUMENTS_SERVED, NAME_RESULT_SENT,
        NAME_RESULT_FROM, N_NAME_KINDS };
-static const char *NAME_FORMATS[N_NAME_KINDS] = {
-    "the arguments of %S sent to %S", "the arguments of a call from %S",
-    "the arguments of %S from %S", "the result of %S sent to %S", "the result of %S from %S"};
+/* each kind's text: before the function's name, and between it and the peer's (the
+ * arguments of a call from a peer name no function) */
+static const char *NAME_TEXTS[N_NAME_KINDS][2] = {
+    {"the arguments of ", " sent to "}, {"the arguments of a call from ", NULL},
+    {"the arguments of ", " from "}, {"the result of ", " sent to "},
+    {"the result of ", " from "}};
+static PyObject *name_texts[N_NAME_KINDS][2]; /* the same as str objects (module init) */
+
+/* what a MessageName holds: describe, its cache, the called function and its arguments
+ * (NULL for NAME_ARGUMENTS_FROM; args NULL: None), the peer's worker name */
+enum { HELD_DESCRIBE, HELD_DESCRIBED, HELD_FUNC, HELD_ARGS, HELD_PEER, N_HELD };
 
 typedef struct {
     PyObject_HEAD
-    PyObject *describe, *described; /* handlers.describe, handlers.DESCRIBED */
-    PyObject *func, *args;          /* the called function and its arguments, or NULL */
-    PyObject *peer;                 /* the peer's worker name */
+    PyObject *held[N_HELD];
     int kind;
 } MessageName;
 
 static int MessageName_traverse(MessageName *self, visitproc visit, void *arg)
 {
-    Py_VISIT(self->describe);
-    Py_VISIT(self->described);
-    Py_VISIT(self->func);
-    Py_VISIT(self->args);
-    Py_VISIT(self->peer);
+    for (int i = 0; i < N_HELD; i++)
+        Py_VISIT(self->held[i]);
     return 0;
 }
 
 static int MessageName_clear(MessageName *self)
 {
-    Py_CLEAR(self->describe);
-    Py_CLEAR(self->described);
-    Py_CLEAR(self->func);
-    Py_CLEAR(self->args);
-    Py_CLEAR(self->peer);
+    for (int i = 0; i < N_HELD; i++)
+        Py_CLEAR(self->held[i]);
     return 0;
 }
 
 static void MessageName_dealloc(MessageName *self)
 {
     PyObject_GC_UnTrack(self);
-    MessageName_clear(self);
+    (void)MessageName_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 /* describe(func, args): its cached name, else handlers.describe's (a new reference) */
 static PyObject *describe_call(MessageName *self)
 {
-    PyObject *name = PyDict_GetItemWithError(self->described, self->func);
+    PyObject *func = self->held[HELD_FUNC];
+    PyObject *name = PyDict_GetItemWithError(self->held[HELD_DESCRIBED], func);
     if (name != NULL)
         return Py_NewRef(name);
     if (PyErr_Occurred()) {
@@ -922,8 +923,35 @@ static PyObject *describe_call(MessageName *self)
             return NULL;
         PyErr_Clear();
     }
-    PyObject *argv[2] = {self->func, self->args != NULL ? self->args : Py_None};
-    return PyObject_Vectorcall(self->describe, argv, 2, NULL);
+    PyObject *args = self->held[HELD_ARGS];
+    PyObject *argv[2] = {func, args != NULL ? args : Py_None};
+    return PyObject_Vectorcall(self->held[HELD_DESCRIBE], argv, 2, NULL);
+}
+
+/* the concatenation of the n strings parts (str objects), or NULL */
+static PyObject *joined(PyObject *const *parts, int n)
+{
+    Py_ssize_t length = 0;
+    Py_UCS4 widest = 0;
+    for (int i = 0; i < n; i++) {
+        if (!PyUnicode_Check(parts[i])) {
+            PyErr_Format(PyExc_TypeError, "a message name's part must be a str, not %.100s",
+                         Py_TYPE(parts[i])->tp_name);
+            return NULL;
+        }
+        length += PyUnicode_GET_LENGTH(parts[i]);
+        Py_UCS4 most = PyUnicode_MAX_CHAR_VALUE(parts[i]);
+        widest = most > widest ? most : widest;
+    }
+    PyObject *text = PyUnicode_New(length, widest);
+    Py_ssize_t at = 0;
+    for (int i = 0; text != NULL && i < n; i++) {
+        if (PyUnicode_CopyCharacters(text, at, parts[i], 0, PyUnicode_GET_LENGTH(parts[i])) < 0)
+            Py_CLEAR(text);
+        else
+            at += PyUnicode_GET_LENGTH(parts[i]);
+    }
+    return text;
 }
 
 static PyObject *MessageName_call(MessageName *self, PyObject *args, PyObject *kwargs)
@@ -932,13 +960,18 @@ static PyObject *MessageName_call(MessageName *self, PyObject *args, PyObject *k
         PyErr_SetString(PyExc_TypeError, "a message name takes no arguments");
         return NULL;
     }
-    const char *format = NAME_FORMATS[self->kind];
-    if (self->kind == NAME_ARGUMENTS_FROM)
-        return PyUnicode_FromFormat(format, self->peer);
-    PyObject *called = self->func != NULL ? describe_call(self) : PyUnicode_FromString("a call");
+    PyObject *const *texts = name_texts[self->kind];
+    PyObject *peer = self->held[HELD_PEER];
+    if (texts[1] == NULL) {
+        PyObject *parts[2] = {texts[0], peer};
+        return joined(parts, 2);
+    }
+    PyObject *called = self->held[HELD_FUNC] != NULL ? describe_call(self)
+                                                     : PyUnicode_FromString("a call");
     if (called == NULL)
         return NULL;
-    PyObject *name = PyUnicode_FromFormat(format, called, self->peer);
+    PyObject *parts[4] = {texts[0], called, texts[1], peer};
+    PyObject *name = joined(parts, 4);
     Py_DECREF(called);
     return name;
 }
@@ -946,7 +979,7 @@ static PyObject *MessageName_call(MessageName *self, PyObject *args, PyObject *k
 static PyObject *MessageName_repr(MessageName *self)
 {
     return PyUnicode_FromFormat("<the lazy name of a message (kind %d) with %S>", self->kind,
-                                self->peer);
+                                self->held[HELD_PEER]);
 }
 
 static PyTypeObject MessageNameType = {
@@ -975,11 +1008,11 @@ static PyObject *lazy_name(Core *self, int kind, PyObject *func, PyObject *args,
     MessageName *name = PyObject_GC_New(MessageName, &MessageNameType);
     if (name == NULL)
         return NULL;
-    name->describe = Py_NewRef(self->o[O_DESCRIBE]);
-    name->described = Py_NewRef(self->o[O_DESCRIBED]);
-    name->func = Py_XNewRef(func);
-    name->args = Py_XNewRef(args);
-    name->peer = Py_NewRef(PyTuple_GET_ITEM(names, rank));
+    name->held[HELD_DESCRIBE] = Py_NewRef(self->o[O_DESCRIBE]);
+    name->held[HELD_DESCRIBED] = Py_NewRef(self->o[O_DESCRIBED]);
+    name->held[HELD_FUNC] = Py_XNewRef(func);
+    name->held[HELD_ARGS] = Py_XNewRef(args);
+    name->held[HELD_PEER] = Py_NewRef(PyTuple_GET_ITEM(names, rank));
     name->kind = kind;
     PyObject_GC_Track(name);
     return (PyObject *)name;
@@ -2886,6 +2919,14 @@ PyMODINIT_FUNC PyInit__mpidag_fastpath(void)
         PyType_Ready(&TicketType) < 0 || PyType_Ready(&LiveCountType) < 0 ||
         PyType_Ready(&MessageNameType) < 0)
         return NULL;
+    for (int kind = 0; kind < N_NAME_KINDS; kind++) {
+        for (int i = 0; i < 2; i++) {
+            const char *text = NAME_TEXTS[kind][i];
+            if (text != NULL && name_texts[kind][i] == NULL &&
+                (name_texts[kind][i] = PyUnicode_InternFromString(text)) == NULL)
+                return NULL;
+        }
+    }
     ServeWorkType = (PyTypeObject *)PyType_FromSpec(&serve_work_spec);
     if (ServeWorkType == NULL)
         return NULL;
