@@ -413,30 +413,10 @@ class OutgoingCalls:
             if src >= 0:
                 self.sender.mark_processed(src)
 
-    def record_result(self, env: Envelope, call: PendingCall) -> bool:
-        """Record the recv function of ``call``'s result ``env`` (it carries tensors that
-        require grad: the observer's ``received`` replaces ``env.tensors``); ``False``: the
-        recording failed, and the call has failed with an error that says so
-        (:meth:`result_not_recorded`). The compiled path does the same in C.
-
-        Example (what the compiled path does with such a result ``env``):
-
-        .. code-block:: python
-
-            call = calls.table[env.request_id]
-            if calls.record_result(env, call):
-                value = env.tensors[0]  # the recv function's output: a lone tensor result
-        """
-        try:
-            self._observe_result(env, call)
-            return True
-        except Exception as exc:
-            return self.result_not_recorded(env, call, exc)
-
-    def result_not_recorded(self, env: Envelope, call: PendingCall, exc: Exception) -> bool:
-        """The recording of ``call``'s result ``env`` raised ``exc``: the call fails with an
-        error that says so (taken from the table, the message counted as handled). Returns
-        ``False`` (the compiled path calls it when its recording raises).
+    def result_not_recorded(self, env: Envelope, call: PendingCall, exc: Exception) -> None:
+        """The compiled path's recording of ``call``'s result ``env`` (its recv function)
+        raised ``exc``: the call fails with an error that says so, as :meth:`complete` fails
+        it (taken from the table, the message counted as handled).
 
         Example (what the compiled path does when recording such a result ``env`` raises):
 
@@ -453,7 +433,6 @@ class OutgoingCalls:
                 self._settle(call, None, error)
         finally:
             self.sender.mark_processed(env.src)
-        return False
 
     def _observe_result(self, env: Envelope, call: PendingCall) -> None:
         self.plugins.observer.received(

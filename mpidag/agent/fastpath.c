@@ -341,7 +341,7 @@ enum {
     O_DESCRIBE,         /* handlers.describe(func, args) -> str */
     O_DESCRIBED,        /* handlers.DESCRIBED: describe's names of module-level functions */
     O_PEER_NAMES,       /* Peers.names: the workers' names by rank (a tuple) */
-    O_NOT_RECORDED,     /* OutgoingCalls.result_not_recorded(env, call, exc) -> False */
+    O_NOT_RECORDED,     /* OutgoingCalls.result_not_recorded(env, call, exc) */
     O_PY_UNSENDABLE,    /* Server.reply_unsendable(env, value, exc) */
     O_PY_SERVE_NOTIFY,  /* Server.serve_notify(env): a notification's Python path */
     O_PY_NOTIFY_FAILED, /* Server.notify_failed(env, exc): log a failed notification */
@@ -860,8 +860,8 @@ static void Core_dealloc(Core *self)
  * (plugins.observer, the context container) is called here where the Python path calls it
  * (outgoing/sent on the caller, received at dispatch and serving/served around the
  * function on the callee, replying/sent for a result with tensors, and the result's
- * received through OutgoingCalls.record_result), with the same arguments; the names of the
- * recorded messages are lazy (functools.partial of the agent's naming methods). */
+ * received, as OutgoingCalls.complete records it), with the same arguments; the names of the
+ * recorded messages are lazy (MessageName, below). */
 
 /* The lazy name of a recorded message: a MessageName called gives the string the agent's
  * Python names it with (OutgoingCalls.arguments_sent, Server.arguments_from,
@@ -1099,7 +1099,7 @@ static PyObject *observe_call(Core *self, PyObject *env, long src)
 }
 
 /* observer.received(env, name) of call's result env, whose tensors require grad (what
- * OutgoingCalls.record_result does): 1 recorded (env.tensors replaced), 0 the recording
+ * OutgoingCalls.complete does): 1 recorded (env.tensors replaced), 0 the recording
  * failed and the call failed with its error (result_not_recorded), -1 an error */
 static int observe_result(Core *self, PyObject *env, PyObject *call)
 {

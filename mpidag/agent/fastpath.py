@@ -15,9 +15,8 @@ module writes those pickles itself, and the Python encoder uses its writer too:
 the same message counters, the same errors. Inside a distributed autograd context it calls
 the agent's call observer where the Python path does (``outgoing``/``sent`` on the caller,
 ``received`` at dispatch and ``serving``/``served`` around the function on the callee,
-``replying``/``sent`` for a result with tensors, and
-:meth:`OutgoingCalls.record_result <mpidag.agent.calls.OutgoingCalls.record_result>` for
-that result on the caller), so a call records the same send and recv functions on either
+``replying``/``sent`` for a result with tensors, and ``received`` for that result on the
+caller), so a call records the same send and recv functions on either
 path. An asynchronous handler (:class:`~mpidag.agent.handlers.Handler` with
 ``asynchronous=True``) is served here too: its future's value is the answer when it has
 one, else ``Server.answer_when_done`` answers later, through ``Core.reply`` (the agent's

@@ -421,31 +421,42 @@ PyObject* incoming_ctx(ContextRecorder* self, PyObject* context_id, PyObject* sr
   return ctx;
 }
 
-// the release of context_id to each rank of `tell` by the agent's compiled notify, where it
-// takes the message; `tell` keeps the ranks it did not take (closed, failed, an error: the
-// Python _tell_released sends or skips those, and logs what fails). 0, or -1 with an error.
-int tell_released(ContextRecorder* self, PyObject* context_id, PyObject* tell) {
-  PyObject* notify = self->refs[R_NOTIFY];
-  if (notify == Py_None || PyList_GET_SIZE(tell) == 0) return 0;
-  PyObject* args = PyTuple_Pack(2, context_id, self->refs[R_RANK]);
-  PyObject* rest = args != nullptr ? PyList_New(0) : nullptr;
-  for (Py_ssize_t i = 0; rest != nullptr && i < PyList_GET_SIZE(tell); i++) {
-    PyObject* peer = PyList_GET_ITEM(tell, i);
-    PyObject* argv[3] = {peer, self->refs[R_RELEASE_HANDLER], args};
-    PyObject* sent = PyObject_Vectorcall(notify, argv, 3, nullptr);
-    if (sent == nullptr) PyErr_Clear();  // (Python tries again and logs the error)
+// the release of context_id to each of `peers` but from_rank (it told this one) and this
+// rank, by the agent's compiled notify where it takes the message: a new list of the ranks
+// it did not take (no compiled path, a closed agent, a failed peer, an error: the Python
+// _tell_released sends or skips those, and logs what fails), or nullptr with an error
+PyObject* tell_released(ContextRecorder* self, PyObject* context_id, PyObject* peers,
+                        PyObject* from_rank) {
+  PyObject *notify = self->refs[R_NOTIFY], *args = nullptr;
+  PyObject* rest = PyList_New(0);
+  for (Py_ssize_t i = 0; rest != nullptr && i < PyList_GET_SIZE(peers); i++) {
+    PyObject* peer = PyList_GET_ITEM(peers, i);
+    int skip = PyObject_RichCompareBool(peer, from_rank, Py_EQ);
+    if (skip == 0) skip = PyObject_RichCompareBool(peer, self->refs[R_RANK], Py_EQ);
+    if (skip != 0) {
+      if (skip < 0) Py_CLEAR(rest);
+      continue;
+    }
+    PyObject* sent = nullptr;
+    if (notify != Py_None) {
+      if (args == nullptr) args = PyTuple_Pack(2, context_id, self->refs[R_RANK]);
+      if (args == nullptr) {
+        Py_CLEAR(rest);
+        continue;
+      }
+      PyObject* argv[3] = {peer, self->refs[R_RELEASE_HANDLER], args};
+      sent = PyObject_Vectorcall(notify, argv, 3, nullptr);
+      if (sent == nullptr) PyErr_Clear();  // (Python tries again and logs the error)
+    }
     if (sent != Py_True && PyList_Append(rest, peer) < 0) Py_CLEAR(rest);
     Py_XDECREF(sent);
   }
   Py_XDECREF(args);
-  if (rest == nullptr) return -1;
-  int rc = PyList_SetSlice(tell, 0, PyList_GET_SIZE(tell), rest);
-  Py_DECREF(rest);
-  return rc;
+  return rest;
 }
 
-// ContextContainer.release: drop ctx here; then (Python) tell the ranks it exchanged
-// messages with, but from_rank
+// ContextContainer.release: drop ctx here; then tell the ranks it exchanged messages with,
+// but from_rank
 PyObject* release_ctx(ContextRecorder* self, PyObject* ctx, PyObject* from_rank) {
   PyObject* obj = reinterpret_cast<PyObject*>(self);
   PyObject* contexts = self->refs[R_CONTEXTS];
@@ -490,23 +501,17 @@ PyObject* release_ctx(ContextRecorder* self, PyObject* ctx, PyObject* from_rank)
     if (release(lock, rc) < 0) Py_CLEAR(peers);
   }
   Py_XDECREF(lock);
-  // the ranks to tell: not from_rank (it told this one), not this rank
-  PyObject* tell = peers != nullptr ? PyList_New(0) : nullptr;
-  for (Py_ssize_t i = 0; tell != nullptr && i < PyList_GET_SIZE(peers); i++) {
-    PyObject* peer = PyList_GET_ITEM(peers, i);
-    int skip = PyObject_RichCompareBool(peer, from_rank, Py_EQ);
-    if (skip == 0) skip = PyObject_RichCompareBool(peer, self->refs[R_RANK], Py_EQ);
-    if (skip < 0 || (skip == 0 && PyList_Append(tell, peer) < 0)) Py_CLEAR(tell);
-  }
+  PyObject* rest = peers != nullptr ? tell_released(self, context_id, peers, from_rank)
+                                    : nullptr;
   Py_XDECREF(peers);
   PyObject* result = nullptr;
-  if (tell != nullptr && tell_released(self, context_id, tell) == 0) {
-    result = PyList_GET_SIZE(tell) == 0
+  if (rest != nullptr) {
+    result = PyList_GET_SIZE(rest) == 0
         ? Py_NewRef(Py_None)
-        : PyObject_CallMethodObjArgs(obj, s_tell_released, context_id, tell, from_rank,
+        : PyObject_CallMethodObjArgs(obj, s_tell_released, context_id, rest, from_rank,
                                      nullptr);
+    Py_DECREF(rest);
   }
-  Py_XDECREF(tell);
   Py_DECREF(context_id);
   return result;
 }
