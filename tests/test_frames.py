@@ -235,6 +235,75 @@ def test_the_c_codec_writes_the_same_bytes_whether_it_reads_tensors_in_cpp_or_py
         [bytes(x) if isinstance(x, memoryview) else id(x) for x in separate_py]
 
 
+class DuckEnvelope:
+    """Not an ``Envelope``: the fields by name, as the Python encoder reads them."""
+
+    def __init__(self, env: Envelope) -> None:
+        for name in ("kind", "request_id", "flags", "context_id", "message_id", "payload",
+                     "tensors", "src"):
+            setattr(self, name, getattr(env, name))
+
+
+class SubEnvelope(Envelope):
+    __slots__ = ("note",)
+
+
+@pytest.mark.parametrize("index", range(len(messages())))
+def test_the_c_codec_reads_an_envelope_at_its_slots_and_anything_else_by_name(codec, index):
+    """``_mpidag_frames`` reads an Envelope's (or a subclass's) fields straight at their
+    slots' offsets (``slots.h``) and any other object's by name: the same frames as the
+    Python encoder's, for each message."""
+    c = frames.compiled_codec()
+    if codec == "python" or c is None:
+        pytest.skip("the C codec's slot reads (run under the compiled parameter)")
+    env = messages()[index]
+    devices = ["cpu"] * len(env.tensors)
+    expected, expected_rest = frames.encode_python(env, devices, 5)
+    sub = SubEnvelope(**{name: getattr(env, name) for name in Envelope.__slots__})
+    for given in (env, sub, DuckEnvelope(env)):
+        frame0, rest = c.encode(given, devices, 5)
+        assert bytes(frame0) == bytes(expected), type(given)
+        assert len(rest) == len(expected_rest), type(given)
+
+
+def test_an_unset_slot_and_a_class_without_slots_are_errors_that_say_what(codec):
+    """An Envelope whose slot was deleted raises the AttributeError Python raises; a class
+    whose field is not a ``__slots__`` entry is refused at ``configure`` (the C code would
+    write at its offset) with a TypeError that says to rebuild, and the codec keeps the
+    classes it had."""
+    c = frames.compiled_codec()
+    if codec == "python" or c is None:
+        pytest.skip("the C codec's slot reads (run under the compiled parameter)")
+    env = Envelope(kind=1, payload=b"x", tensors=[torch.ones(2)])
+    good, _ = c.encode(env, ["cpu"], 5)
+    del env.payload
+    with pytest.raises(AttributeError) as python_error:
+        env.payload  # noqa: B018 - the error Python raises
+    with pytest.raises(AttributeError) as c_error:
+        c.encode(env, ["cpu"], 5)
+    assert str(c_error.value) == str(python_error.value) == \
+        "'Envelope' object has no attribute 'payload'"
+
+    class PlainEnvelope:  # the same fields, in a __dict__
+        kind = request_id = flags = context_id = message_id = src = 0
+        payload, tensors = b"", []
+
+    header = dict(envelope=PlainEnvelope, header=frames.Header, spec=frames.TensorSpec)
+    with pytest.raises(TypeError, match=r"PlainEnvelope\.kind is not a writable __slots__ "
+                                        r"entry .*rebuild mpidag's compiled modules"):
+        c.configure(**header, dtypes=frames.DTYPES, dtype_codes=frames.DTYPE_CODE,
+                    device_name=frames._device_name, device_codes=frames._device_codes,
+                    strided=frames._STRIDED, encode=frames.encode_python,
+                    decode=frames.decode_header_python,
+                    decode_message=frames.decode_message_python, frombuffer=torch.frombuffer,
+                    grad_dtypes=[True] * len(frames.DTYPES), inline_limit=frames.INLINE_LIMIT,
+                    payload_frame_limit=frames.PAYLOAD_FRAME_LIMIT)
+    again = Envelope(kind=1, payload=b"x", tensors=[torch.ones(2)])
+    assert bytes(c.encode(again, ["cpu"], 5)[0]) == bytes(good)
+    decoded, _ = c.decode_message(bytearray(good))
+    assert type(decoded) is Envelope and decoded.payload == b"x"
+
+
 def test_non_contiguous_views_and_zero_size():
     base = torch.arange(60.0).reshape(6, 10)
     obj = {"t": base.t(), "slice": base[1:4, ::3], "empty": torch.empty(0, 4),

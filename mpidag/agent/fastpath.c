@@ -53,6 +53,7 @@
 
 #include "../transport/torch_futures.h"
 #include "../transport/frame_tensor.h"
+#include "../transport/slots.h"
 
 #define VERSION 13
 
@@ -403,9 +404,10 @@ typedef struct {
 static PyTypeObject *ServeWorkType;
 
 /* ------------------------------------------------------------------ helpers */
+/* obj's slot (see slots.h): a new reference, or NULL with an error */
 static PyObject *slot_get(PyObject *descr, PyObject *obj)
 {
-    return Py_TYPE(descr)->tp_descr_get(descr, obj, (PyObject *)Py_TYPE(obj));
+    return mpidag_slot_get(descr, obj);
 }
 
 /* steals value */
@@ -413,7 +415,7 @@ static int slot_set(PyObject *descr, PyObject *obj, PyObject *value)
 {
     if (value == NULL)
         return -1;
-    int rc = Py_TYPE(descr)->tp_descr_set(descr, obj, value);
+    int rc = mpidag_slot_set(descr, obj, value);
     Py_DECREF(value);
     return rc;
 }
@@ -518,8 +520,7 @@ static PyObject *make_envelope(Core *self, int kind, PyObject *request_id, int f
         if (values[i] == NULL)
             rc = -1;
     for (int i = 0; i < N_ENV; i++) {
-        if (rc == 0 && Py_TYPE(self->env_slots[i])->tp_descr_set(self->env_slots[i], env,
-                                                                 values[i]) < 0)
+        if (rc == 0 && mpidag_slot_set(self->env_slots[i], env, values[i]) < 0)
             rc = -1;
         Py_XDECREF(values[i]);
     }
@@ -753,20 +754,16 @@ static int Core_init(Core *self, PyObject *args, PyObject *kwds)
         if (d == NULL)
             return -1;
         Py_XSETREF(self->env_slots[i], d);
-        if (Py_TYPE(d)->tp_descr_get == NULL || Py_TYPE(d)->tp_descr_set == NULL) {
-            PyErr_Format(PyExc_TypeError, "Envelope.%s is not a slot", ENV_FIELDS[i]);
+        if (mpidag_slot_check(d, "Envelope", ENV_FIELDS[i]) < 0)
             return -1;
-        }
     }
     for (int i = 0; i < N_PC; i++) {
         PyObject *d = PyObject_GetAttrString(self->o[O_PENDING_CALL], PC_FIELDS[i]);
         if (d == NULL)
             return -1;
         Py_XSETREF(self->pc_slots[i], d);
-        if (Py_TYPE(d)->tp_descr_get == NULL || Py_TYPE(d)->tp_descr_set == NULL) {
-            PyErr_Format(PyExc_TypeError, "PendingCall.%s is not a slot", PC_FIELDS[i]);
+        if (mpidag_slot_check(d, "PendingCall", PC_FIELDS[i]) < 0)
             return -1;
-        }
     }
     self->torch_futures = NULL;
     if (self->o[O_TORCH_FUTURES] != Py_None) {

@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "frame_tensor.h"
+#include "slots.h"
 
 #define HEADER_SIZE 49 /* struct "<BBBHIqqqQII" */
 #define SPEC_FIXED 22  /* struct "<BBBBhqq", then ndim int64 */
@@ -78,7 +79,7 @@ static int set_slots(PyObject *obj, PyObject **descrs, PyObject **values, int n)
     /* steals the references of values[]; on failure they are released */
     int rc = 0;
     for (int i = 0; i < n; i++) {
-        if (rc == 0 && Py_TYPE(descrs[i])->tp_descr_set(descrs[i], obj, values[i]) < 0)
+        if (rc == 0 && mpidag_slot_set(descrs[i], obj, values[i]) < 0)
             rc = -1;
         Py_DECREF(values[i]);
     }
@@ -108,10 +109,8 @@ static PyObject *new_instance(PyObject *cls)
 static PyObject *slot_descr(PyObject *cls, const char *name)
 {
     PyObject *descr = PyObject_GetAttrString(cls, name);
-    if (descr != NULL && Py_TYPE(descr)->tp_descr_set == NULL) {
-        PyErr_Format(PyExc_TypeError, "%R.%s is not a slot", cls, name);
+    if (descr != NULL && mpidag_slot_check(descr, ((PyTypeObject *)cls)->tp_name, name) < 0)
         Py_CLEAR(descr);
-    }
     return descr;
 }
 
@@ -143,14 +142,25 @@ static PyObject *configure(PyObject *Py_UNUSED(module), PyObject *args, PyObject
         PyErr_SetString(PyExc_ValueError, "configure: one grad_dtypes entry per dtype");
         return NULL;
     }
+    /* every slot checked before any is kept: the C code writes at their offsets, so a
+     * failed configure must leave the slots it had (all Envelope's, Header's, TensorSpec's) */
+    PyObject *slots[20] = {NULL};
+    int made = 1;
+    for (int i = 0; i < 8 && made; i++)
+        made = (slots[i] = slot_descr(o[0], ENV_FIELDS[i])) != NULL;
+    for (int i = 0; i < 6 && made; i++)
+        made = (slots[8 + i] = slot_descr(o[1], HEADER_FIELDS[i])) != NULL &&
+               (slots[14 + i] = slot_descr(o[2], SPEC_FIELDS[i])) != NULL;
+    if (!made) {
+        for (int i = 0; i < 20; i++)
+            Py_XDECREF(slots[i]);
+        return NULL;
+    }
     for (int i = 0; i < 8; i++)
-        if ((S.env_slots[i] = slot_descr(o[0], ENV_FIELDS[i])) == NULL)
-            return NULL;
+        Py_XSETREF(S.env_slots[i], slots[i]);
     for (int i = 0; i < 6; i++) {
-        if ((S.header_slots[i] = slot_descr(o[1], HEADER_FIELDS[i])) == NULL)
-            return NULL;
-        if ((S.spec_slots[i] = slot_descr(o[2], SPEC_FIELDS[i])) == NULL)
-            return NULL;
+        Py_XSETREF(S.header_slots[i], slots[8 + i]);
+        Py_XSETREF(S.spec_slots[i], slots[14 + i]);
     }
     PyObject **dst[13] = {&S.envelope, &S.header, &S.spec, &S.dtypes, &S.dtype_codes,
                           &S.device_name, &S.device_codes, &S.strided, &S.encode_py,
@@ -178,9 +188,9 @@ static PyObject *configure(PyObject *Py_UNUSED(module), PyObject *args, PyObject
 }
 
 /* ------------------------------------------------------------------ encode */
-static int64_t attr_i64(PyObject *obj, PyObject *name, int *ok)
+/* value's integer; steals value (NULL: the error set stays) */
+static int64_t as_i64(PyObject *value, int *ok)
 {
-    PyObject *value = PyObject_GetAttr(obj, name);
     if (value == NULL) {
         *ok = 0;
         return 0;
@@ -190,6 +200,20 @@ static int64_t attr_i64(PyObject *obj, PyObject *name, int *ok)
     if (v == -1 && PyErr_Occurred())
         *ok = 0;
     return v;
+}
+
+static int64_t attr_i64(PyObject *obj, PyObject *name, int *ok)
+{
+    return as_i64(PyObject_GetAttr(obj, name), ok);
+}
+
+/* env's field number `slot` of ENV_FIELDS: through its slot for an Envelope (slots.h),
+ * by name for any other object */
+static PyObject *env_field(PyObject *env, int slot, PyObject *name)
+{
+    PyObject *descr = S.env_slots[slot];
+    return mpidag_slot_applies(descr, env) ? mpidag_slot_get(descr, env)
+                                           : PyObject_GetAttr(env, name);
 }
 
 /* 1: true, 0: false, -1: error */
@@ -371,19 +395,19 @@ static PyObject *encode(PyObject *Py_UNUSED(module), PyObject *const *args, Py_s
     if (data_tag == -1 && PyErr_Occurred())
         return NULL;
     int ok = 1;
-    int kind = (int)attr_i64(env, S.s_kind, &ok);
-    int flags = (int)attr_i64(env, S.s_flags, &ok);
-    int64_t request_id = attr_i64(env, S.s_request_id, &ok);
-    int64_t context_id = attr_i64(env, S.s_context_id, &ok);
-    int64_t message_id = attr_i64(env, S.s_message_id, &ok);
+    int kind = (int)as_i64(env_field(env, 0, S.s_kind), &ok);
+    int64_t request_id = ok ? as_i64(env_field(env, 1, S.s_request_id), &ok) : 0;
+    int flags = ok ? (int)as_i64(env_field(env, 2, S.s_flags), &ok) : 0;
+    int64_t context_id = ok ? as_i64(env_field(env, 3, S.s_context_id), &ok) : 0;
+    int64_t message_id = ok ? as_i64(env_field(env, 4, S.s_message_id), &ok) : 0;
     if (!ok)
         return NULL;
     if (kind < 0 || kind > 255 || flags < 0 || flags > 255 || data_tag < 0)
         return fallback_encode(env, devices, tag); /* (struct's error, from Python) */
-    PyObject *payload = PyObject_GetAttr(env, S.s_payload);
+    PyObject *payload = env_field(env, 5, S.s_payload);
     if (payload == NULL)
         return NULL;
-    PyObject *tensors = PyObject_GetAttr(env, S.s_tensors);
+    PyObject *tensors = env_field(env, 6, S.s_tensors);
     if (tensors == NULL) {
         Py_DECREF(payload);
         return NULL;
@@ -676,7 +700,7 @@ static PyObject *decode(PyObject *const *args, Py_ssize_t nargs, int make_tensor
                 PyList_SET_ITEM(tensors, i, t);
         }
         if (tensors == NULL ||
-            Py_TYPE(S.env_slots[6])->tp_descr_set(S.env_slots[6], env, tensors) < 0) {
+            mpidag_slot_set(S.env_slots[6], env, tensors) < 0) {
             Py_XDECREF(tensors);
             goto done;
         }

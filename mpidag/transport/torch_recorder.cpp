@@ -33,6 +33,7 @@
 
 #include <array>
 
+#include "slots.h"
 #include "torch_records.h"
 
 namespace {
@@ -103,15 +104,14 @@ int unbound(ContextRecorder* self) {
   return 1;
 }
 
-// obj's slot (a new reference), or nullptr with an error (AttributeError if unset)
+// obj's slot (a new reference), or nullptr with an error (AttributeError if unset);
+// straight at its offset (slots.h)
 PyObject* get(ContextRecorder* self, Ref descr, PyObject* obj) {
-  PyObject* d = self->refs[descr];
-  return Py_TYPE(d)->tp_descr_get(d, obj, reinterpret_cast<PyObject*>(Py_TYPE(obj)));
+  return mpidag_slot_get(self->refs[descr], obj);
 }
 
 int set(ContextRecorder* self, Ref descr, PyObject* obj, PyObject* value) {
-  PyObject* d = self->refs[descr];
-  return Py_TYPE(d)->tp_descr_set(d, obj, value);
+  return mpidag_slot_set(self->refs[descr], obj, value);
 }
 
 // whether a tensor requires grad: read from the C++ tensor for torch.Tensor and
@@ -831,10 +831,8 @@ PyObject* release_id(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
 PyObject* member(PyObject* cls, const char* name) {
   PyObject* d = PyObject_GetAttrString(cls, name);
   if (d == nullptr) return nullptr;
-  if (!PyObject_TypeCheck(d, &PyMemberDescr_Type)) {
+  if (mpidag_slot_check(d, reinterpret_cast<PyTypeObject*>(cls)->tp_name, name) < 0) {
     Py_DECREF(d);
-    PyErr_Format(PyExc_TypeError, "%R.%s is not a slot: rebuild mpidag's C++ module "
-                                  "(python -m mpidag.transport.wire_build)", cls, name);
     return nullptr;
   }
   return d;
