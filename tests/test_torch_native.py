@@ -444,3 +444,67 @@ def test_futures_in_cpp_refuse_what_is_not_a_future():
         native.set_future_result(3, 4)
     with pytest.raises(TypeError, match=r"set_future_result\(future, value\)"):
         native.set_future_result(native.new_future(RpcFuture))
+
+
+@pytest.mark.parametrize("make", [threading.Lock, lambda: native.Lock()],
+                         ids=["threading.Lock", "_mpidag_torch.Lock"])
+def test_the_modules_lock_behaves_as_threading_lock(make):
+    """``_mpidag_torch.Lock`` (the context container's and its contexts' lock where the
+    recorder is built) answers every call as ``threading.Lock`` does: both run here."""
+    lock = make()
+    assert lock.acquire() is True and lock.locked()
+    assert lock.acquire(False) is False and lock.acquire(blocking=False) is False
+    assert lock.acquire(timeout=0.01) is False and lock.acquire(True, 0) is False
+    lock.release()
+    assert not lock.locked()
+    with pytest.raises(RuntimeError, match="release unlocked lock"):
+        lock.release()
+    with pytest.raises(ValueError, match="can't specify a timeout for a non-blocking call"):
+        lock.acquire(False, 1)
+    with pytest.raises(ValueError, match="timeout value must be (positive|a non-negative number)"):
+        lock.acquire(timeout=-2)
+    with lock:
+        assert lock.locked()
+    assert not lock.locked()
+    with pytest.raises(KeyError), lock:  # released on the way out of an error
+        raise KeyError("inside")
+    assert not lock.locked()
+    # a waiter blocks without the GIL until another thread releases it
+    lock.acquire()
+    ran, taken = threading.Event(), []
+    waiter = threading.Thread(target=lambda: (ran.set(), taken.append(lock.acquire())))
+    waiter.start()
+    assert ran.wait(10)
+    assert taken == [] and waiter.is_alive()  # still waiting, and this thread runs
+    lock.release()
+    waiter.join(10)
+    assert taken == [True] and lock.locked()
+    lock.release()
+
+
+def test_the_compiled_container_and_its_contexts_use_the_modules_lock():
+    """The compiled context container binds its recorder to a ``_mpidag_torch.Lock``, and
+    the contexts and send functions the recorder makes get one too: the C++ takes them
+    with a C call."""
+    from tests import rpc_funcs as rf
+    from tests.test_fastpath import HandDriven
+    ranks = HandDriven()
+    try:
+        container = ranks.runtimes[0].autograd.container
+        assert type(container.lock) is native.Lock
+        ctx = container.new_context()
+        assert type(ctx.lock) is native.Lock and not ctx.lock.locked()
+        previous = container.enter(ctx)
+        try:
+            x = torch.ones(3, requires_grad=True)
+            assert torch.equal(ranks.call(rf.identity, x), x)
+        finally:
+            container.leave(previous)
+        sends = list(ctx.sends.values())
+        assert len(sends) == 1 and type(sends[0]._walking) is native.Lock
+        assert not any(lock.locked() for lock in (container.lock, ctx.lock, sends[0]._walking))
+        container.release(ctx)
+        ranks.world.deliver_all([agent.dispatch for agent in ranks.agents])
+        assert not container.lock.locked()
+    finally:
+        ranks.close()

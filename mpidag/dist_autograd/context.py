@@ -78,8 +78,10 @@ log = logging.getLogger(__name__)
 #: how many released context ids a rank remembers (late messages of those are not recorded)
 RELEASED_MEMORY = 1 << 16
 
-#: what makes a send function's walking lock (the compiled container is bound to it)
-_walking_lock = threading.Lock
+#: what makes a send function's walking lock (the compiled container is bound to it);
+#: None: the container's own lock type (``threading.Lock`` for the Python container, the
+#: records module's ``Lock`` for the compiled one, which its C++ takes with a C call)
+_walking_lock: Callable[[], Any] | None = None
 
 
 class LiveCount:
@@ -225,7 +227,7 @@ class SendFunction(_Named):
         self._edges: list[GradientEdge] = []
         self._what = what
         self.reach: Reach | None = None
-        self._walking = _walking_lock()
+        self._walking = (_walking_lock or threading.Lock)()
 
     @property
     def edges(self) -> list[GradientEdge]:
@@ -860,13 +862,17 @@ def _compiled_container(recorder: type) -> type[ContextContainer]:
         (see ``torch_recorder.cpp``), working on the container's own tables."""
 
         def _start_recording(self) -> None:
+            # the container's lock (and each context's and send function's, made by the
+            # recorder) is the module's Lock, which the C++ takes by a C call instead of a
+            # method call
+            self.lock = self.native.Lock()
             self._bind_recorder(
                 contexts=self.contexts, current=_current, ids=self._ids,
                 SendFunction=SendFunction, RecvRecord=RecvRecord,
                 DistAutogradContext=DistAutogradContext, Envelope=Envelope,
                 live_sends=self.live_sends, live_recvs=self.live_recvs, native=self.native,
                 lock=self.lock, released=self._released, released_set=self._released_set,
-                rank=self.rank, walking_lock=_walking_lock,
+                rank=self.rank, walking_lock=_walking_lock or self.native.Lock,
                 notify=None if self.agent.core is None else self.agent.core.notify,
                 release_handler=self._release_handler,
                 functorch_active=_functorch_active, call_kind=CALL,

@@ -76,10 +76,10 @@ enum Ref {
   R_RELEASED,       // deque of the released context ids (oldest first)
   R_RELEASED_SET,   // set of the same ids
   R_CTX_TYPE,       // DistAutogradContext
-  R_ALLOCATE_LOCK,  // _thread.allocate_lock
+  R_ALLOCATE_LOCK,  // what makes a context's lock: this module's Lock type
   R_CTX_GRADIENTS, R_CTX_PASSES,
   R_RANK,           // this rank (an int)
-  R_WALKING_LOCK,   // what makes a send function's walking lock (threading.Lock)
+  R_WALKING_LOCK,   // what makes a send function's walking lock (Lock, or a test's)
   // the release message (release_ctx): the agent's compiled notify(dst, func, args) -> True
   // when it sent the message (else None: the Python _tell_released sends it), or None
   R_NOTIFY,
@@ -145,8 +145,163 @@ PyObject* next_id(ContextRecorder* self) {
   return PyLong_FromLongLong(self->id_base | counter);
 }
 
-// lock.acquire() (0), or -1
+// ------------------------------------------------------------------------ Lock
+// _mpidag_torch.Lock: threading.Lock's interface (acquire(blocking=True, timeout=-1),
+// release, locked, with), for the locks this module takes on every recorded message (the
+// container's and each context's): taken here by a C call instead of a method call whose
+// arguments are parsed (threading.Lock's acquire: ~450 instructions from C, ~40 here). A
+// wait releases the GIL; signals are handled during it as threading.Lock's are.
+struct Lock {
+  PyObject_HEAD
+  PyThread_type_lock lock;
+  bool locked;
+};
+
+PyTypeObject lock_type = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+// take it, waiting up to timeout_us (-1: for ever, 0: not at all): 1 taken, 0 not, -1 error
+int lock_take(Lock* self, PY_TIMEOUT_T timeout_us) {
+  PyLockStatus r = PyThread_acquire_lock_timed(self->lock, 0, 0);
+  if (r != PY_LOCK_ACQUIRED && timeout_us != 0) {
+    do {
+      Py_BEGIN_ALLOW_THREADS
+      r = PyThread_acquire_lock_timed(self->lock, timeout_us, 1);
+      Py_END_ALLOW_THREADS
+      // a signal: its Python handler runs here (an exception ends the wait)
+      if (r == PY_LOCK_INTR && Py_MakePendingCalls() < 0) return -1;
+    } while (r == PY_LOCK_INTR);  // (a timed wait starts again with its whole timeout)
+  }
+  if (r != PY_LOCK_ACQUIRED) return 0;
+  self->locked = true;
+  return 1;
+}
+
+int lock_give(Lock* self) {
+  if (!self->locked) {
+    PyErr_SetString(PyExc_RuntimeError, "release unlocked lock");
+    return -1;
+  }
+  self->locked = false;
+  PyThread_release_lock(self->lock);
+  return 0;
+}
+
+PyObject* lock_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  if (PyTuple_GET_SIZE(args) != 0 || (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0)) {
+    PyErr_SetString(PyExc_TypeError, "Lock() takes no arguments");
+    return nullptr;
+  }
+  auto* self = reinterpret_cast<Lock*>(type->tp_alloc(type, 0));
+  if (self == nullptr) return nullptr;
+  self->lock = PyThread_allocate_lock();
+  self->locked = false;
+  if (self->lock == nullptr) {
+    Py_DECREF(self);
+    PyErr_SetString(PyExc_MemoryError, "cannot allocate a lock");
+    return nullptr;
+  }
+  return reinterpret_cast<PyObject*>(self);
+}
+
+void lock_dealloc(PyObject* obj) {
+  auto* self = reinterpret_cast<Lock*>(obj);
+  if (self->lock != nullptr) {
+    if (self->locked) PyThread_release_lock(self->lock);
+    PyThread_free_lock(self->lock);
+  }
+  Py_TYPE(obj)->tp_free(obj);
+}
+
+// acquire(blocking=True, timeout=-1) -> bool, as threading.Lock's
+PyObject* lock_acquire(PyObject* obj, PyObject* const* args, Py_ssize_t nargs,
+                       PyObject* kwnames) {
+  PyObject* given[2] = {nullptr, nullptr};
+  static const char* names[2] = {"blocking", "timeout"};
+  if (nargs > 2) {
+    PyErr_SetString(PyExc_TypeError, "acquire() takes at most 2 arguments");
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < nargs; i++) given[i] = args[i];
+  Py_ssize_t nkw = kwnames != nullptr ? PyTuple_GET_SIZE(kwnames) : 0;
+  for (Py_ssize_t k = 0; k < nkw; k++) {
+    PyObject* key = PyTuple_GET_ITEM(kwnames, k);
+    int i = PyUnicode_CompareWithASCIIString(key, names[0]) == 0   ? 0
+            : PyUnicode_CompareWithASCIIString(key, names[1]) == 0 ? 1
+                                                                   : -1;
+    if (i < 0 || given[i] != nullptr) {
+      PyErr_Format(PyExc_TypeError, "acquire() got an unexpected or repeated argument %R",
+                   key);
+      return nullptr;
+    }
+    given[i] = args[nargs + k];
+  }
+  int blocking = given[0] == nullptr ? 1 : PyObject_IsTrue(given[0]);
+  if (blocking < 0) return nullptr;
+  double timeout = given[1] == nullptr ? -1.0 : PyFloat_AsDouble(given[1]);
+  if (timeout == -1.0 && PyErr_Occurred()) return nullptr;
+  if (!blocking && timeout != -1.0) {
+    PyErr_SetString(PyExc_ValueError, "can't specify a timeout for a non-blocking call");
+    return nullptr;
+  }
+  if (timeout < 0 && timeout != -1.0) {
+    PyErr_SetString(PyExc_ValueError, "timeout value must be positive");
+    return nullptr;
+  }
+  PY_TIMEOUT_T us = -1;
+  if (!blocking) {
+    us = 0;
+  } else if (timeout >= 0) {
+    if (timeout * 1e6 >= static_cast<double>(PY_TIMEOUT_MAX)) {
+      PyErr_SetString(PyExc_OverflowError, "timeout value is too large");
+      return nullptr;
+    }
+    us = static_cast<PY_TIMEOUT_T>(timeout * 1e6);
+  }
+  int taken = lock_take(reinterpret_cast<Lock*>(obj), us);
+  if (taken < 0) return nullptr;
+  return PyBool_FromLong(taken);
+}
+
+PyObject* lock_enter(PyObject* obj, PyObject*) {
+  if (lock_take(reinterpret_cast<Lock*>(obj), -1) < 0) return nullptr;
+  Py_RETURN_TRUE;
+}
+
+PyObject* lock_release(PyObject* obj, PyObject*) {
+  if (lock_give(reinterpret_cast<Lock*>(obj)) < 0) return nullptr;
+  Py_RETURN_NONE;
+}
+
+PyObject* lock_exit(PyObject* obj, PyObject* const*, Py_ssize_t) {
+  return lock_release(obj, nullptr);
+}
+
+PyObject* lock_locked(PyObject* obj, PyObject*) {
+  return PyBool_FromLong(reinterpret_cast<Lock*>(obj)->locked);
+}
+
+PyObject* lock_repr(PyObject* obj) {
+  return PyUnicode_FromFormat("<%s _mpidag_torch.Lock object at %p>",
+                              reinterpret_cast<Lock*>(obj)->locked ? "locked" : "unlocked",
+                              obj);
+}
+
+PyMethodDef lock_methods[] = {
+    {"acquire", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(lock_acquire)),
+     METH_FASTCALL | METH_KEYWORDS,
+     "acquire(blocking=True, timeout=-1) -> bool: take the lock (as threading.Lock's)"},
+    {"release", lock_release, METH_NOARGS, "release(): give the lock back"},
+    {"locked", lock_locked, METH_NOARGS, "locked() -> bool: whether it is taken"},
+    {"__enter__", lock_enter, METH_NOARGS, "take the lock, waiting as long as it takes"},
+    {"__exit__", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(lock_exit)),
+     METH_FASTCALL, "give the lock back"},
+    {nullptr, nullptr, 0, nullptr}};
+
+// lock.acquire() (0), or -1: a C call for this module's Lock, the method for any other
+// (a threading.Lock, or what a test injects)
 int acquire(PyObject* lock) {
+  if (Py_IS_TYPE(lock, &lock_type))
+    return lock_take(reinterpret_cast<Lock*>(lock), -1) < 0 ? -1 : 0;
   PyObject* held = PyObject_CallMethodNoArgs(lock, s_acquire);
   Py_XDECREF(held);
   return held == nullptr ? -1 : 0;
@@ -155,6 +310,11 @@ int acquire(PyObject* lock) {
 // lock.release(), keeping the error of what ran under it (rc < 0); returns rc, or -1
 int release(PyObject* lock, int rc) {
   PyObject *type = nullptr, *value = nullptr, *tb = nullptr;
+  if (Py_IS_TYPE(lock, &lock_type) && reinterpret_cast<Lock*>(lock)->locked) {
+    reinterpret_cast<Lock*>(lock)->locked = false;  // (the error of rc stays set)
+    PyThread_release_lock(reinterpret_cast<Lock*>(lock)->lock);
+    return rc;
+  }
   if (rc < 0) PyErr_Fetch(&type, &value, &tb);
   PyObject* freed = PyObject_CallMethodNoArgs(lock, s_release);
   if (freed == nullptr) {
@@ -905,11 +1065,9 @@ PyObject* bind_recorder(PyObject* obj, PyObject* args, PyObject* kwargs) {
       PyErr_SetString(PyExc_TypeError, "released must be a deque with a maxlen");
     return nullptr;
   }
-  PyObject* thread = PyImport_ImportModule("_thread");
-  PyObject* allocate_lock = thread != nullptr ? PyObject_GetAttrString(thread, "allocate_lock")
-                                              : nullptr;
-  Py_XDECREF(thread);
-  if (allocate_lock == nullptr) return nullptr;
+  // each context's lock: this module's Lock (the container's is one too: the compiled
+  // container makes it so before it binds)
+  PyObject* allocate_lock = Py_NewRef(reinterpret_cast<PyObject*>(&lock_type));
   PyObject* refs[N_REFS] = {};
   PyObject* base = PyObject_GetAttrString(ids, "base");
   PyObject* max = base != nullptr ? PyObject_GetAttrString(ids, "max_counter") : nullptr;
@@ -1063,6 +1221,19 @@ int mpidag::add_context_recorder(PyObject* module) {
   recorder_type.tp_dealloc = recorder_dealloc;
   recorder_type.tp_methods = recorder_methods;
   if (PyType_Ready(&recorder_type) < 0) return -1;
+  lock_type.tp_name = "_mpidag_torch.Lock";
+  lock_type.tp_basicsize = sizeof(Lock);
+  lock_type.tp_flags = Py_TPFLAGS_DEFAULT;
+  lock_type.tp_doc =
+      "Lock(): threading.Lock's interface, taken by ContextRecorder with a C call (the "
+      "locks of the context container and of its contexts)";
+  lock_type.tp_new = lock_new;
+  lock_type.tp_dealloc = lock_dealloc;
+  lock_type.tp_repr = lock_repr;
+  lock_type.tp_methods = lock_methods;
+  if (PyType_Ready(&lock_type) < 0) return -1;
+  if (PyModule_AddObjectRef(module, "Lock", reinterpret_cast<PyObject*>(&lock_type)) < 0)
+    return -1;
   return PyModule_AddObjectRef(module, "ContextRecorder",
                                reinterpret_cast<PyObject*>(&recorder_type));
 }
