@@ -6,7 +6,9 @@
 #   stages   lint; single-process tests (which also start their own multi-rank jobs); the
 #            multi-rank tests at 2 and 3 ranks on Open MPI 5, on MPICH 5 and on torch 2.14.1,
 #            and at 2 ranks on the Python frame-0 path (MPIDAG_COMPILED=0);
-#            the system-MPI build's demo and multi-rank tests at 2 ranks.
+#            the system-MPI build's demo and multi-rank tests at 2 ranks; as root, the
+#            README's set-up-and-demo command run by a normal user
+#            (scripts/check_user_setup.sh).
 # A failing stage does not stop the others: every stage runs, the summary at the end lists
 # each with its time, and the exit status is 1 if any failed. Set-up failures stop at once.
 #
@@ -118,6 +120,12 @@ if [ "$MATRIX" = 1 ]; then
     stage "demo, system MPI (Debian's Open MPI 4.1)" timeout --kill-after=30 300 \
       .venv-sysmpi/bin/python -m mpidag.run -n 2 examples/demo.py
     stage "multi-rank tests, 2 ranks, system MPI" multi_rank .venv-sysmpi 2
+  fi
+  # the README's first command as a normal user (set-up works as root and as a user; CI
+  # is root): a user made for it, a clone of HEAD in its home (scripts/check_user_setup.sh)
+  if [ "$(id -u)" = 0 ]; then
+    stage "set-up and demo as a normal user" timeout --kill-after=30 900 \
+      bash scripts/check_user_setup.sh
   fi
 fi
 
