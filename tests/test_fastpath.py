@@ -937,6 +937,42 @@ def test_waiting_answers_are_completed_in_one_dispatch_and_the_rest_keeps_its_or
         ranks.close()
 
 
+def test_a_completion_interrupts_the_wait_and_wakes_waiting_users_only_when_there_are():
+    """After a completion the C path does what ``engine.wake_waiters`` does: the engine's
+    interrupt always (a leader's ``poll_wait`` window ends), and ``wake_waiters`` itself,
+    with its lock and ``notify_all``, only while ``engine.waiting_users`` is not 0."""
+    ranks = HandDriven()
+    try:
+        engine = ranks.agents[0].engine
+        ranks.call(rf.add, 1, 2)  # (the first call makes the function's reference)
+        seen: dict[str, int] = {}
+
+        def profile(frame, event, arg):  # noqa: ARG001 - sys.setprofile's signature
+            name = frame.f_code.co_name
+            if event == "call" and name in ("wake_waiters", "interrupt_wait"):
+                seen[name] = seen.get(name, 0) + 1
+
+        sys.setprofile(profile)
+        try:
+            assert ranks.call(rf.add, 2, 3) == 5
+            none_waiting = dict(seen)
+            seen.clear()
+            engine.waiting_users += 1  # as a user thread parked in wait_until counts itself
+            try:
+                assert ranks.call(rf.add, 3, 4) == 7
+            finally:
+                engine.waiting_users -= 1
+        finally:
+            sys.setprofile(None)
+        # the in-process transport's interrupt_wait is Python, so it shows here; the MPI
+        # transport's is the wire's C interrupt
+        assert none_waiting == {"interrupt_wait": 1}, none_waiting
+        assert seen == {"interrupt_wait": 2, "wake_waiters": 1}, seen
+        assert engine.interrupt == ranks.transports[0].interrupt_wait
+    finally:
+        ranks.close()
+
+
 def test_a_build_that_fills_other_slots_is_not_used(monkeypatch):
     """The C path makes Envelope and PendingCall objects through their slots: a build whose
     list of slots differs from the classes' (sources changed without a rebuild) must not

@@ -55,7 +55,7 @@
 #include "../transport/frame_tensor.h"
 #include "../transport/slots.h"
 
-#define VERSION 13
+#define VERSION 14
 
 /* the protocol's constants (messages.py); Core.__init__ checks them against Python's */
 #define CALL 1
@@ -355,6 +355,7 @@ enum {
     O_PROFILER_ENABLED, /* torch._C._autograd._profiler_enabled() */
     O_OBSERVING_GLOBALS, /* mpidag._remote_profiling's globals (._observing) */
     O_TENSOR_FACTS,     /* _mpidag_torch's tensor_facts_api capsule (frame_tensor.h), or None */
+    O_INTERRUPT,        /* engine.interrupt: the transport's interrupt_wait() */
     N_OBJECTS
 };
 static const char *OBJECT_NAMES[N_OBJECTS] = {
@@ -370,7 +371,7 @@ static const char *OBJECT_NAMES[N_OBJECTS] = {
     "result_not_recorded", "py_unsendable", "py_serve_notify",
     "py_notify_failed", "cfuture_type", "py_answer_when_done", "torch_futures",
     "tick_hooks", "expire_due", "profiler_globals", "profiler_enabled", "observing_globals",
-    "tensor_facts"};
+    "tensor_facts", "interrupt"};
 
 typedef struct {
     PyObject_HEAD
@@ -398,7 +399,7 @@ typedef struct {
         *s_nbytes, *s_cpu, *s_id, *s_engine, *s_popleft, *s_probe_frame0,
         *s_outgoing, *s_received, *s_serving, *s_served, *s_replying, *s_sent, *s_mode,
         *s_control, *s_done, *s_value, *s_is_profiler_enabled, *s_observing,
-        *s_earliest_deadline, *s_fn;
+        *s_earliest_deadline, *s_fn, *s_waiting_users;
 } Core;
 
 static PyTypeObject *ServeWorkType;
@@ -800,6 +801,7 @@ static int Core_init(Core *self, PyObject *args, PyObject *kwds)
     NAME(s_mode, "mode") NAME(s_control, "control") NAME(s_done, "done") NAME(s_fn, "fn")
     NAME(s_value, "value") NAME(s_is_profiler_enabled, "_is_profiler_enabled")
     NAME(s_observing, "_observing") NAME(s_earliest_deadline, "earliest_deadline")
+    NAME(s_waiting_users, "waiting_users")
 #undef NAME
     return 0;
 }
@@ -2503,13 +2505,22 @@ static PyObject *new_serve_work(Core *self, PyObject *env, int kind, PyObject *r
     return (PyObject *)work;
 }
 
-/* Wake the threads that wait for calls (engine.wake_waiters), after completions; with
- * done < 0 the error set stays the one raised. 0, or -1 with an error set. */
+/* Wake the threads that wait for calls, after completions, as engine.wake_waiters does:
+ * the engine's interrupt (C on the MPI transport), then wake_waiters itself only while a
+ * user thread waits (engine.waiting_users), which spares the common case its Python frame.
+ * With done < 0 the error set stays the one raised. 0, or -1 with an error set. */
 static int wake(Core *self, int done)
 {
     PyObject *type, *exc, *tb;
     PyErr_Fetch(&type, &exc, &tb);
-    PyObject *r = PyObject_CallNoArgs(self->o[O_WAKE]);
+    PyObject *r = PyObject_CallNoArgs(self->o[O_INTERRUPT]);
+    if (r != NULL) {
+        Py_DECREF(r);
+        PyObject *waiting = PyObject_GetAttr(self->o[O_ENGINE], self->s_waiting_users);
+        int any = waiting == NULL ? -1 : PyObject_IsTrue(waiting);
+        Py_XDECREF(waiting);
+        r = any < 0 ? NULL : any ? PyObject_CallNoArgs(self->o[O_WAKE]) : Py_NewRef(Py_None);
+    }
     if (r == NULL) {
         if (type == NULL)
             PyErr_Fetch(&type, &exc, &tb);

@@ -49,7 +49,7 @@ from mpidag.transport.wire import import_built
 __all__ = ["FASTPATH_VERSION", "PythonCounters", "compiled_module", "make_counters", "problem"]
 
 #: the ``VERSION`` of ``fastpath.c`` this code calls (a build from older sources is not used)
-FASTPATH_VERSION = 13
+FASTPATH_VERSION = 14
 
 def _load() -> tuple[Any, str]:
     module, why = import_built("_mpidag_fastpath", FASTPATH_VERSION, "Python call path")

@@ -172,7 +172,9 @@ class ProgressEngine:
         self._pool_cv = Parking(self._lock)
         self._user_cv = threading.Condition(self._lock)
         self._leader_busy = False
-        self._waiters = 0  # user threads that want to lead
+        #: user threads that want to lead (parked in wait_until): the compiled call path
+        #: reads it after a completion and calls wake_waiters only when it is not 0
+        self.waiting_users = 0
         self._idle = 0  # pool threads parked
         self._work: collections.deque[Work] = collections.deque()
         self._running_work = 0
@@ -250,7 +252,7 @@ class ProgressEngine:
             True
         """
         with self._lock:
-            return EngineSnapshot(self._leader_busy, self._waiters, self._idle,
+            return EngineSnapshot(self._leader_busy, self.waiting_users, self._idle,
                                   len(self._work), self._running_work, self.pool_size,
                                   self._sentinel.parked, len(self._pool_cv),
                                   self._sentinel.looks)
@@ -281,7 +283,7 @@ class ProgressEngine:
                         work = self._work.popleft()
                         self._running_work += 1
                         break
-                    if not self._leader_busy and self._waiters == 0 and not self._stopping:
+                    if not self._leader_busy and self.waiting_users == 0 and not self._stopping:
                         self._leader_busy = True
                         work = None
                         break
@@ -314,7 +316,7 @@ class ProgressEngine:
         step = self._step
         wait = 0.0  # a window of poll_wait while the backoff would spin
         while True:
-            if self._waiters or self._stopping or (sentinel and self._idle):
+            if self.waiting_users or self._stopping or (sentinel and self._idle):
                 with self._lock:
                     self._vacate_locked()
                 return None
@@ -400,7 +402,7 @@ class ProgressEngine:
         self._naps.nap(seconds, self._nap_skip)
 
     def _nap_skip(self) -> bool:
-        return bool(self._waiters or self._stopping)
+        return bool(self.waiting_users or self._stopping)
 
     def _nap_as_user(self, seconds: float) -> None:
         self._naps.nap(seconds, self._stopping_now)
@@ -426,7 +428,7 @@ class ProgressEngine:
         sentinel also watches a vacancy that no idle pool thread was there to take.
         """
         self._leader_busy = False
-        if self._waiters:
+        if self.waiting_users:
             self._user_cv.notify()
         elif lazy or not self._idle:
             self._sentinel.note_vacancy_locked()
@@ -446,7 +448,7 @@ class ProgressEngine:
     # ----------------------------------------------------- for the Sentinel
     def _leadership_held_locked(self) -> bool:
         """A thread leads, or a user thread is about to."""
-        return self._leader_busy or bool(self._waiters)
+        return self._leader_busy or bool(self.waiting_users)
 
     def _fill_vacancy_locked(self) -> bool:
         """The leadership stayed vacant a whole interval: wake an idle pool thread to lead,
@@ -482,11 +484,22 @@ class ProgressEngine:
         thread.start()
 
     # ------------------------------------------------------------- user waits
+    @property
+    def interrupt(self) -> Callable[[], None]:
+        """What ends a leader's ``poll_wait`` window early (the transport's
+        ``interrupt_wait``): :meth:`wake_waiters` calls it first.
+
+        Example::
+
+            >>> runtime.agent.engine.interrupt()   # a window under way ends now
+        """
+        return self._interrupt
+
     def wake_waiters(self) -> None:
         """Tell user threads parked in :meth:`wait_until` to look at their condition again
         (and the leader, which may wait in ``poll_wait`` for one of them)."""
         self._interrupt()
-        if self._waiters:
+        if self.waiting_users:
             with self._lock:
                 self._user_cv.notify_all()
 
@@ -510,7 +523,7 @@ class ProgressEngine:
             if lead:  # the common case: nobody leads (a pool leader vacated lazily)
                 self._leader_busy = True
             else:
-                self._waiters += 1  # from now on pool leaders hand over to this thread
+                self.waiting_users += 1  # from now on pool leaders hand over to this thread
                 naps.wake_locked()
                 self._interrupt()
         if lead:
@@ -531,7 +544,7 @@ class ProgressEngine:
                     lead = not self._leader_busy
                     if lead:
                         self._leader_busy = True
-                        self._waiters -= 1
+                        self.waiting_users -= 1
                         registered = False
                 if lead:
                     try:
@@ -560,7 +573,7 @@ class ProgressEngine:
                 self._blocked_work -= blocked
                 naps.main_parked -= main
                 if registered:
-                    self._waiters -= 1
+                    self.waiting_users -= 1
                     self._pass_on_vacancy_locked()
 
     def _lead_as_user(self, done: Callable[[], bool], deadline: float | None) -> bool:
