@@ -298,6 +298,8 @@ def test_an_unset_slot_and_a_class_without_slots_are_errors_that_say_what(codec)
                     decode_message=frames.decode_message_python, frombuffer=torch.frombuffer,
                     grad_dtypes=[True] * len(frames.DTYPES), inline_limit=frames.INLINE_LIMIT,
                     payload_frame_limit=frames.PAYLOAD_FRAME_LIMIT)
+    # as it was: the same frames, and the same tensor maker and reader (_mpidag_torch's)
+    assert c.uses_torch_native() == (frames.torch_module() is not None)
     again = Envelope(kind=1, payload=b"x", tensors=[torch.ones(2)])
     assert bytes(c.encode(again, ["cpu"], 5)[0]) == bytes(good)
     decoded, _ = c.decode_message(bytearray(good))

@@ -136,14 +136,13 @@ static PyObject *configure(PyObject *Py_UNUSED(module), PyObject *args, PyObject
         (tensor_facts != Py_None && (tensor_facts_fn = PyCapsule_GetPointer(
              tensor_facts, MPIDAG_TENSOR_FACTS_CAPSULE)) == NULL))
         return NULL;
-    S.frame_tensor = (mpidag_frame_tensor_fn)frame_tensor_fn;
-    S.tensor_facts = (mpidag_tensor_facts_fn)tensor_facts_fn;
     if (PyList_GET_SIZE(o[12]) != PyList_GET_SIZE(o[3])) {
         PyErr_SetString(PyExc_ValueError, "configure: one grad_dtypes entry per dtype");
         return NULL;
     }
-    /* every slot checked before any is kept: the C code writes at their offsets, so a
-     * failed configure must leave the slots it had (all Envelope's, Header's, TensorSpec's) */
+    /* every slot checked before anything is kept: the C code writes at their offsets, so
+     * a failed configure must leave the codec as it was (all of Envelope's, Header's and
+     * TensorSpec's slots, the capsules' functions) */
     PyObject *slots[20] = {NULL};
     int made = 1;
     for (int i = 0; i < 8 && made; i++)
@@ -156,6 +155,8 @@ static PyObject *configure(PyObject *Py_UNUSED(module), PyObject *args, PyObject
             Py_XDECREF(slots[i]);
         return NULL;
     }
+    S.frame_tensor = (mpidag_frame_tensor_fn)frame_tensor_fn;
+    S.tensor_facts = (mpidag_tensor_facts_fn)tensor_facts_fn;
     for (int i = 0; i < 8; i++)
         Py_XSETREF(S.env_slots[i], slots[i]);
     for (int i = 0; i < 6; i++) {
