@@ -148,9 +148,10 @@ PyObject* next_id(ContextRecorder* self) {
 // ------------------------------------------------------------------------ Lock
 // _mpidag_torch.Lock: threading.Lock's interface (acquire(blocking=True, timeout=-1),
 // release, locked, with), for the locks this module takes on every recorded message (the
-// container's and each context's): taken here by a C call instead of a method call whose
-// arguments are parsed (threading.Lock's acquire: ~450 instructions from C, ~40 here). A
-// wait releases the GIL; signals are handled during it as threading.Lock's are.
+// container's, each context's, each send function's walking lock): taken here by a C call
+// instead of a method call whose arguments are parsed (threading.Lock's acquire: ~450
+// instructions from C, ~40 here). A wait releases the GIL; signals are handled during it
+// as threading.Lock's are.
 struct Lock {
   PyObject_HEAD
   PyThread_type_lock lock;
@@ -1226,7 +1227,7 @@ int mpidag::add_context_recorder(PyObject* module) {
   lock_type.tp_flags = Py_TPFLAGS_DEFAULT;
   lock_type.tp_doc =
       "Lock(): threading.Lock's interface, taken by ContextRecorder with a C call (the "
-      "locks of the context container and of its contexts)";
+      "locks of the compiled context container, its contexts and their send functions)";
   lock_type.tp_new = lock_new;
   lock_type.tp_dealloc = lock_dealloc;
   lock_type.tp_repr = lock_repr;
