@@ -312,8 +312,7 @@ int acquire(PyObject* lock) {
 int release(PyObject* lock, int rc) {
   PyObject *type = nullptr, *value = nullptr, *tb = nullptr;
   if (Py_IS_TYPE(lock, &lock_type) && reinterpret_cast<Lock*>(lock)->locked) {
-    reinterpret_cast<Lock*>(lock)->locked = false;  // (the error of rc stays set)
-    PyThread_release_lock(reinterpret_cast<Lock*>(lock)->lock);
+    lock_give(reinterpret_cast<Lock*>(lock));  // (cannot fail here; rc's error stays set)
     return rc;
   }
   if (rc < 0) PyErr_Fetch(&type, &value, &tb);
