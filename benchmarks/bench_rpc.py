@@ -30,6 +30,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,6 +65,10 @@ IMPL_KEYS: dict[str, str] = {"raw": "raw_mpi", "torch": "torch_rpc", "mpidag": "
 KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
+
+#: the threads of rank 0 that call at once in the threaded row (each its own calls in turn:
+#: while one waits for its answer another leads, so the answers are handed between threads)
+CALLER_THREADS = 4
 
 # Tags on the private benchmark communicator (raw MPI and coordination only).
 _TAG_CMD = 11
@@ -114,6 +119,8 @@ class Config:
     torch_transports: list[str] | None = None
     noop: Reps = Reps(warmup=200, reps=7, calls=2000)
     async_noop: Reps = Reps(warmup=500, reps=5, calls=5000)
+    #: the threaded row: ``calls`` in all, shared by :data:`CALLER_THREADS` threads
+    threaded_noop: Reps = Reps(warmup=400, reps=5, calls=4000)
     echo: dict[int, Reps] = field(default_factory=dict)
 
     @classmethod
@@ -131,6 +138,7 @@ class Config:
                 **common,
                 noop=Reps(warmup=50, reps=3, calls=500),
                 async_noop=Reps(warmup=100, reps=3, calls=1000),
+                threaded_noop=Reps(warmup=100, reps=3, calls=1000),
                 echo={
                     KiB: Reps(warmup=10, reps=3, calls=100),
                     MiB: Reps(warmup=2, reps=3, calls=5),
@@ -194,6 +202,11 @@ class Impl:
 
     def async_noop_batch(self, n: int) -> float | None:
         """Time ``n`` no-op calls issued asynchronously, then waited for together."""
+        return None
+
+    def threaded_noop_batch(self, n: int) -> float | None:
+        """Time ``n`` synchronous no-op round trips made by :data:`CALLER_THREADS` threads of
+        rank 0 at once (``n / CALLER_THREADS`` each, one after another in each thread)."""
         return None
 
     def echo_batch(self, x: torch.Tensor, n: int, check: bool = False) -> float | None:
@@ -354,6 +367,33 @@ class _RpcImpl(Impl):
         torch.futures.wait_all(futs)
         return time.perf_counter() - t0
 
+    def threaded_noop_batch(self, n: int) -> float | None:
+        rpc_sync, to = self.rpc.rpc_sync, self.peer()
+        each = n // CALLER_THREADS
+        start = threading.Barrier(CALLER_THREADS + 1)
+        errors: list[BaseException] = []
+
+        def caller() -> None:
+            start.wait()
+            try:
+                for _ in range(each):
+                    rpc_sync(to, noop, timeout=RPC_TIMEOUT_S)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the timing thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=caller, name=f"bench-caller-{i}")
+                   for i in range(CALLER_THREADS)]
+        for thread in threads:
+            thread.start()
+        start.wait()
+        t0 = time.perf_counter()
+        for thread in threads:
+            thread.join()
+        elapsed = time.perf_counter() - t0
+        if errors:
+            raise errors[0]
+        return elapsed
+
     def echo_batch(self, x: torch.Tensor, n: int, check: bool = False) -> float | None:
         rpc_sync, to = self.rpc.rpc_sync, self.peer()
         y = None
@@ -468,6 +508,17 @@ def measure_async_rate(impl: Impl, cfg: Config) -> Measurement:
     )
 
 
+def measure_threaded_rate(impl: Impl, cfg: Config) -> Measurement:
+    """Median no-op ``rpc_sync`` calls per second of :data:`CALLER_THREADS` threads at once."""
+    times = _repeat(impl.threaded_noop_batch, cfg.threaded_noop)
+    if times is None:
+        return Measurement(None)
+    calls = cfg.threaded_noop.calls // CALLER_THREADS * CALLER_THREADS
+    rates = [calls / t for t in times]
+    return Measurement(statistics.median(rates), rates,
+                       {"calls_per_rep": calls, "threads": CALLER_THREADS})
+
+
 def make_echo_measure(nbytes: int, method: str = "echo_batch"
                       ) -> Callable[[Impl, Config], Measurement]:
     """Build the measure function of the ``nbytes`` echo row (float32 tensor, identity);
@@ -506,6 +557,9 @@ ROWS: list[Row] = [
         "rpc_sync of a no-op function: median microseconds per round trip"),
     Row("async_calls_per_s", "calls/s", "higher", measure_async_rate,
         "rpc_async of a no-op, N calls in flight then wait_all: median calls per second"),
+    Row("threaded_calls_per_s", "calls/s", "higher", measure_threaded_rate,
+        "rpc_sync of a no-op from 4 threads of rank 0 at once, each call after the last: "
+        "median calls per second of all four"),
 ]
 for _nbytes in (KiB, MiB, 64 * MiB, GiB):
     ROWS.append(Row(

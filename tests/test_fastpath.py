@@ -937,29 +937,46 @@ def test_waiting_answers_are_completed_in_one_dispatch_and_the_rest_keeps_its_or
         ranks.close()
 
 
-def test_a_completion_interrupts_the_wait_and_wakes_waiting_users_only_when_there_are():
+@pytest.mark.parametrize("doorbell", ["C", "Python"])
+def test_a_completion_interrupts_the_wait_and_rings_the_doorbell(doorbell, monkeypatch):
     """After a completion the C path does what ``engine.wake_waiters`` does: the engine's
-    interrupt always (a leader's ``poll_wait`` window ends), and ``wake_waiters`` itself,
-    with its lock and ``notify_all``, only while ``engine.waiting_users`` is not 0."""
+    interrupt always (a leader's ``poll_wait`` window ends), then the engine's doorbell.
+    The compiled agent's doorbell is ``_mpidag_fastpath.Doorbell``: the C path rings it
+    with a C call, no Python frame, whether a user thread waits or not. With the Python
+    doorbell it calls ``wake_waiters`` itself, and only while ``engine.waiting_users`` is
+    not 0."""
+    from mpidag.agent import agent as agent_module
+    from mpidag.transport.doorbell import Doorbell
+
+    if doorbell == "Python":
+        monkeypatch.setattr(agent_module, "new_doorbell", lambda compiled: Doorbell())
     ranks = HandDriven()
     try:
         engine = ranks.agents[0].engine
+        bell = engine.doorbell
+        assert isinstance(bell, Doorbell if doorbell == "Python" else
+                          fastpath.compiled_module().Doorbell)
         ranks.call(rf.add, 1, 2)  # (the first call makes the function's reference)
         seen: dict[str, int] = {}
 
         def profile(frame, event, arg):  # noqa: ARG001 - sys.setprofile's signature
             name = frame.f_code.co_name
-            if event == "call" and name in ("wake_waiters", "interrupt_wait"):
+            if event == "call" and name in ("wake_waiters", "interrupt_wait", "ring"):
                 seen[name] = seen.get(name, 0) + 1
 
+        rung = []
         sys.setprofile(profile)
         try:
+            before = bell.generation
             assert ranks.call(rf.add, 2, 3) == 5
+            rung.append(bell.generation - before)
             none_waiting = dict(seen)
             seen.clear()
             engine.waiting_users += 1  # as a user thread parked in wait_until counts itself
             try:
+                before = bell.generation
                 assert ranks.call(rf.add, 3, 4) == 7
+                rung.append(bell.generation - before)
             finally:
                 engine.waiting_users -= 1
         finally:
@@ -967,7 +984,12 @@ def test_a_completion_interrupts_the_wait_and_wakes_waiting_users_only_when_ther
         # the in-process transport's interrupt_wait is Python, so it shows here; the MPI
         # transport's is the wire's C interrupt
         assert none_waiting == {"interrupt_wait": 1}, none_waiting
-        assert seen == {"interrupt_wait": 2, "wake_waiters": 1}, seen
+        if doorbell == "C":
+            assert seen == {"interrupt_wait": 1}, seen
+            assert rung == [1, 1]
+        else:
+            assert seen == {"interrupt_wait": 2, "wake_waiters": 1, "ring": 1}, seen
+            assert rung == [0, 1]
         assert engine.interrupt == ranks.transports[0].interrupt_wait
     finally:
         ranks.close()

@@ -44,6 +44,7 @@ from mpidag._remote_profiling import serve_profiled
 from mpidag.agent.calls import OutgoingCalls, PendingCallView
 from mpidag.agent.compiled import make_core
 from mpidag.agent.encoding import CallCodec
+from mpidag.agent.fastpath import new_doorbell
 from mpidag.agent.futures import RpcFuture
 from mpidag.agent.handlers import (
     CallObserver,
@@ -114,6 +115,7 @@ class RpcAgent:
             spin=config.poll_spin, max_sleep=max_sleep,
             sentinel_interval=config.sentinel_interval, name=f"mpidag-r{self.rank}",
             poll_wait=transport.poll_wait, interrupt=transport.interrupt_wait,
+            doorbell=new_doorbell(config.compiled),
         )
         self.calls = OutgoingCalls(self.peers, self.sender, codec, self.plugins, self.engine,
                                    options.rpc_timeout, config.ft, self._peer_failed)

@@ -134,7 +134,7 @@ def make_core(calls: OutgoingCalls, server: Server, transport: Any,
         expire_due=calls.expire_due, expiry_interval=EXPIRY_SCAN_INTERVAL,
         profiler_globals=profiler_globals, profiler_enabled=profiler_enabled,
         observing_globals=observing_globals, tensor_facts=_tensor_facts(),
-        interrupt=calls.engine.interrupt,
+        interrupt=calls.engine.interrupt, doorbell=calls.engine.doorbell,
     )
     return core, f"compiled call path ({module.__file__})"
 

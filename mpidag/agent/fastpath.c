@@ -54,8 +54,9 @@
 #include "../transport/torch_futures.h"
 #include "../transport/frame_tensor.h"
 #include "../transport/slots.h"
+#include "../transport/doorbell.h"
 
-#define VERSION 14
+#define VERSION 15
 
 /* the protocol's constants (messages.py); Core.__init__ checks them against Python's */
 #define CALL 1
@@ -356,6 +357,7 @@ enum {
     O_OBSERVING_GLOBALS, /* mpidag._remote_profiling's globals (._observing) */
     O_TENSOR_FACTS,     /* _mpidag_torch's tensor_facts_api capsule (frame_tensor.h), or None */
     O_INTERRUPT,        /* engine.interrupt: the transport's interrupt_wait() */
+    O_DOORBELL,         /* engine.doorbell: rung in C when it is a Doorbell (doorbell.h) */
     N_OBJECTS
 };
 static const char *OBJECT_NAMES[N_OBJECTS] = {
@@ -371,7 +373,7 @@ static const char *OBJECT_NAMES[N_OBJECTS] = {
     "result_not_recorded", "py_unsendable", "py_serve_notify",
     "py_notify_failed", "cfuture_type", "py_answer_when_done", "torch_futures",
     "tick_hooks", "expire_due", "profiler_globals", "profiler_enabled", "observing_globals",
-    "tensor_facts", "interrupt"};
+    "tensor_facts", "interrupt", "doorbell"};
 
 typedef struct {
     PyObject_HEAD
@@ -390,6 +392,9 @@ typedef struct {
     /* a tensor's layout, device, contiguity and size read in C++ (tensor_facts= a capsule),
      * or NULL: through its Python attributes */
     mpidag_tensor_facts_fn tensor_facts;
+    /* the engine's doorbell when it is this module's (rung with a C call), or NULL:
+     * engine.wake_waiters() while engine.waiting_users */
+    Doorbell *doorbell;
     /* the leader's tick: expire_due() at most every expiry_interval seconds */
     double expiry_interval, next_expiry;
     /* interned attribute names */
@@ -773,6 +778,8 @@ static int Core_init(Core *self, PyObject *args, PyObject *kwds)
         if (self->torch_futures == NULL)
             return -1;
     }
+    self->doorbell = PyObject_TypeCheck(self->o[O_DOORBELL], &DoorbellType)
+        ? (Doorbell *)self->o[O_DOORBELL] : NULL;
     self->tensor_facts = NULL;
     if (self->o[O_TENSOR_FACTS] != Py_None) {
         self->tensor_facts = (mpidag_tensor_facts_fn)PyCapsule_GetPointer(
@@ -2506,7 +2513,9 @@ static PyObject *new_serve_work(Core *self, PyObject *env, int kind, PyObject *r
 }
 
 /* Wake the threads that wait for calls, after completions, as engine.wake_waiters does:
- * the engine's interrupt (C on the MPI transport), then wake_waiters itself only while a
+ * the engine's interrupt (C on the MPI transport), then the engine's doorbell: rung here
+ * with a C call when it is this module's (an atomic increment, and a broadcast only while
+ * a thread sleeps on it: no Python, no Python lock), else wake_waiters itself only while a
  * user thread waits (engine.waiting_users), which spares the common case its Python frame.
  * With done < 0 the error set stays the one raised. 0, or -1 with an error set. */
 static int wake(Core *self, int done)
@@ -2514,7 +2523,9 @@ static int wake(Core *self, int done)
     PyObject *type, *exc, *tb;
     PyErr_Fetch(&type, &exc, &tb);
     PyObject *r = PyObject_CallNoArgs(self->o[O_INTERRUPT]);
-    if (r != NULL) {
+    if (r != NULL && self->doorbell != NULL) {
+        doorbell_ring(self->doorbell);
+    } else if (r != NULL) {
         Py_DECREF(r);
         PyObject *waiting = PyObject_GetAttr(self->o[O_ENGINE], self->s_waiting_users);
         int any = waiting == NULL ? -1 : PyObject_IsTrue(waiting);
@@ -2925,7 +2936,7 @@ PyMODINIT_FUNC PyInit__mpidag_fastpath(void)
 {
     if (PyType_Ready(&CountersType) < 0 || PyType_Ready(&CoreType) < 0 ||
         PyType_Ready(&TicketType) < 0 || PyType_Ready(&LiveCountType) < 0 ||
-        PyType_Ready(&MessageNameType) < 0)
+        PyType_Ready(&MessageNameType) < 0 || PyType_Ready(&DoorbellType) < 0)
         return NULL;
     for (int kind = 0; kind < N_NAME_KINDS; kind++) {
         for (int i = 0; i < 2; i++) {
@@ -2953,6 +2964,7 @@ PyMODINIT_FUNC PyInit__mpidag_fastpath(void)
         PyModule_AddObjectRef(module, "Counters", (PyObject *)&CountersType) < 0 ||
         PyModule_AddObjectRef(module, "LiveCount", (PyObject *)&LiveCountType) < 0 ||
         PyModule_AddObjectRef(module, "Core", (PyObject *)&CoreType) < 0 ||
+        PyModule_AddObjectRef(module, "Doorbell", (PyObject *)&DoorbellType) < 0 ||
         PyModule_AddObjectRef(module, "ServeWork", (PyObject *)ServeWorkType) < 0 ||
         add_names(module, "ENVELOPE_FIELDS", ENV_FIELDS, N_ENV) < 0 ||
         add_names(module, "PENDING_CALL_FIELDS", PC_FIELDS, N_PC) < 0) {

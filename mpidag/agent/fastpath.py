@@ -44,12 +44,14 @@ import threading
 from typing import Any
 
 from mpidag.agent import messages
+from mpidag.transport.doorbell import Doorbell
 from mpidag.transport.wire import import_built
 
-__all__ = ["FASTPATH_VERSION", "PythonCounters", "compiled_module", "make_counters", "problem"]
+__all__ = ["FASTPATH_VERSION", "PythonCounters", "compiled_module", "make_counters",
+           "new_doorbell", "problem"]
 
 #: the ``VERSION`` of ``fastpath.c`` this code calls (a build from older sources is not used)
-FASTPATH_VERSION = 14
+FASTPATH_VERSION = 15
 
 def _load() -> tuple[Any, str]:
     module, why = import_built("_mpidag_fastpath", FASTPATH_VERSION, "Python call path")
@@ -158,3 +160,19 @@ def make_counters(world_size: int, compiled: bool = True) -> Any:
     if compiled and _module is not None:
         return _module.Counters(world_size)
     return PythonCounters(world_size)
+
+
+def new_doorbell(compiled: bool = True) -> Any:
+    """The progress engine's doorbell (:mod:`mpidag.transport.doorbell`): the C one when the
+    module is built and ``compiled`` (its waits hold no GIL, and the compiled completion
+    path rings it with a C call), else the Python :class:`~mpidag.transport.doorbell.Doorbell`.
+
+    Example::
+
+        >>> bell = new_doorbell(compiled=False)
+        >>> seen = bell.generation; bell.ring(); bell.wait(seen, 0.0) == seen + 1
+        True
+    """
+    if compiled and _module is not None:
+        return _module.Doorbell()
+    return Doorbell()

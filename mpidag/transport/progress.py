@@ -39,12 +39,12 @@ import collections
 import contextlib
 import dataclasses
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 
 from mpidag._backoff import PURE_SPIN, Backoff
+from mpidag.transport.doorbell import Doorbell
 from mpidag.transport.frames import Envelope
 from mpidag.transport.growth import PoolGrowth
 from mpidag.transport.naps import MainThreadCPU, Naps
@@ -69,6 +69,11 @@ _in_work = _WorkFlag()
 #: Python checks run between windows: a stop or a condition set by another thread without
 #: an interrupt is seen within this)
 WAIT_WINDOW = 20e-6
+#: a user thread that waits while another leads first yields the core this many times
+#: (0.5 us each: the leader hands over within microseconds), then sleeps on the doorbell
+USER_SPINS = 50
+#: and sleeps at most this long at a time before it looks again (seconds)
+USER_WAIT = 0.05
 
 
 def _nothing() -> None:
@@ -149,6 +154,7 @@ class ProgressEngine:
         name: str = "mpidag",
         poll_wait: Callable[[float], Envelope | None] | None = None,
         interrupt: Callable[[], None] | None = None,
+        doorbell: Doorbell | None = None,
     ) -> None:
         if num_threads < 1:
             raise ValueError(f"num_worker_threads must be at least 1, got {num_threads!r}")
@@ -170,7 +176,9 @@ class ProgressEngine:
         self._lock = threading.Lock()
         #: idle pool threads, woken newest first (their memory is warm: parking.py)
         self._pool_cv = Parking(self._lock)
-        self._user_cv = threading.Condition(self._lock)
+        #: where user threads wait while another thread leads (see doorbell.py): rung by
+        #: completions, a vacant leadership and stop; the agent gives the C one
+        self._doorbell = doorbell if doorbell is not None else Doorbell()
         self._leader_busy = False
         #: user threads that want to lead (parked in wait_until): the compiled call path
         #: reads it after a completion and calls wake_waiters only when it is not 0
@@ -231,7 +239,7 @@ class ProgressEngine:
             self._stopping = True
             self._interrupt()
             self._pool_cv.notify_all()
-            self._user_cv.notify_all()
+            self._doorbell.ring()
             self._sentinel.wake_locked()
         deadline = time.monotonic() + timeout
         me = threading.current_thread()
@@ -429,7 +437,7 @@ class ProgressEngine:
         """
         self._leader_busy = False
         if self.waiting_users:
-            self._user_cv.notify()
+            self._doorbell.ring()
         elif lazy or not self._idle:
             self._sentinel.note_vacancy_locked()
         else:
@@ -495,13 +503,25 @@ class ProgressEngine:
         """
         return self._interrupt
 
+    @property
+    def doorbell(self) -> Doorbell:
+        """Where user threads wait while another thread leads (see
+        :mod:`mpidag.transport.doorbell`): the compiled completion path rings it in C.
+
+        Example::
+
+            >>> bell = runtime.agent.engine.doorbell
+            >>> seen = bell.generation; bell.ring(); bell.generation == seen + 1
+            True
+        """
+        return self._doorbell
+
     def wake_waiters(self) -> None:
         """Tell user threads parked in :meth:`wait_until` to look at their condition again
         (and the leader, which may wait in ``poll_wait`` for one of them)."""
         self._interrupt()
         if self.waiting_users:
-            with self._lock:
-                self._user_cv.notify_all()
+            self._doorbell.ring()
 
     def wait_until(self, done: Callable[[], bool], deadline: float | None) -> bool:
         """Drive progress in this thread until ``done()`` or ``time.monotonic() >= deadline``.
@@ -534,10 +554,14 @@ class ProgressEngine:
                     self._blocked_work -= blocked
                     naps.main_parked -= main
                     self._vacate_locked(lazy=True)
-        yields = 0
+        bell = self._doorbell
+        # the current leader hands over within microseconds: yield before sleeping while
+        # this wait is younger than PURE_SPIN (a ring for another thread's call ends a wait)
+        spin_until = time.perf_counter() + PURE_SPIN
         registered = True
         try:
             while True:
+                seen = bell.generation  # before every look: a ring after it is not lost
                 with lock:
                     if self._stopping:
                         return done()
@@ -555,19 +579,16 @@ class ProgressEngine:
                             self._vacate_locked(lazy=True)
                 if done():
                     return True
-                if deadline is not None and time.monotonic() >= deadline:
-                    return False
-                if yields < 50:
-                    # the current leader hands over within microseconds: do not park yet
-                    # (os.sched_yield releases the GIL for 0.5 us; time.sleep(0) costs
-                    # 25-85 us on a VM)
-                    yields += 1
-                    os.sched_yield()
-                    continue
-                with lock:
-                    if self._leader_busy and not done():
-                        wait = 0.05 if deadline is None else max(0.0, deadline - time.monotonic())
-                        self._user_cv.wait(min(wait, 0.05))
+                if deadline is None:
+                    wait = USER_WAIT
+                else:
+                    wait = deadline - time.monotonic()
+                    if wait <= 0:
+                        return False
+                # yield the core first, then sleep until rung (a completion, a vacancy,
+                # stop) or USER_WAIT passes; the C doorbell does both without the GIL
+                bell.wait(seen, min(wait, USER_WAIT),
+                          USER_SPINS if time.perf_counter() < spin_until else 0)
         finally:
             with lock:
                 self._blocked_work -= blocked
