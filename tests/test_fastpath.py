@@ -765,6 +765,47 @@ def test_integers_of_every_size_are_written_exactly():
             assert written is None, value
 
 
+@pytest.mark.parametrize("value", PICKLED_AS_PICKLE_DOES)
+def test_plain_values_are_read_back_as_pickle_reads_them(value):
+    """The compiled path reads a plain pickle itself (``plain_load``) where it would call
+    ``pickle.loads``: the same value, type and ``repr`` as pickle's, for what the writer
+    wrote; a ``pickle.dumps`` of the same value (FRAME, MEMOIZE) is left to pickle."""
+    module = fastpath.compiled_module()
+    written = module.plain_pickle(value)
+    read, back = module.plain_load(written)
+    assert read and back == value and type(back) is type(value) and repr(back) == repr(value)
+    assert module.plain_load(memoryview(b"xy" + written)[2:]) == (True, back)
+    dumped = pickle.dumps(value, 5)
+    if dumped != written:
+        assert module.plain_load(dumped) == (False, None)
+
+
+def test_the_plain_reader_integers_of_every_size_and_every_broken_pickle():
+    module = fastpath.compiled_module()
+    values = [(1 << bits) + delta for bits in range(63) for delta in (-1, 0, 1)]
+    values += [-v for v in values] + [-2**63, 2**63 - 1]
+    for value in values:
+        assert module.plain_load(module.plain_pickle(value)) == (True, value), value
+    # every cut and every flipped byte of a nested pickle: the same value as pickle.loads
+    # gives, or "not plain" (then pickle.loads reads it), never another value or a crash
+    written = module.plain_pickle((1, "é", (b"x" * 3, None, 2.5, (True, -7, 1, 2)), {}))
+    broken = [written[:cut] for cut in range(len(written))]
+    broken += [written[:i] + bytes([b]) + written[i + 1:]
+               for i in range(len(written)) for b in (0, 0x2e, 0x28, 0x74, 0x85, 0xff)]
+    for data in broken:
+        read, value = module.plain_load(data)
+        if read:
+            assert value == pickle.loads(data) and type(value) is type(pickle.loads(data))
+        else:
+            assert value is None
+    for data in (b"", b"\x80", b"\x80\x05", b"\x80\x03N.", b"\x80\x05N", b"\x80\x05NN.",
+                 b"\x80\x05(N.", b"\x80\x05t.", b"\x80\x05\x86.", b"\x80\x05\x8c\x02\xff\xfe.",
+                 b"\x80\x05\x8a\x09" + b"\x00" * 9 + b".", b"\x80\x05" + b"(" * 5 + b"."):
+        assert module.plain_load(data) == (False, None), data
+    with pytest.raises(TypeError):
+        module.plain_load("not a buffer")
+
+
 @pytest.mark.parametrize("value", [
     2**64, 1j, "\ud800", {"a": 1}, [1], ((((1,),),),), frozenset({1}), torch.ones(1),
 ])

@@ -102,6 +102,36 @@ def test_decode_message_finishes_messages_all_in_frame_0_in_c_as_in_python(codec
             [(t.tolist(), t.requires_grad, t.dtype) for t in env_c.tensors]
 
 
+@pytest.mark.parametrize("frame_type", [bytes, bytearray])
+def test_a_decoded_payload_is_a_one_dimensional_view_of_its_frame_as_in_python(codec,
+                                                                             frame_type):
+    """The C decoder narrows a fresh view of the frame in place instead of slicing it: the
+    payload must be what Python's ``memoryview(frame)[a:b]`` is, for each decoder (its
+    bytes, length, shape, format, read-only flag, the frame as its object, slicing and
+    ``release``), and once released the frame is free again (a bytearray can grow)."""
+    env = Envelope(kind=1, request_id=9, payload=b"0123456789abcdef", tensors=[])
+    frame0, _ = frames.encode_python(env, [], 5)
+    decoders = [frames.decode_header_python, frames.decode_message_python]
+    if codec != "python":
+        decoders += [frames.compiled_codec().decode_header,
+                     frames.compiled_codec().decode_message]
+    for decode in decoders:
+        frame = frame_type(frame0)
+        payload = decode(frame)[0].payload
+        expected = memoryview(frame)[frames.HEADER.size:frames.HEADER.size + 16]
+        assert isinstance(payload, memoryview) and payload.obj is frame
+        assert (bytes(payload), len(payload), payload.nbytes, payload.shape, payload.strides,
+                payload.format, payload.readonly, payload.c_contiguous) == \
+            (bytes(expected), len(expected), expected.nbytes, expected.shape,
+             expected.strides, expected.format, expected.readonly, expected.c_contiguous)
+        assert bytes(payload[2:5]) == b"234" and payload[-1] == ord("f")
+        assert payload.tobytes() == b"0123456789abcdef"
+        expected.release()
+        payload.release()
+        if frame_type is bytearray:
+            frame.extend(b"more")  # no export of the frame is left
+
+
 def test_inline_tensors_of_a_decoded_message_are_views_of_its_frame_0(codec):
     env = Envelope(kind=1, payload=b"x", tensors=[torch.arange(4.0), torch.ones(2, 3)])
     frame0 = bytearray(frames.encode(env, ["cpu", "cpu"], 1)[0])

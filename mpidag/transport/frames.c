@@ -595,6 +595,31 @@ static PyObject *inline_tensor(PyObject *frame, Py_ssize_t inline_start, const R
 /* decode_header(frame, src) and decode_message(frame, src): make_tensors says whether a
  * message whose tensors all lie inline in frame 0, for the CPU, is finished here (its
  * tensors made, no Header: the message is complete) */
+/* memoryview(frame)[start:start + n] (what frames.py's decoder makes of the payload). A
+ * 1-D view of bytes, as every frame is (bytes, bytearray, a receive buffer), is made
+ * narrower in place before anyone else sees it, as memoryview's own slicing narrows its
+ * new view (buf, len and the shape; one byte per item, so no stride changes): 0.7k
+ * instructions less a message than the slice, which makes a slice object and a second
+ * view. Any other view is sliced. */
+static PyObject *payload_view(PyObject *frame, Py_ssize_t start, Py_ssize_t n)
+{
+    PyObject *view = PyMemoryView_FromObject(frame);
+    if (view == NULL)
+        return NULL;
+    Py_buffer *v = PyMemoryView_GET_BUFFER(view);
+    if (v->ndim == 1 && v->itemsize == 1 && v->shape != NULL && v->strides != NULL &&
+        v->strides[0] == 1 && v->suboffsets == NULL && start >= 0 && n >= 0 &&
+        start + n <= v->len) {
+        v->buf = (char *)v->buf + start;
+        v->len = n;
+        v->shape[0] = n;
+        return view;
+    }
+    PyObject *slice = PySequence_GetSlice(view, start, start + n);
+    Py_DECREF(view);
+    return slice;
+}
+
 static PyObject *decode(PyObject *const *args, Py_ssize_t nargs, int make_tensors)
 {
     if (nargs < 1 || nargs > 2) {
@@ -611,7 +636,7 @@ static PyObject *decode(PyObject *const *args, Py_ssize_t nargs, int make_tensor
         return NULL;
     const char *p = buf.buf;
     Py_ssize_t len = buf.len;
-    PyObject *result = NULL, *view = NULL, *payload = NULL, *env = NULL, *specs = NULL;
+    PyObject *result = NULL, *payload = NULL, *env = NULL, *specs = NULL;
     RawSpec *raw = NULL;
     if (len < HEADER_SIZE) {
         bad_frame("shorter than its header");
@@ -632,10 +657,7 @@ static PyObject *decode(PyObject *const *args, Py_ssize_t nargs, int make_tensor
         bad_frame("its parts are longer than the frame");
         goto done;
     }
-    view = PyMemoryView_FromObject(frame);
-    if (view == NULL)
-        goto done;
-    payload = PySequence_GetSlice(view, HEADER_SIZE, HEADER_SIZE + payload_len);
+    payload = payload_view(frame, HEADER_SIZE, payload_len);
     if (payload == NULL)
         goto done;
     env = new_instance(S.envelope);
@@ -756,10 +778,6 @@ done:
     Py_XDECREF(specs);
     Py_XDECREF(env);
     Py_XDECREF(payload);
-    if (view != NULL) {
-        /* the payload slice holds its own export of the frame */
-        Py_DECREF(view);
-    }
     PyBuffer_Release(&buf);
     return result;
 }
