@@ -56,7 +56,7 @@
 #include "../transport/slots.h"
 #include "../transport/doorbell.h"
 
-#define VERSION 15
+#define VERSION 16
 
 /* the protocol's constants (messages.py); Core.__init__ checks them against Python's */
 #define CALL 1

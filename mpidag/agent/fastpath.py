@@ -51,7 +51,7 @@ __all__ = ["FASTPATH_VERSION", "PythonCounters", "compiled_module", "make_counte
            "new_doorbell", "problem"]
 
 #: the ``VERSION`` of ``fastpath.c`` this code calls (a build from older sources is not used)
-FASTPATH_VERSION = 15
+FASTPATH_VERSION = 16
 
 def _load() -> tuple[Any, str]:
     module, why = import_built("_mpidag_fastpath", FASTPATH_VERSION, "Python call path")
