@@ -622,6 +622,21 @@ static PyObject *cpu_devices(Core *self, Py_ssize_t n)
  * the codec and the transport's send_frame0 when the whole message fits in frame 0, else
  * by transport.send_now, which sends the tensors that do not fit in frames of their own on
  * a data tag (and returns once they are received). 0, or -1 */
+/* module.name (a new reference): the entry of its dict, where a module's getattr finds a
+ * name that its type does not have, without the generic lookup; PyObject_GetAttr where
+ * the dict has none (a module-level __getattr__) or module is not a module */
+static PyObject *module_attr(PyObject *module, PyObject *name)
+{
+    if (PyModule_CheckExact(module)) {
+        PyObject *value = PyDict_GetItemWithError(PyModule_GetDict(module), name);
+        if (value != NULL)
+            return Py_NewRef(value);
+        if (PyErr_Occurred())
+            return NULL;
+    }
+    return PyObject_GetAttr(module, name);
+}
+
 static int send_message(Core *self, long dst, PyObject *env, Py_ssize_t n_tensors)
 {
     if (n_tensors > 0) {
@@ -632,16 +647,14 @@ static int send_message(Core *self, long dst, PyObject *env, Py_ssize_t n_tensor
         Py_DECREF(tensors);
         if (fits < 0)
             return -1;
-        if (!fits) {
-            PyObject *send_now = PyObject_GetAttr(self->o[O_TRANSPORT], self->s_send_now);
-            PyObject *devices = send_now != NULL ? cpu_devices(self, n_tensors) : NULL;
+        if (!fits) { /* transport.send_now(dst, env, devices) */
+            PyObject *devices = cpu_devices(self, n_tensors);
             PyObject *rank = devices != NULL ? PyLong_FromLong(dst) : NULL;
             PyObject *result = NULL;
             if (rank != NULL) {
-                PyObject *args[3] = {rank, env, devices};
-                result = PyObject_Vectorcall(send_now, args, 3, NULL);
+                PyObject *args[4] = {self->o[O_TRANSPORT], rank, env, devices};
+                result = PyObject_VectorcallMethod(self->s_send_now, args, 4, NULL);
             }
-            Py_XDECREF(send_now);
             Py_XDECREF(devices);
             Py_XDECREF(rank);
             if (result == NULL)
@@ -650,7 +663,7 @@ static int send_message(Core *self, long dst, PyObject *env, Py_ssize_t n_tensor
             return 0;
         }
     }
-    PyObject *encode = PyObject_GetAttr(self->o[O_FRAMES], self->s_encode);
+    PyObject *encode = module_attr(self->o[O_FRAMES], self->s_encode);
     if (encode == NULL)
         return -1;
     PyObject *devices = cpu_devices(self, n_tensors);
@@ -672,16 +685,14 @@ static int send_message(Core *self, long dst, PyObject *env, Py_ssize_t n_tensor
                         "frames.encode did not put the whole message in frame 0");
         return -1;
     }
-    PyObject *send = PyObject_GetAttr(self->o[O_TRANSPORT], self->s_send_frame0);
+    /* transport.send_frame0(dst, frame): looked up by name each time (a profiler or a test
+     * may wrap it), without making a bound method */
     PyObject *result = NULL;
-    if (send != NULL) {
-        PyObject *rank = PyLong_FromLong(dst);
-        if (rank != NULL) {
-            PyObject *args[2] = {rank, PyTuple_GET_ITEM(encoded, 0)};
-            result = PyObject_Vectorcall(send, args, 2, NULL);
-            Py_DECREF(rank);
-        }
-        Py_DECREF(send);
+    PyObject *rank = PyLong_FromLong(dst);
+    if (rank != NULL) {
+        PyObject *args[3] = {self->o[O_TRANSPORT], rank, PyTuple_GET_ITEM(encoded, 0)};
+        result = PyObject_VectorcallMethod(self->s_send_frame0, args, 3, NULL);
+        Py_DECREF(rank);
     }
     Py_DECREF(encoded);
     if (result == NULL)
