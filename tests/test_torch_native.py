@@ -66,6 +66,39 @@ def test_received_tensors_become_outputs_of_one_recv_node_in_order():
     assert torch.equal(grad, torch.full((2, 3), 3.0))
 
 
+def test_a_received_tensor_nobody_else_holds_becomes_the_output_itself_others_a_copy():
+    """What only its message holds (the decoder's fresh leaf) is made the recv node's output
+    in place; a tensor held elsewhere too, or with a hook or a gradient, is detached
+    first, as before, and stays as it was. Either way the output is the node's, with the
+    values, storage and gradient flow of the received tensor."""
+    lone = [torch.ones(2, requires_grad=True), torch.full((3,), 2.0, requires_grad=True)]
+    lone_ids = [id(t) for t in lone]
+    held = torch.ones(4, requires_grad=True)
+    hooked = torch.ones(2, requires_grad=True)
+    hooked.register_hook(lambda grad: grad)
+    with_grad = torch.ones(2, requires_grad=True)
+    with_grad.grad = torch.zeros(2)
+    others = [held, hooked, with_grad]
+    del hooked, with_grad  # (only the list holds them, but each has its own state)
+    record = _record()
+    message = lone + others
+    del lone  # (the message's list is all that holds the first two now)
+    out = native.record_recv(record, message)
+    node = record.node()
+    assert [id(t) for t in out[:2]] == lone_ids  # the very objects, now outputs
+    for received, original in zip(out[2:], others, strict=True):
+        assert received is not original and received.data_ptr() == original.data_ptr()
+        assert original.is_leaf and original.requires_grad and original.grad_fn is None
+    assert others[2].grad is not None and torch.equal(others[2].grad, torch.zeros(2))
+    assert all(t.grad_fn is node and not t.is_leaf and t.requires_grad for t in out)
+    assert [edge_of(t).output_nr for t in out] == [0, 1, 2, 3, 4] and record.n_outputs == 5
+    assert torch.equal(out[1], torch.full((3,), 2.0))
+    grads = torch.autograd.grad(sum((t * (i + 1)).sum() for i, t in enumerate(out)),
+                                [GradientEdge(node, i) for i in range(5)])
+    assert [g.tolist() for g in grads] == [[1.0, 1.0], [2.0] * 3, [3.0] * 4, [4.0] * 2,
+                                           [5.0] * 2]
+
+
 def test_the_record_lives_as_long_as_the_node_whatever_thread_frees_it():
     count = LiveCount()
     record = _record(count)

@@ -95,7 +95,7 @@
 
 namespace {
 
-constexpr long VERSION = 9;
+constexpr long VERSION = 10;
 
 #ifndef MPIDAG_TORCH_VERSION  // torch.__version__ at build time (the build defines it)
 #error "build with -DMPIDAG_TORCH_VERSION=\"<torch.__version__>\" (mpidag's wire_build does)"
@@ -388,6 +388,26 @@ PyObject* new_weak_node(const NodePtr& node) {
 PyObject* n_outputs_name = nullptr;  // "n_outputs"
 PyObject* node_name = nullptr;       // "node"
 
+// Whether a received tensor that requires grad is held by nothing but its message (the list
+// of its tensors): its Python object has no other reference, its TensorImpl no other
+// owner, and it is a fresh leaf (no gradient, no accumulator, no hooks, not a view; what
+// the decoder makes). Then record_recv may make it the recv node's output in place.
+bool received_alone(PyObject* item, const at::Tensor& tensor) {
+  if (Py_REFCNT(item) != 1 || tensor.use_count() != 1 || tensor.is_view() ||
+      !tensor.is_leaf()) {
+    return false;
+  }
+  auto* var = reinterpret_cast<THPVariable*>(item);
+  if (var->backward_hooks != nullptr || var->post_accumulate_grad_hooks != nullptr) {
+    return false;
+  }
+  auto* meta = torch::autograd::impl::get_autograd_meta(tensor);
+  return meta != nullptr && meta->requires_grad_ && !meta->grad_.defined() &&
+         meta->grad_accumulator_.expired() && meta->hooks_.empty() &&
+         meta->cpp_hooks_list_ == nullptr && meta->post_acc_grad_hooks_ == nullptr &&
+         !meta->retains_grad_ && meta->fw_grad_ == nullptr;
+}
+
 PyObject* record_recv(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 2) {
     PyErr_SetString(PyExc_TypeError, "record_recv(record, tensors) takes 2 arguments");
@@ -417,9 +437,20 @@ PyObject* record_recv(PyObject* /*module*/, PyObject* const* args, Py_ssize_t na
         PyList_SET_ITEM(result, i, item);
         continue;
       }
+      outputs++;
+      if (received_alone(item, tensor)) {
+        // nobody else holds the received tensor: it becomes the node's output itself, as
+        // its detached copy would (same storage, version counter and metadata), without
+        // the copy's TensorImpl, autograd metadata and Python object
+        at::Tensor out = tensor;
+        out.set_requires_grad(false);
+        torch::autograd::set_history(out, node);
+        Py_INCREF(item);
+        PyList_SET_ITEM(result, i, item);
+        continue;
+      }
       at::Tensor out = tensor.detach();
       torch::autograd::set_history(out, node);
-      outputs++;
       PyObject* wrapped = THPVariable_Wrap(std::move(out));
       if (wrapped == nullptr) {
         Py_DECREF(result);
