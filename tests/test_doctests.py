@@ -105,6 +105,7 @@ MODULES = (
     "mpidag.transport.mpi",
     "mpidag.transport.naps",
     "mpidag.transport.parking",
+    "mpidag.transport.doorbell",
     "mpidag.transport.progress",
     "mpidag.transport.torch_native",
     "mpidag.transport.wire",
