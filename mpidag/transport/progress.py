@@ -180,8 +180,9 @@ class ProgressEngine:
         #: completions, a vacant leadership and stop; the agent gives the C one
         self._doorbell = doorbell if doorbell is not None else Doorbell()
         self._leader_busy = False
-        #: user threads that want to lead (parked in wait_until): the compiled call path
-        #: reads it after a completion and calls wake_waiters only when it is not 0
+        #: user threads that want to lead (parked in wait_until); with the Python doorbell
+        #: the compiled call path reads it after a completion and calls wake_waiters only
+        #: when it is not 0 (the C doorbell it rings itself, which costs less than the read)
         self.waiting_users = 0
         self._idle = 0  # pool threads parked
         self._work: collections.deque[Work] = collections.deque()
