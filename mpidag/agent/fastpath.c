@@ -618,10 +618,6 @@ static PyObject *cpu_devices(Core *self, Py_ssize_t n)
     return devices;
 }
 
-/* env (its payload inside frame 0, its tensors plain CPU ones) handed to the transport: by
- * the codec and the transport's send_frame0 when the whole message fits in frame 0, else
- * by transport.send_now, which sends the tensors that do not fit in frames of their own on
- * a data tag (and returns once they are received). 0, or -1 */
 /* module.name (a new reference): the entry of its dict, where a module's getattr finds a
  * name that its type does not have, without the generic lookup; PyObject_GetAttr where
  * the dict has none (a module-level __getattr__) or module is not a module */
@@ -637,6 +633,10 @@ static PyObject *module_attr(PyObject *module, PyObject *name)
     return PyObject_GetAttr(module, name);
 }
 
+/* env (its payload inside frame 0, its tensors plain CPU ones) handed to the transport: by
+ * the codec and the transport's send_frame0 when the whole message fits in frame 0, else
+ * by transport.send_now, which sends the tensors that do not fit in frames of their own on
+ * a data tag (and returns once they are received). 0, or -1 */
 static int send_message(Core *self, long dst, PyObject *env, Py_ssize_t n_tensors)
 {
     if (n_tensors > 0) {
@@ -1305,10 +1305,11 @@ static char *plain_write(char *p, PyObject *obj)
  * pickle.loads would make of the same bytes (UTF-8 with surrogatepass, as pickle), in
  * ~0.2k instructions instead of its ~1.3k (an Unpickler made and freed per call). */
 #define PLAIN_STACK 80
-static PyObject *plain_load(const unsigned char *p, Py_ssize_t n)
+static PyObject *plain_load(const void *data, Py_ssize_t n)
 {
+    const unsigned char *p = data;
     PyObject *stack[PLAIN_STACK];
-    Py_ssize_t marks[PLAIN_DEPTH + 1];
+    int marks[PLAIN_DEPTH + 1];
     int depth = 0, n_marks = 0;
     const unsigned char *end = p + n;
     if (n < 4 || p[0] != PICKLE_PROTO || p[1] < 4 || p[1] > 5)
@@ -1416,10 +1417,10 @@ static PyObject *plain_load(const unsigned char *p, Py_ssize_t n)
             if (op == 't') {
                 if (n_marks == 0)
                     goto not_plain;
-                first = (int)marks[--n_marks];
+                first = marks[--n_marks];
             } else {
                 first = depth - (op - 0x84);
-                if (first < (n_marks ? (int)marks[n_marks - 1] : 0))
+                if (first < (n_marks ? marks[n_marks - 1] : 0))
                     goto not_plain;
             }
             v = PyTuple_New(depth - first);
@@ -1453,17 +1454,19 @@ fail:      /* (an error set) */
     return NULL;
 }
 
-/* pickle.loads(obj) for a plain payload (any buffer): plain_load, else pickle.loads */
-static PyObject *plain_loads(Core *self, PyObject *obj)
+/* pickle.loads of the plain pickle at p[0:n] (memory the caller holds): plain_load, else
+ * pickle.loads of a view of it. A new reference, or NULL with an error set. */
+static PyObject *plain_loads(Core *self, const void *p, Py_ssize_t n)
 {
-    Py_buffer view;
-    if (PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE) < 0)
-        return NULL;
-    PyObject *value = plain_load(view.buf, view.len);
-    PyBuffer_Release(&view);
+    PyObject *value = plain_load(p, n);
     if (value != NULL || PyErr_Occurred())
         return value;
-    return PyObject_CallOneArg(self->o[O_LOADS], obj);
+    PyObject *view = PyMemoryView_FromMemory((char *)p, n, PyBUF_READ);
+    if (view == NULL)
+        return NULL;
+    value = PyObject_CallOneArg(self->o[O_LOADS], view);
+    Py_DECREF(view);
+    return value;
 }
 
 /* prefix (bytes, or NULL) + the pickle of obj, a new bytes object; Py_None (a new
@@ -2107,7 +2110,11 @@ static int complete_plain(Core *self, PyObject *env, long long flags, long src,
         payload = slot_get(self->env_slots[ENV_PAYLOAD], env);
         if (payload == NULL)
             goto done;
-        value = plain_loads(self, payload);
+        Py_buffer view;
+        if (PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE) < 0)
+            goto done;
+        value = plain_loads(self, view.buf, view.len);
+        PyBuffer_Release(&view);
         if (value == NULL) { /* Python says what could not be unpickled */
             PyErr_Clear();
             result = 0;
@@ -2429,21 +2436,7 @@ static int unpack_plain(Core *self, PyObject *env, long long flags, PyObject **f
     int no_tensors = PyList_GET_SIZE(tensors) == 0;
     if (!((flags & FLAG_PLAIN) && no_tensors) && !(flags & FLAG_TENSOR_SLOTS))
         goto done;
-    loaded = plain_load((const unsigned char *)view.buf + end, view.len - end);
-    if (loaded == NULL && PyErr_Occurred()) {
-        result = -1;
-        goto done;
-    }
-    if (loaded == NULL) { /* not as plain_write writes it: pickle.loads reads it */
-        PyObject *rest = PyMemoryView_FromMemory((char *)view.buf + end, view.len - end,
-                                                 PyBUF_READ);
-        if (rest == NULL) {
-            result = -1;
-            goto done;
-        }
-        loaded = PyObject_CallOneArg(self->o[O_LOADS], rest);
-        Py_DECREF(rest);
-    }
+    loaded = plain_loads(self, (const char *)view.buf + end, view.len - end);
     if (loaded == NULL) {
         PyErr_Clear(); /* Python's decode raises the error the caller gets */
         goto done;
