@@ -286,3 +286,29 @@ def test_the_backward_profile_times_a_step_in_thread_cpu_and_wall_time():
     (label, cpu, wall), (_, _, _) = profile.step_costs
     assert label == "compute" and isinstance(cpu, int) and isinstance(wall, int)
     del profile.step_costs[:]
+
+
+def test_the_inproc_harness_runs_a_whole_distributed_backward_in_one_thread():
+    """benchmarks/inproc_cost.py's backward row: the design document's example, forward,
+    backward and release, driven by hand through both ranks' real agents and engine, gives
+    local autograd's gradients every iteration and leaves no context behind on either
+    rank; a wait that can never end raises instead of spinning."""
+    import inproc_cost
+    import torch
+
+    ranks = inproc_cost.TwoRanks()
+    try:
+        t1, t2, t4 = leaves = inproc_cost.example_leaves()
+        ranks.drive_waits()
+        expected = torch.autograd.grad(((t1 + t2) * t4).sum(), leaves)
+        for _ in range(3):
+            grads = ranks.backward_example(t1, t2, t4)
+            assert set(grads) == set(leaves)
+            for leaf, want in zip(leaves, expected, strict=True):
+                assert torch.equal(grads[leaf], want)
+        for runtime in ranks.runtimes:
+            assert not runtime.autograd.container.contexts
+        with pytest.raises(RuntimeError, match="can never end: no message is queued"):
+            ranks.agents[0].engine.wait_until(lambda: False, None)
+    finally:
+        ranks.close()

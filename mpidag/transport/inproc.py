@@ -71,17 +71,20 @@ class InProcWorld:
         self.transports = [InProcTransport(self, rank) for rank in range(size)]
 
     def deliver_all(self, dispatch: list[Callable[[Envelope], Callable[[], None] | None]]
-                    ) -> None:
+                    ) -> int:
         """Deliver every queued message in the calling thread, highest rank first, until
         none is left: ``dispatch[r]`` is rank ``r``'s dispatcher (its agent's), and a work
-        item it returns runs at once. For harnesses that carry calls through the real agents
-        with no engine threads (``benchmarks/inproc_cost.py``, ``tests/test_fastpath.py``).
+        item it returns runs at once. Returns how many messages were delivered. For
+        harnesses that carry calls through the real agents with no engine threads
+        (``benchmarks/inproc_cost.py``, ``tests/test_fastpath.py``).
 
         Example::
 
             >>> world = InProcWorld(1)
             >>> world.deliver_all([print])      # nothing queued: returns at once
+            0
         """
+        delivered = 0
         progressed = True
         while progressed:
             progressed = False
@@ -89,9 +92,11 @@ class InProcWorld:
                 env = transport.poll()
                 if env is not None:
                     progressed = True
+                    delivered += 1
                     work = dispatch[transport.rank](env)
                     if work is not None:
                         work()
+        return delivered
 
     def contribute(self, number: int, rank: int, value: Any) -> None:
         with self.changed:
