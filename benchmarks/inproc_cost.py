@@ -27,12 +27,13 @@ distributed engine's bookkeeping (the plans, events, gradient messages and the e
 pass on both ranks), its waits driven in this thread (:meth:`TwoRanks.drive_waits`), its
 gradients checked against local autograd first; µs per iteration, the best of 5 of 2,000.
 
-``--instructions`` counts instead of timing: each of the first five rows and the last runs in a process
-of its own under ``valgrind --tool=callgrind``, collecting only inside the loop of its calls
-(the loop runs in ``itertools.starmap``, whose C function toggles the collection), and
-prints the instructions per round trip. The count is the same whatever else the machine
-does (the µs of the recording row went from 29 to 95 between hours for one tree), so it
-compares two trees in any hour; it does not see cache misses. ~2 minutes a row.
+``--instructions`` counts instead of timing: each of the first five rows and the last runs
+in a process of its own under ``valgrind --tool=callgrind``, collecting only inside the
+loop of its calls (the loop runs in ``itertools.starmap``, whose C function toggles the
+collection), and prints the instructions per round trip (per iteration). The count is the
+same whatever else the machine does (the µs of the recording row went from 29 to 95
+between hours for one tree), so it compares two trees in any hour; it does not see cache
+misses. ~2 minutes a row.
 
 ``--parts`` times the distributed autograd hooks that a call in an open context with grad
 runs (each hook timed around its own body, so a hook's time includes the hooks it calls:

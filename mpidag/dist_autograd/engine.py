@@ -514,9 +514,11 @@ class PassState:
             reaches.append(send.prepare())
             self.source_what.append(f"{send.what} (from rank {self.agent.rank})")
             self.source_send.append(send)
-        self.plan = Plan(sources, RECV_NODE_TYPES, reaches, watch=_ddp_index.watch,
+        ddp_possible = _ddp_index.possible()
+        self.plan = Plan(sources, RECV_NODE_TYPES, reaches,
+                         watch=_ddp_index.watch if ddp_possible else None,
                          native=self.ctx.container.native)
-        for node in self.plan.leaf_mask:
+        for node in self.plan.leaf_mask if ddp_possible else ():
             ddp = _ddp_index.averaged(_ddp_index.lookup(node.variable))
             if ddp is not None:
                 _check_ddp(ddp)
@@ -879,9 +881,14 @@ class _DDPIndex:
         self.lock = threading.Lock()
         self.of: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param -> weakref(DDP) | None
 
+    @staticmethod
+    def possible() -> bool:
+        """Whether a DDP module can average anything: a process group exists."""
+        return _DIST and dist.is_initialized()
+
     def lookup(self, var: torch.Tensor) -> Any:
         """The live DDP module holding ``var``, or ``None``."""
-        if not isinstance(var, torch.nn.Parameter) or not _DIST or not dist.is_initialized():
+        if not isinstance(var, torch.nn.Parameter) or not self.possible():
             return None  # no process group: no DDP module can average anything
         entry = self.of.get(var, False)
         if entry is False or (entry is not None and entry() is None):

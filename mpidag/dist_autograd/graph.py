@@ -552,7 +552,11 @@ class Plan:
             retain_graph = True
         hooked = [n.variable for n, _ in keys if n in self.hooked] if self.hooked else ()
         try:
-            with _hooks_suppressed(hooked), _intermediate_hooks_suppressed(exits):
+            if hooked or (exits and _hooked_intermediates):
+                with _hooks_suppressed(hooked), _intermediate_hooks_suppressed(exits):
+                    results = engine_grad(self.native, outputs, grad_outputs, keys,
+                                          retain_graph)
+            else:  # nothing to hold back (the common case): no context managers
                 results = engine_grad(self.native, outputs, grad_outputs, keys, retain_graph)
         finally:
             for hook in hooks:
