@@ -231,6 +231,24 @@ def test_unused_source_is_reported_waiting():
     assert plan.waiting_sources() == [1]
 
 
+def test_no_source_is_waiting_once_all_arrived_and_none_gets_gradients_twice():
+    a = torch.randn(3, requires_grad=True)
+    h = a * 2
+    root, sent = h.sum(), h.exp()
+    plan = Plan([[edge_of(root)], [edge_of(sent)]], RECV_NODE_TYPE)
+    with pytest.raises(RuntimeError, match="source 1 of this backward pass got gradients twice"):
+        plan.arrive_many([(0, [torch.tensor(1.0)]), (1, [torch.ones(3)]), (1, [torch.ones(3)])],
+                         retain_graph=False)
+    assert plan.arrived == 0  # checked before any was taken
+    assert plan.waiting_sources() == []  # (nothing arrived: nothing waits for a part)
+    leaves, _ = plan.arrive_many([(1, [torch.ones(3)]), (0, [torch.tensor(1.0)])],
+                                 retain_graph=False)
+    assert plan.complete and plan.waiting_sources() == []
+    torch.testing.assert_close(leaves[0][1], 2 + 2 * (a * 2).exp().detach())
+    with pytest.raises(RuntimeError, match="source 0 of this backward pass got gradients twice"):
+        plan.arrive(0, [torch.tensor(1.0)], retain_graph=False)
+
+
 def test_local_backward_through_a_recv_function_is_a_clear_error(received):
     x = received(torch.randn(2))
     expected = x.grad_fn.record.local_backward_error()

@@ -50,6 +50,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from collections.abc import Callable
@@ -425,8 +426,10 @@ class Plan:
     def waiting_sources(self) -> list[int]:
         """Sources that have not arrived although a region they feed has other sources that
         have: under FAST mode those regions can never run (their gradients are lost)."""
-        stuck = 0
         arrived = self.arrived
+        if arrived == (1 << self.n_sources) - 1:
+            return []  # every source arrived: none can be missing
+        stuck = 0
         for mask, region in self.regions.items():
             if not region.done and mask & arrived:
                 stuck |= mask & ~arrived
@@ -464,9 +467,11 @@ class Plan:
             >>> leaves[0][1]               # both sources at once: 6 + 2, in one engine call
             tensor([8., 8.])
         """
+        twice = () if len(arrivals) == 1 else \
+            {i for i, n in collections.Counter(i for i, _ in arrivals).items() if n > 1}
         for index, grads in arrivals:  # check all before taking any
             edges = self.sources[index]
-            if self.arrived >> index & 1 or sum(i == index for i, _ in arrivals) > 1:
+            if self.arrived >> index & 1 or index in twice:
                 raise RuntimeError(f"source {index} of this backward pass got gradients twice")
             if len(grads) != len(edges):
                 raise RuntimeError(f"source {index} expects {len(edges)} gradients, got "
@@ -536,8 +541,10 @@ class Plan:
                 if node_mask[key[0]] not in masks:
                     stops[key] = None
                     exits.append(key[0])
-            stops.update(dict.fromkeys(region.leaf_edges))
-            stops.update(dict.fromkeys(region.recv_edges))
+            for key in region.leaf_edges:
+                stops[key] = None
+            for key in region.recv_edges:
+                stops[key] = None
         if not outputs or not stops:
             return
         keys = list(stops)
