@@ -329,7 +329,6 @@ class PassState:
         self.seq = 0
         self.plan: Plan | None = None
         self.source_of: dict[int, int] = {}  # send message id -> source index
-        self.source_what: list[str] = []
         self.source_send: list[Any] = []  # the send function of each source (None: roots)
         self.asked: set[int] = set()  # SMART: message ids of recv functions asked about
         self.resolved: set[int] = set()  # SMART: recv functions this rank answered for
@@ -506,13 +505,11 @@ class PassState:
             sends = list(self.ctx.sends.values())
         sources = [] if root_edges is None else [root_edges]
         reaches = [] if root_edges is None else [None]
-        self.source_what = [] if root_edges is None else ["the roots of backward()"]
         self.source_send = [] if root_edges is None else [None]
         for send in sends:
             self.source_of[send.message_id] = len(sources)
             sources.append(send.edges)
             reaches.append(send.prepare())
-            self.source_what.append(f"{send.what} (from rank {self.agent.rank})")
             self.source_send.append(send)
         ddp_possible = _ddp_index.possible()
         self.plan = Plan(sources, RECV_NODE_TYPES, reaches,
@@ -528,6 +525,12 @@ class PassState:
                 self.ddp_waiting[ddp].add(node.variable)
         if self.smart:
             self._answer_unreached()
+
+    def _source_what(self, index: int) -> str:
+        """What source ``index`` of the plan is, for reports (made only when one waits)."""
+        send = self.source_send[index]
+        return "the roots of backward()" if send is None else \
+            f"{send.what} (from rank {self.agent.rank})"
 
     def _recv_nodes(self) -> dict[int, Any]:
         """The recv nodes this pass reaches, by message id."""
@@ -638,7 +641,7 @@ class PassState:
         with self.ctx.lock:
             unused = [r.what for mid, r in self.ctx.recvs.items() if mid not in reached]
         stuck = plan.waiting_sources()
-        waiting = [self.source_what[i] for i in stuck]
+        waiting = [self._source_what(i) for i in stuck]
         waiting_ids = [(self.source_send[i].peer, self.source_send[i].message_id)
                        for i in stuck if self.source_send[i] is not None]
         return {self.agent.rank: (self.seq, unused, waiting, waiting_ids)}
