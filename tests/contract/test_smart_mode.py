@@ -62,6 +62,8 @@ def test_fast_mode_stays_strict(world):
         with pytest.raises(dist_autograd.UnusedRPCGradientError, match="mul_sin") as info:
             dist_autograd.backward(context_id, [d.sum()], mode="fast")
         assert "FAST mode" in str(info.value)
+        assert f"mul_sin sent to {world.next} (from rank {world.rank}) never " \
+            "received a gradient" in str(info.value)  # the waiting source, named
         del info
     with dist_autograd.context() as context_id:
         d = rpc.rpc_sync(world.next, af.my_add, args=(a, b))
