@@ -21,8 +21,9 @@ context (the difference to the row is the recording of the four functions), and 
 with and without grad in a context that stays open for 100 calls (both ranks have it: one
 context made and released per 100 calls, as for the calls after a training step's first).
 Each row is the best of 5 repetitions of 5,000-20,000 calls. The last row is a whole
-iteration of the design document's example (``rpc_sync`` of ``my_add`` in a context, the
-loss, ``backward()`` across both ranks, the gradients, the context's release): the
+iteration of the design document's example (``rpc_sync`` of its ``my_add``, here
+:func:`add`, in a context, the loss, ``backward()`` across both ranks, the gradients, the
+context's release): the
 distributed engine's bookkeeping (the plans, events, gradient messages and the end of the
 pass on both ranks), its waits driven in this thread (:meth:`TwoRanks.drive_waits`), its
 gradients checked against local autograd first; µs per iteration, the best of 5 of 2,000.
@@ -83,13 +84,8 @@ def identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def my_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The design document's remote function."""
-    return a + b
-
-
 def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The remote function of the autograd row."""
+    """The remote function of the autograd rows (the design document's ``my_add``)."""
     return torch.add(a, b)
 
 
@@ -175,14 +171,14 @@ class TwoRanks:
     def backward_example(self, t1: torch.Tensor, t2: torch.Tensor, t4: torch.Tensor
                          ) -> dict[torch.Tensor, torch.Tensor]:
         """One iteration of the design document's example (needs :meth:`drive_waits`):
-        ``t3 = rpc_sync(worker1, my_add, (t1, t2))``, ``loss = (t3 * t4).sum()``, the
+        ``t3 = rpc_sync(worker1, add, (t1, t2))``, ``loss = (t3 * t4).sum()``, the
         distributed backward pass from ``loss``, its gradients, the context's release on
         both ranks; returns the gradients."""
         contexts = self.contexts
         ctx = contexts.new_context()
         previous = contexts.enter(ctx)
         try:
-            t3 = self.agents[0].call_sync(1, my_add, (t1, t2), {}, 60)
+            t3 = self.agents[0].call_sync(1, add, (t1, t2), {}, 60)
             loss = (t3 * t4).sum()
             self.runtimes[0].autograd.backward(ctx.context_id, [loss])
             grads = ctx.gradients.snapshot()
