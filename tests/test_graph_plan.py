@@ -399,3 +399,194 @@ def test_a_failed_engine_call_raises_its_own_error_in_any_grad_mode(mode):
         graph.engine_grad(None, [out], [torch.ones(3)], [leaf], False)
     with mode():
         graph.drop_unrun_tasks()  # no error of its own
+
+
+# ------------------------------------------------- the C++ plan of disjoint sources
+NATIVE = records_module()
+needs_native = pytest.mark.skipif(NATIVE is None, reason="the C++ records module is not built")
+
+
+def _disjoint_graphs(received):
+    """Graphs whose sources reach no node in common: name -> (each source's tensors, their
+    gradients, the leaves and received tensors whose gradients are compared)."""
+    torch.manual_seed(3)
+    a, w1, w2 = (torch.randn(4, requires_grad=True) for _ in range(3))
+    x = received(torch.randn(4))
+    stage = torch.tanh(x * w1 + a)  # a pipeline stage: received, computed, sent on
+    shared_w = torch.randn(4, requires_grad=True)
+    b = torch.randn(4, requires_grad=True)
+    h = (b * shared_w).exp()
+    one = torch.tensor(1.0)
+    return {
+        "pipeline stage and its loss": ([[(w2 * 2).sum()], [stage]],
+                                        [[one], [torch.randn(4)]], [a, w1, w2, x]),
+        "a leaf two sources reach": ([[(shared_w * 3).sum()], [(b * shared_w).tanh()]],
+                                     [[one], [torch.randn(4)]], [b, shared_w]),
+        "sources that are a leaf and a received tensor": (
+            [[a], [x]], [[torch.randn(4)], [torch.randn(4)]], [a, x]),
+        "one tensor sent twice in one message": (
+            [[(w2 * 2).sum()], [h, h, None]], [[one], [torch.randn(4), torch.randn(4), None]],
+            [b, shared_w, w2]),
+    }
+
+
+def _gradients(plan, batches, grads_of, retain_graph=False):
+    """Feed ``batches`` of source indices to ``plan``; the leaves' and recv functions'
+    gradients it gave, summed, and the recv nodes in the order they fired."""
+    leaves: dict[torch.Tensor, torch.Tensor] = {}
+    fired_nodes = []
+    recv_grads: dict = {}
+    for batch in batches:
+        got, fired = plan.arrive_many([(i, grads_of[i]) for i in batch], retain_graph)
+        for var, g in got:
+            leaves[var] = g if var not in leaves else leaves[var] + g
+        for node, slots in fired:
+            fired_nodes.append(node)
+            recv_grads[node] = slots
+    return leaves, recv_grads, fired_nodes
+
+
+@needs_native
+@pytest.mark.parametrize("batches", [[[0], [1]], [[1], [0]], [[0, 1]], [[1, 0]]])
+@pytest.mark.parametrize("graph_name", ["pipeline stage and its loss", "a leaf two sources reach",
+                                        "sources that are a leaf and a received tensor",
+                                        "one tensor sent twice in one message"])
+def test_the_cpp_plan_of_disjoint_sources_gives_the_gradients_of_local_autograd(
+        graph_name, batches, received):
+    from mpidag.dist_autograd.graph import make_plan
+
+    tensors, grads_of, watched = _disjoint_graphs(received)[graph_name]
+    pairs = [(t, g) for ts, gs in zip(tensors, grads_of, strict=True)
+             for t, g in zip(ts, gs, strict=True) if t is not None]
+    expected = torch.autograd.grad([t for t, _ in pairs], watched, [g for _, g in pairs],
+                                   retain_graph=True, allow_unused=True)
+    sources = [[None if t is None else edge_of(t) for t in ts] for ts in tensors]
+    plan = make_plan(sources, RECV_NODE_TYPES, native=NATIVE)
+    assert type(plan).__name__ == "DisjointPlan"
+    assert plan.n_sources == 2 and not plan.complete and plan.arrived == 0
+    leaves, recvs, fired = _gradients(plan, batches, grads_of, retain_graph=True)
+    assert plan.complete and plan.arrived == 0b11 and plan.waiting_sources() == []
+    python_plan = Plan(sources, RECV_NODE_TYPES, native=NATIVE)
+    py_leaves, py_recvs, py_fired = _gradients(python_plan, batches, grads_of, True)
+    assert set(fired) == set(py_fired) == set(plan.fired) == set(plan.recv_mask)
+    assert len(fired) == len(set(fired))  # each recv function fires once
+    for tensor, want in zip(watched, expected, strict=True):
+        if type(tensor.grad_fn) in RECV_NODE_TYPES:
+            got = recvs[tensor.grad_fn].get(0)
+            assert got is not None or want is None
+            torch.testing.assert_close(py_recvs[tensor.grad_fn].get(0), want)
+        else:
+            got = leaves.get(tensor)
+            torch.testing.assert_close(py_leaves.get(tensor), want)
+        torch.testing.assert_close(got, want)
+
+
+@needs_native
+def test_the_cpp_plan_stops_at_a_recv_function_and_sums_its_parts(received):
+    from mpidag.dist_autograd.graph import make_plan
+
+    x = received(torch.randn(3))
+    sent = x * 2 + x.exp()  # two paths into the recv node
+    plan = make_plan([[edge_of(sent)]], RECV_NODE_TYPES, native=NATIVE)
+    g = torch.randn(3)
+    leaves, fired = plan.arrive(0, [g], retain_graph=False)
+    assert leaves == [] and [node for node, _ in fired] == [x.grad_fn]
+    torch.testing.assert_close(fired[0][1][0], g * 2 + g * x.detach().exp())
+    assert plan.recv_mask == {x.grad_fn: 1} and plan.fired == {x.grad_fn}
+
+
+@needs_native
+def test_the_cpp_plan_honours_retain_graph_false():
+    from mpidag.dist_autograd.graph import make_plan
+
+    a = torch.randn(3, requires_grad=True)
+    h = a.exp()
+    plan = make_plan([[edge_of(h)]], RECV_NODE_TYPES, native=NATIVE)
+    (leaf, grad), = plan.arrive(0, [torch.ones(3)], retain_graph=False)[0]
+    assert leaf is a
+    torch.testing.assert_close(grad, a.detach().exp())
+    with pytest.raises(RuntimeError, match="second time"):
+        torch.autograd.grad(h.sum(), [a])
+
+
+def _watched_cases():
+    """Sources the C++ plan leaves to Plan: name -> (sources, watch)."""
+    a = torch.randn(3, requires_grad=True)
+    h = a * 2
+    hooked = torch.randn(3, requires_grad=True)
+    hooked.register_hook(lambda g: g * 2)
+    post = torch.randn(3, requires_grad=True)
+    post.register_post_accumulate_grad_hook(lambda t: None)
+    ddp = torch.randn(3, requires_grad=True)
+    return {
+        "a node two sources reach": ([[edge_of(h.sum())], [edge_of(h.exp())]], None),
+        "a leaf with a tensor hook": ([[edge_of((hooked * 2).sum())]], None),
+        "a leaf sent as it is, with a tensor hook": ([[edge_of(hooked)]], None),
+        "a leaf with a post-accumulate-grad hook": ([[edge_of((post * 2).sum())]], None),
+        "a leaf the caller watches (DDP)": ([[edge_of((ddp * 2).sum())]],
+                                            lambda var: var is ddp),
+    }
+
+
+@needs_native
+@pytest.mark.parametrize("case", list(_watched_cases()))
+def test_what_the_cpp_plan_does_not_take_goes_to_the_python_plan(case):
+    from mpidag.dist_autograd.graph import make_plan
+
+    sources, watch = _watched_cases()[case]
+    assert type(make_plan(sources, RECV_NODE_TYPES, watch=watch, native=NATIVE)) is Plan
+    assert type(make_plan(sources, RECV_NODE_TYPES, watch=watch, native=None)) is Plan
+
+
+@needs_native
+def test_a_recv_function_two_sources_reach_goes_to_the_python_plan(received):
+    from mpidag.dist_autograd.graph import make_plan
+
+    x = received(torch.randn(3))
+    sources = [[edge_of((x * 2).sum())], [edge_of(x.exp())]]  # no node shared, the recv is
+    assert type(make_plan(sources, RECV_NODE_TYPES, native=NATIVE)) is Plan
+
+
+@needs_native
+def test_the_cpp_plan_refuses_gradients_twice_and_wrong_counts_as_plan_does():
+    from mpidag.dist_autograd.graph import make_plan
+
+    a = torch.randn(3, requires_grad=True)
+    root, sent = (a * 2).sum(), a.exp()
+    for make in (lambda s: make_plan(s, RECV_NODE_TYPES, native=NATIVE),
+                 lambda s: Plan(s, RECV_NODE_TYPES, native=NATIVE)):
+        plan = make([[edge_of(root)], [edge_of(sent)]])
+        with pytest.raises(RuntimeError, match="^source 1 of this backward pass got "
+                                               "gradients twice$"):
+            plan.arrive_many([(1, [torch.ones(3)]), (1, [torch.ones(3)])], True)
+        with pytest.raises(RuntimeError, match="^source 0 expects 1 gradients, got 2$"):
+            plan.arrive_many([(1, [torch.ones(3)]), (0, [None, None])], True)
+        assert plan.arrived == 0  # checked before any was taken
+        plan.arrive(1, [torch.ones(3)], True)
+        with pytest.raises(RuntimeError, match="^source 1 of this backward pass got "
+                                               "gradients twice$"):
+            plan.arrive(1, [torch.ones(3)], True)
+        assert plan.arrived == 0b10 and not plan.complete
+
+
+@needs_native
+def test_a_failed_engine_call_in_the_cpp_plan_raises_its_error(monkeypatch):
+    from mpidag.dist_autograd import graph
+    from mpidag.dist_autograd.graph import make_plan
+
+    drops: list[int] = []
+    monkeypatch.setattr(graph, "drop_unrun_tasks", lambda: drops.append(1))
+
+    a = torch.ones(3, requires_grad=True)
+    bad = af.fails_in_backward(a)  # a Python node: engine_grad runs the region
+    plan = make_plan([[edge_of(bad.sum())]], RECV_NODE_TYPES, native=NATIVE)
+    assert type(plan).__name__ == "DisjointPlan"
+    with pytest.raises(ValueError, match="backward of FailingBackward failed on purpose"):
+        plan.arrive(0, [torch.tensor(1.0)], retain_graph=False)
+    c = torch.ones(2, requires_grad=True)
+    h = c * 2
+    h.register_hook(lambda g: 1 / 0)  # raises inside the direct C++ engine call
+    wrong = make_plan([[edge_of(h.sum())]], RECV_NODE_TYPES, native=NATIVE)
+    with pytest.raises(ZeroDivisionError):
+        wrong.arrive(0, [torch.tensor(1.0)], retain_graph=False)
+    assert len(drops) == 2  # what each failed engine call left queued was freed

@@ -81,7 +81,7 @@ from mpidag.dist_autograd.context import (
     DistAutogradContext,
     new_container,
 )
-from mpidag.dist_autograd.graph import Plan, edge_of, track_intermediate_hooks
+from mpidag.dist_autograd.graph import Plan, edge_of, make_plan, track_intermediate_hooks
 from mpidag.errors import detached_copy, frameless, future_error, node_error
 
 __all__ = ["DistAutograd", "PassState", "UnusedRPCGradientError", "UnusedRPCWarning",
@@ -327,7 +327,7 @@ class PassState:
         self.errors: list[BaseException] = []
         self.reports: Report = {}
         self.seq = 0
-        self.plan: Plan | None = None
+        self.plan: Plan | Any = None  # (a Plan, or native's DisjointPlan: make_plan)
         self.source_of: dict[int, int] = {}  # send message id -> source index
         self.source_send: list[Any] = []  # the send function of each source (None: roots)
         self.asked: set[int] = set()  # SMART: message ids of recv functions asked about
@@ -512,9 +512,9 @@ class PassState:
             reaches.append(send.prepare())
             self.source_send.append(send)
         ddp_possible = _ddp_index.possible()
-        self.plan = Plan(sources, RECV_NODE_TYPES, reaches,
-                         watch=_ddp_index.watch if ddp_possible else None,
-                         native=self.ctx.container.native)
+        self.plan = make_plan(sources, RECV_NODE_TYPES, reaches,
+                              watch=_ddp_index.watch if ddp_possible else None,
+                              native=self.ctx.container.native)
         for node in self.plan.leaf_mask if ddp_possible else ():
             ddp = _ddp_index.averaged(_ddp_index.lookup(node.variable))
             if ddp is not None:

@@ -63,7 +63,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["AccumulateGrad", "EdgeKey", "Plan", "Reach", "drop_unrun_tasks", "edge_of",
-           "edges_of", "tensor_hooks", "track_intermediate_hooks"]
+           "edges_of", "make_plan", "tensor_hooks", "track_intermediate_hooks"]
 
 log = logging.getLogger(__name__)
 
@@ -587,6 +587,40 @@ class Plan:
             seen.add(node)
             stack.extend(nxt for nxt, _ in node.next_functions)
         return False
+
+
+def make_plan(sources: list[list[GradientEdge | None]], recv_types: type | frozenset[type],
+              reaches: list[Reach | None] | None = None,
+              watch: Callable[[torch.Tensor], bool] | None = None,
+              native: Any = None) -> Any:
+    """The plan of ``sources`` (:class:`Plan`'s arguments): the C++ ``DisjointPlan`` of
+    ``native`` (the C++ records module) where no node and no recv function is reached from
+    two sources and no leaf reached is watched (a pipeline stage, a parameter server: one
+    region per source, run as soon as it arrives, with no Python frame per step), else a
+    :class:`Plan`. Both have the surface the engine uses (``arrive``, ``arrive_many``,
+    ``complete``, ``arrived``, ``recv_mask``, ``fired``, ``waiting_sources``, ...) and give
+    the same gradients.
+
+    Example::
+
+        >>> a = torch.ones(2, requires_grad=True); root = (a * 3).sum()
+        >>> plan = make_plan([[edge_of(root)]], recv_types=type(None))
+        >>> plan.arrive(0, [torch.tensor(1.0)], retain_graph=False)[0][0][1]
+        tensor([3., 3.])
+    """
+    kinds = _type_set(recv_types)
+    if native is not None and not _suppressed and sources:
+        known = list(reaches) if reaches is not None else [None] * len(sources)
+        known = [reach if reach is not None else Reach(edges, kinds, native)
+                 for edges, reach in zip(sources, known, strict=True)]
+        plan = native.disjoint_plan(
+            sources if type(sources) is list else list(sources), known, kinds, AccumulateGrad,
+            watch, engine_grad, drop_unrun_tasks, native,
+            _autograd_log.getEffectiveLevel() > logging.DEBUG)
+        if plan is not None:
+            return plan
+        reaches = known
+    return Plan(sources, kinds, reaches, watch=watch, native=native)
 
 
 def engine_grad(native: Any, outputs: list[EdgeKey], grads: list[torch.Tensor],

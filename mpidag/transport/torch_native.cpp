@@ -1,6 +1,6 @@
 // _mpidag_torch: mpidag's C++ against torch, where Python's torch API costs most per message.
 //
-// Six parts, each doing what torch's own C++ does (torch/csrc/distributed/autograd/utils.cpp,
+// Seven parts, each doing what torch's own C++ does (torch/csrc/distributed/autograd/utils.cpp,
 // torch/csrc/utils/tensor_new.cpp):
 //
 // 1. Frame-0 tensors for the C codec (_mpidag_frames): frame_tensor(frame, offset, dtype,
@@ -55,6 +55,9 @@
 //    torch_records.h): distributed autograd's per-message hooks and a context's life, the
 //    first base class of the compiled ContextContainer; it calls record_recv and
 //    send_reach above without a Python call.
+// 7. DisjointPlan, in the third translation unit (torch_plan.cpp): one rank's plan of a
+//    backward pass where its sources reach disjoint parts of the graph (the common case of
+//    mpidag.dist_autograd.graph.Plan), calling run_grad above without a Python call.
 //
 // Built per virtual environment against that environment's torch (python -m
 // mpidag.transport.wire_build, run by scripts/setup.sh; mpidag.transport.torch_native loads
@@ -95,7 +98,7 @@
 
 namespace {
 
-constexpr long VERSION = 10;
+constexpr long VERSION = 11;
 
 #ifndef MPIDAG_TORCH_VERSION  // torch.__version__ at build time (the build defines it)
 #error "build with -DMPIDAG_TORCH_VERSION=\"<torch.__version__>\" (mpidag's wire_build does)"
@@ -1187,6 +1190,10 @@ PyObject* mpidag::send_reach(PyObject* module, PyObject* const* args, Py_ssize_t
   return ::send_reach(module, args, nargs);
 }
 
+PyObject* mpidag::run_grad(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
+  return ::run_grad(module, args, nargs);
+}
+
 PyMODINIT_FUNC PyInit__mpidag_torch(void) {
   n_outputs_name = PyUnicode_InternFromString("n_outputs");
   node_name = PyUnicode_InternFromString("node");
@@ -1254,7 +1261,7 @@ PyMODINIT_FUNC PyInit__mpidag_torch(void) {
       PyModule_AddObject(module, "frame_tensor_api", api) < 0 ||
       PyModule_AddObject(module, "tensor_facts_api", facts) < 0 ||
       PyModule_AddObject(module, "futures_api", futures) < 0 ||
-      mpidag::add_context_recorder(module) < 0 ||
+      mpidag::add_context_recorder(module) < 0 || mpidag::add_disjoint_plan(module) < 0 ||
       PyModule_AddIntConstant(module, "VERSION", VERSION) < 0 ||
       PyModule_AddStringConstant(module, "TORCH_VERSION", MPIDAG_TORCH_VERSION) < 0) {
     Py_DECREF(module);

@@ -1,4 +1,4 @@
-// What the two translation units of _mpidag_torch share: torch_native.cpp's per-message
+// What the three translation units of _mpidag_torch share: torch_native.cpp's per-message
 // records of distributed autograd, called by torch_recorder.cpp's ContextRecorder without a
 // Python call, and the recorder's type, added to the module by torch_native.cpp's init.
 #ifndef MPIDAG_TORCH_RECORDS_H
@@ -13,8 +13,15 @@ namespace mpidag {
 PyObject* record_recv(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 PyObject* send_reach(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 
+// run_grad(outputs, grads, inputs, keep_graph) of the module (torch_native.cpp), for
+// torch_plan.cpp's DisjointPlan
+PyObject* run_grad(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
+
 // the ContextRecorder type (torch_recorder.cpp), made ready and added to module; -1: error
 int add_context_recorder(PyObject* module);
+
+// the DisjointPlan type and disjoint_plan() (torch_plan.cpp), added to module; -1: error
+int add_disjoint_plan(PyObject* module);
 
 }  // namespace mpidag
 
