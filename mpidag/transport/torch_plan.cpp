@@ -127,6 +127,26 @@ int accumulate(PyObject* dict, PyObject* key, PyObject* grad) {
   return sum ? PyDict_SetItem(dict, key, sum.get()) : -1;
 }
 
+// 1 << i as a Python int (a source's bit in graph.Plan's masks); nullptr on an error
+PyObject* source_bit(size_t i) {
+  THPObjectPtr one(PyLong_FromLong(1)), shift(PyLong_FromSize_t(i));
+  return one && shift ? PyNumber_Lshift(one.get(), shift.get()) : nullptr;
+}
+
+// calls each(item) for every item of a set (through its iterator: no private CPython API);
+// -1 on an error or where each returns -1, 1 where each returns 1 (stop), else 0
+template <class Each>
+int for_each(PyObject* set, Each each) {
+  THPObjectPtr it(PyObject_GetIter(set));
+  if (!it) return -1;
+  while (PyObject* item = PyIter_Next(it.get())) {
+    int said = each(item);  // (borrowed: the set holds it)
+    Py_DECREF(item);
+    if (said != 0) return said;
+  }
+  return PyErr_Occurred() ? -1 : 0;
+}
+
 // disjoint_plan(...): see the file's text
 PyObject* disjoint_plan(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 9 || !PyList_Check(args[0]) || !PyList_Check(args[1]) ||
@@ -190,42 +210,32 @@ PyObject* disjoint_plan(PyObject* /*module*/, PyObject* const* args, Py_ssize_t 
       return nullptr;
     }
     // its recv nodes: a recv node behind two sources is not the common case
-    THPObjectPtr bit(PyLong_FromSsize_t(i));
-    THPObjectPtr one(PyLong_FromLong(1));
-    if (!bit || !one) return nullptr;
-    THPObjectPtr mask(PyNumber_Lshift(one.get(), bit.get()));
+    THPObjectPtr mask(source_bit(static_cast<size_t>(i)));
     if (!mask) return nullptr;
-    Py_ssize_t pos = 0;
-    PyObject* node;
-    Py_hash_t hash;
-    while (_PySet_NextEntry(recv_nodes.get(), &pos, &node, &hash)) {
+    int said = for_each(recv_nodes.get(), [&](PyObject* node) {
       int seen = PyDict_Contains(plan->recv_mask, node);
-      if (seen < 0) return nullptr;
-      if (seen) Py_RETURN_NONE;
-      if (PyDict_SetItem(plan->recv_mask, node, mask.get()) < 0) return nullptr;
-      source.recv_nodes.push_back(node);
-    }
+      if (seen != 0) return seen;
+      if (PyDict_SetItem(plan->recv_mask, node, mask.get()) < 0) return -1;
+      source.recv_nodes.push_back(node);  // (borrowed: recv_mask holds it)
+      return 0;
+    });
+    if (said < 0) return nullptr;
+    if (said > 0) Py_RETURN_NONE;
     // where the engine stops: the leaf edges, then the recv edges (graph.Plan._run's order)
     source.stops = PyList_New(0);
     if (source.stops == nullptr) return nullptr;
     for (PyObject* set : {leaf_edges.get(), recv_edges.get()}) {
-      pos = 0;
-      PyObject* key;
-      while (_PySet_NextEntry(set, &pos, &key, &hash)) {
-        if (PyList_Append(source.stops, key) < 0) return nullptr;
-      }
+      if (for_each(set, [&](PyObject* key) { return PyList_Append(source.stops, key); }) < 0)
+        return nullptr;
     }
-    // the leaves reached: watched ones need graph.Plan
-    pos = 0;
-    PyObject* key;
-    while (_PySet_NextEntry(leaf_edges.get(), &pos, &key, &hash)) {
-      PyObject* leaf = PyTuple_GET_ITEM(key, 0);
-      if (!checked.insert(leaf).second) continue;
-      int is_watched = watched(leaf, watch);
-      if (is_watched < 0) return nullptr;
-      if (is_watched) Py_RETURN_NONE;
-    }
-    for (Py_ssize_t e = 0; e < PyList_GET_SIZE(edges); e++) {
+    // the leaves reached, behind the source or as its edges: watched ones need graph.Plan
+    auto check_leaf = [&](PyObject* leaf) {
+      return checked.insert(leaf).second ? watched(leaf, watch) : 0;
+    };
+    said = for_each(leaf_edges.get(), [&](PyObject* key) {
+      return check_leaf(PyTuple_GET_ITEM(key, 0));
+    });
+    for (Py_ssize_t e = 0; said == 0 && e < PyList_GET_SIZE(edges); e++) {
       PyObject* edge = PyList_GET_ITEM(edges, e);
       if (edge == Py_None) continue;
       if (!PyTuple_Check(edge) || PyTuple_GET_SIZE(edge) < 2) {
@@ -233,13 +243,10 @@ PyObject* disjoint_plan(PyObject* /*module*/, PyObject* const* args, Py_ssize_t 
         return nullptr;
       }
       PyObject* leaf = PyTuple_GET_ITEM(edge, 0);
-      if (reinterpret_cast<PyObject*>(Py_TYPE(leaf)) != plan->acc_type ||
-          !checked.insert(leaf).second)
-        continue;
-      int is_watched = watched(leaf, watch);
-      if (is_watched < 0) return nullptr;
-      if (is_watched) Py_RETURN_NONE;
+      if (reinterpret_cast<PyObject*>(Py_TYPE(leaf)) == plan->acc_type) said = check_leaf(leaf);
     }
+    if (said < 0) return nullptr;
+    if (said > 0) Py_RETURN_NONE;
     if (PyDict_GET_SIZE(succ.get()) > largest_size) {
       largest = i;
       largest_size = PyDict_GET_SIZE(succ.get());
@@ -506,9 +513,7 @@ PyObject* plan_arrived(PyObject* self, void* /*unused*/) {
   THPObjectPtr mask(PyLong_FromLong(0));
   for (size_t i = 0; mask && i < state.sources.size(); i++) {
     if (!state.arrived[i]) continue;
-    THPObjectPtr one(PyLong_FromLong(1)), shift(PyLong_FromSize_t(i));
-    if (!one || !shift) return nullptr;
-    THPObjectPtr bit(PyNumber_Lshift(one.get(), shift.get()));
+    THPObjectPtr bit(source_bit(i));
     if (!bit) return nullptr;
     mask = THPObjectPtr(PyNumber_Or(mask.get(), bit.get()));
   }
