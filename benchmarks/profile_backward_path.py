@@ -53,6 +53,7 @@ import bench_autograd as workload  # noqa: E402 - after the path set-up
 import mpidag.autograd as dist_autograd  # noqa: E402
 import mpidag.dist_autograd.engine as engine  # noqa: E402
 import mpidag.dist_autograd.graph as graph  # noqa: E402
+import mpidag.dist_autograd.native as native_records  # noqa: E402
 import mpidag.rpc as rpc  # noqa: E402
 
 clock = time.perf_counter_ns
@@ -68,6 +69,21 @@ def stamped_grad(*args, **kwargs):
         return _grad(*args, **kwargs)
     finally:
         stamps.append(("grad_end", clock()))
+
+
+def route_native_plans_through_stamps() -> None:
+    """The C++ plan of disjoint sources (``_mpidag_torch.DisjointPlan``) calls torch's engine
+    without Python: made with ``direct`` false, it calls ``graph.engine_grad`` (the stamped
+    one) for each region instead, one Python call more per engine call."""
+    native = native_records.records_module()
+    if native is None or not hasattr(native, "disjoint_plan"):
+        return
+    made = native.disjoint_plan
+
+    def disjoint_plan(*args: Any) -> Any:
+        return made(*args[:-1], False)
+
+    native.disjoint_plan = disjoint_plan
 
 
 #: (label, thread CPU ns, wall ns) of each call of the engine's steps on a hop
@@ -323,6 +339,7 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     graph.engine_grad = stamped_grad
+    route_native_plans_through_stamps()
     for cls, name, label in HOP_STEPS:
         setattr(cls, name, cpu_stamped(getattr(cls, name), label))
     rank = MPI.COMM_WORLD.Get_rank()
