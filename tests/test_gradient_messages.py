@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mpidag.dist_autograd.engine import COMPACT_MIN_NUMEL, _compact, _expand_back
+from mpidag.dist_autograd.native import records_module
 from mpidag.transport.frames import is_plain
 
 
@@ -41,3 +42,35 @@ def test_other_gradients_travel_whole_and_contiguous():
     sparse = torch.eye(3).to_sparse()
     assert _compact(sparse) == (sparse, None)
     assert _compact(None) == (None, None)
+
+
+NATIVE = records_module()
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+@pytest.mark.skipif(NATIVE is None, reason="the C++ records module is not built")
+def test_the_cpp_compaction_sends_what_the_python_one_does():
+    grads = [torch.ones(()).expand(64, 128), torch.arange(128.0).expand(64, 128),
+             torch.arange(64.0).view(64, 1).expand(64, 128).t(), torch.rand(64, 128),
+             torch.rand(64, 128).t(), torch.ones(()).expand(COMPACT_MIN_NUMEL - 1),
+             torch.ones(()).expand(*[2] * 12), torch.eye(3).to_sparse(), None]
+    sent, shapes = NATIVE.compact_grads(grads, COMPACT_MIN_NUMEL)
+    assert len(sent) == len(shapes) == len(grads)
+    for grad, got, shape in zip(grads, sent, shapes, strict=True):
+        want, want_shape = _compact(grad)
+        assert shape == want_shape
+        if grad is None or grad.is_sparse or grad.is_contiguous():
+            assert got is grad  # as it is, no copy
+        else:
+            assert got.is_contiguous() and torch.equal(got, want)
+    dense = [torch.rand(3), torch.ones(()).expand(5)]
+    sent, shapes = NATIVE.compact_grads(dense, COMPACT_MIN_NUMEL)
+    assert shapes is None and sent[0] is dense[0] and torch.equal(sent[1], torch.ones(5))
+    assert NATIVE.compact_grads((), COMPACT_MIN_NUMEL) == ([], None)
+    # a tensor subclass is the Python function's (its __torch_function__ may matter)
+    assert NATIVE.compact_grads([torch.ones(2).as_subclass(_Subclass)], 1) is None
+    with pytest.raises(TypeError, match=r"compact_grads\(grads: list, min_numel: int\)"):
+        NATIVE.compact_grads(torch.ones(2), 1)

@@ -590,3 +590,84 @@ def test_a_failed_engine_call_in_the_cpp_plan_raises_its_error(monkeypatch):
     with pytest.raises(ZeroDivisionError):
         wrong.arrive(0, [torch.tensor(1.0)], retain_graph=False)
     assert len(drops) == 2  # what each failed engine call left queued was freed
+
+
+def _received_from(record: RecvRecord, value: torch.Tensor) -> torch.Tensor:
+    """``value`` as the one tensor of a message of ``record`` (the C++ records' node)."""
+    (out,) = NATIVE.record_recv(record, [value.detach().requires_grad_()])
+    return out
+
+
+@needs_native
+def test_the_cpp_plans_step_is_one_event_of_the_pass():
+    """``DisjointPlan.step``: a gradient message's sources found by message id, their
+    regions run, and the recv functions that fired grouped into one message a peer (up to
+    ``max_batch`` each, ids in a tuple and their gradients one after the other), those of
+    another context apart; the gradients are local autograd's."""
+    from mpidag.dist_autograd.graph import make_plan
+
+    torch.manual_seed(5)
+    records = {mid: RecvRecord(context, mid, peer=peer, n_outputs=1, what=f"msg {mid:x}")
+               for mid, peer, context in ((0x11, 1, 1), (0x12, 1, 1), (0x13, 2, 1),
+                                          (0x14, 1, 1), (0x15, 1, 9))}
+    x = {mid: _received_from(r, torch.randn(3)) for mid, r in records.items()}
+    w = torch.randn(3, requires_grad=True)
+    root = (x[0x11] * w).sum()                            # source 0: the roots
+    sent1 = x[0x12].exp() + x[0x13] * 3 + x[0x14].sin()   # source 1: send 0xA1
+    sent2 = x[0x15] * 2                                   # source 2: send 0xA2 (context 9)
+    plan = make_plan([[edge_of(root)], [edge_of(sent1)], [edge_of(sent2)]], RECV_NODE_TYPES,
+                     native=NATIVE)
+    assert type(plan).__name__ == "DisjointPlan"
+    g1, g2 = torch.randn(3), torch.randn(3)
+    want = dict(zip([w, *x.values()], torch.autograd.grad(
+        [root, sent1, sent2], [w, *x.values()], [torch.tensor(1.0), g1, g2],
+        retain_graph=True), strict=True))
+
+    assert plan.step(0xA1, [g1], True, 1, 8) is None  # sources not named yet: Python's
+    plan.name_sources([None, 0xA1, 0xA2])
+    assert plan.step(0xBAD, [g1], True, 1, 8) is None  # unknown id: Python raises
+    assert plan.step((0xA1, 0xA2), [g1], True, 1, 8) is None  # too few gradients
+    assert plan.step(0xA1, [g1, g2], True, 1, 8) is None  # too many
+    assert plan.arrived == 0  # nothing taken
+
+    leaves, sends, foreign = plan.step(None, [torch.tensor(1.0)], True, 1, 8)
+    torch.testing.assert_close(dict(leaves)[w], want[w])
+    assert foreign is None
+    ((peer, mid, grads),) = sends
+    assert (peer, mid) == (1, 0x11)
+    torch.testing.assert_close(grads[0], want[x[0x11]])
+
+    leaves, sends, foreign = plan.step((0xA1, 0xA2), [g1, g2], True, 1, 2)
+    assert leaves == [] and foreign == [records[0x15]]
+    by_peer = {peer: (mid, grads) for peer, mid, grads in sends}
+    assert set(by_peer) == {1, 2} and len(sends) == 2
+    ids, grads = by_peer[1]  # two recv functions of peer 1: one message, ids in a tuple
+    assert sorted(ids) == [0x12, 0x14] and len(grads) == 2
+    for mid, grad in zip(ids, grads, strict=True):
+        torch.testing.assert_close(grad, want[x[mid]])
+    assert by_peer[2][0] == 0x13
+    torch.testing.assert_close(by_peer[2][1][0], want[x[0x13]])
+    assert plan.complete
+
+
+@needs_native
+def test_the_cpp_plans_step_batches_and_says_no_gradient():
+    from mpidag.dist_autograd.graph import make_plan
+
+    records = [RecvRecord(1, 0x20 + i, peer=1, n_outputs=1, what="m") for i in range(5)]
+    xs = [_received_from(r, torch.randn(2)) for r in records]
+    sent = sum(x * (i + 1) for i, x in enumerate(xs))
+    plan = make_plan([[edge_of(sent)]], RECV_NODE_TYPES, native=NATIVE)
+    plan.name_sources([0xA1])
+    leaves, sends, foreign = plan.step(0xA1, None, False, 1, 2)  # SMART: none can come
+    assert leaves == [] and foreign is None
+    assert [len(ids) if type(ids) is tuple else 1 for _, ids, _ in sends] == [2, 2, 1]
+    assert all(g is None for _, _, grads in sends for g in grads)
+    assert sorted(i for _, ids, _ in sends
+                  for i in (ids if type(ids) is tuple else (ids,))) == [0x20 + i for i in
+                                                                        range(5)]
+    with pytest.raises(ValueError, match="max_batch is at least 1"):
+        plan.step(0xA1, None, False, 1, 0)
+    with pytest.raises(RuntimeError, match="^source 0 of this backward pass got gradients "
+                                           "twice$"):
+        plan.step(0xA1, None, False, 1, 2)

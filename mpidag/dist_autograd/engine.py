@@ -328,6 +328,12 @@ class PassState:
         self.reports: Report = {}
         self.seq = 0
         self.plan: Plan | Any = None  # (a Plan, or native's DisjointPlan: make_plan)
+        #: a DisjointPlan's ``step``: an event's arrivals, engine calls and gradient
+        #: messages in one C++ call (None: a Plan's pass, run by the Python below)
+        self.native_step: Any = None
+        #: native's ``compact_grads`` (:func:`_compact` of each gradient in C++), or None
+        native = ctx.container.native
+        self.compact_grads: Any = getattr(native, "compact_grads", None)
         self.source_of: dict[int, int] = {}  # send message id -> source index
         self.source_send: list[Any] = []  # the send function of each source (None: roots)
         self.asked: set[int] = set()  # SMART: message ids of recv functions asked about
@@ -407,6 +413,17 @@ class PassState:
                 for peer, message_id in event.recvs:
                     self._ask(peer, message_id)
                 return []
+            step = self.native_step
+            if step is not None:
+                done = step(None if type(event) is RootsEvent else event.message_id,
+                            event.grads, self.retain_graph, self.ctx.context_id, MAX_BATCH)
+                if done is not None:  # (None: a message that does not fit, raised below)
+                    leaves, sends, foreign = done
+                    for record in foreign or ():
+                        log.debug("gradient for %r of another context dropped", record)
+                    for peer, message_id, grads in sends:
+                        self._send(peer, message_id, grads)
+                    return leaves  # (no leaf of a DisjointPlan is watched: none completed)
             if type(event) is RootsEvent:
                 leaves, fired = plan.arrive(0, event.grads, self.retain_graph)
             else:
@@ -515,6 +532,10 @@ class PassState:
         self.plan = make_plan(sources, RECV_NODE_TYPES, reaches,
                               watch=_ddp_index.watch if ddp_possible else None,
                               native=self.ctx.container.native)
+        if type(self.plan) is not Plan:  # native's DisjointPlan: one C++ call an event
+            self.plan.name_sources([None if send is None else send.message_id
+                                    for send in self.source_send])
+            self.native_step = self.plan.step
         for node in self.plan.leaf_mask if ddp_possible else ():
             ddp = _ddp_index.averaged(_ddp_index.lookup(node.variable))
             if ddp is not None:
@@ -593,12 +614,18 @@ class PassState:
                 self.handed_over += 1
         flags = (RETAIN_GRAPH if self.retain_graph else 0) | (SMART if self.smart else 0) | \
             (NO_GRADIENT if grads is None else 0) | (TO_PARENT if to_parent else 0)
-        sent = [_compact(g) for g in grads or ()]
-        shapes = [shape for _, shape in sent]
-        expanded = any(shape is not None for shape in shapes)
+        compacted = None if not grads or self.compact_grads is None else \
+            self.compact_grads(grads, COMPACT_MIN_NUMEL)  # (None: done in Python)
+        if compacted is None:
+            pairs = [_compact(g) for g in grads or ()]
+            sent = [g for g, _ in pairs]
+            shapes: list | None = [shape for _, shape in pairs]
+            if all(shape is None for shape in shapes):
+                shapes = None
+        else:
+            sent, shapes = compacted
         args = (self.ctx.context_id, self.pass_id, message_id,
-                flags | (EXPANDED if expanded else 0), *[g for g, _ in sent],
-                *(shapes if expanded else ()))
+                flags | (EXPANDED if shapes is not None else 0), *sent, *(shapes or ()))
         if not to_parent:
             self._call(peer, self.autograd.gradients_handler, args)
             return

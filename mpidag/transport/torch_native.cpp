@@ -98,7 +98,7 @@
 
 namespace {
 
-constexpr long VERSION = 11;
+constexpr long VERSION = 12;
 
 #ifndef MPIDAG_TORCH_VERSION  // torch.__version__ at build time (the build defines it)
 #error "build with -DMPIDAG_TORCH_VERSION=\"<torch.__version__>\" (mpidag's wire_build does)"

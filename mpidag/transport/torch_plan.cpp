@@ -27,11 +27,14 @@
 
 #include <torch/csrc/python_headers.h>
 
+#include <ATen/ATen.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/object_ptr.h>
 
 #include <structmember.h>
 
+#include <algorithm>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -41,7 +44,7 @@
 namespace {
 
 PyObject *s_succ, *s_leaf_edges, *s_recv_edges, *s_recv_nodes, *s_variable, *s_backward_hooks,
-    *s_post_hooks;
+    *s_post_hooks, *s_record, *s_context_id, *s_peer, *s_message_id, *s_n_outputs;
 
 // what one source's region needs at its arrival
 struct Source {
@@ -70,6 +73,7 @@ struct DisjointPlan {
   PyObject* drop;          // graph.drop_unrun_tasks
   PyObject* native;        // this module (engine_grad's first argument)
   PyObject* empty_dict;    // leaf_mask
+  PyObject* source_of;     // dict: send message id -> source index (name_sources), or null
 };
 
 PyTypeObject plan_type = {PyVarObject_HEAD_INIT(nullptr, 0)};
@@ -90,6 +94,7 @@ void plan_dealloc(PyObject* self) {
   Py_XDECREF(plan->drop);
   Py_XDECREF(plan->native);
   Py_XDECREF(plan->empty_dict);
+  Py_XDECREF(plan->source_of);
   Py_TYPE(self)->tp_free(self);
 }
 
@@ -167,6 +172,7 @@ PyObject* disjoint_plan(PyObject* /*module*/, PyObject* const* args, Py_ssize_t 
   if (plan == nullptr) return nullptr;
   plan->state = nullptr;
   plan->recv_mask = plan->fired = plan->recv_buffers = plan->empty_dict = nullptr;
+  plan->source_of = nullptr;
   plan->sources = Py_NewRef(sources);
   plan->recv_types = Py_NewRef(args[2]);
   plan->acc_type = Py_NewRef(args[3]);
@@ -495,6 +501,259 @@ PyObject* plan_arrive(PyObject* self, PyObject* const* given, Py_ssize_t nargs,
   return plan_arrive_many(self, call, 2, nullptr);
 }
 
+// name_sources(ids): the message id of each source's send function (None: the roots), so
+// that step() finds a gradient message's sources itself
+PyObject* plan_name_sources(PyObject* self, PyObject* ids) {
+  auto* plan = reinterpret_cast<DisjointPlan*>(self);
+  const Py_ssize_t n = static_cast<Py_ssize_t>(plan->state->sources.size());
+  if (!PyList_Check(ids) || PyList_GET_SIZE(ids) != n) {
+    PyErr_Format(PyExc_TypeError, "name_sources(ids): a list of %zd message ids or None", n);
+    return nullptr;
+  }
+  THPObjectPtr source_of(PyDict_New());
+  if (!source_of) return nullptr;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject* id = PyList_GET_ITEM(ids, i);
+    if (id == Py_None) continue;
+    THPObjectPtr index(PyLong_FromSsize_t(i));
+    if (!index || PyDict_SetItem(source_of.get(), id, index.get()) < 0) return nullptr;
+  }
+  Py_XSETREF(plan->source_of, source_of.release());
+  Py_RETURN_NONE;
+}
+
+// the arrivals [(index, grads)] of a gradient message for the send functions message_id (an
+// int or a tuple of them: their gradients one after the other in grads, None: SMART's "no
+// gradient"), as PassState._arrivals makes them; Py_None where the message does not fit the
+// plan (an unknown id, a wrong count: PassState._arrivals raises the error); null: an error
+PyObject* message_arrivals(DisjointPlan* plan, PyObject* message_id, PyObject* grads) {
+  if (plan->source_of == nullptr) Py_RETURN_NONE;
+  if (grads != Py_None && !PyList_Check(grads) && !PyTuple_Check(grads)) Py_RETURN_NONE;
+  const bool many = PyTuple_Check(message_id);
+  const Py_ssize_t n_ids = many ? PyTuple_GET_SIZE(message_id) : 1;
+  const Py_ssize_t n_grads = grads == Py_None ? 0 : PySequence_Fast_GET_SIZE(grads);
+  THPObjectPtr arrivals(PyList_New(n_ids));
+  if (!arrivals) return nullptr;
+  Py_ssize_t offset = 0;
+  for (Py_ssize_t k = 0; k < n_ids; k++) {
+    PyObject* id = many ? PyTuple_GET_ITEM(message_id, k) : message_id;
+    PyObject* index = PyDict_GetItemWithError(plan->source_of, id);  // borrowed
+    if (index == nullptr) {
+      if (PyErr_Occurred()) return nullptr;
+      Py_RETURN_NONE;
+    }
+    const Py_ssize_t i = PyLong_AsSsize_t(index);
+    const Py_ssize_t n = PyList_GET_SIZE(plan->state->sources[static_cast<size_t>(i)].edges);
+    THPObjectPtr part(PyList_New(n));
+    if (!part) return nullptr;
+    for (Py_ssize_t e = 0; e < n; e++) {
+      PyObject* grad = Py_None;
+      if (grads != Py_None) {
+        if (offset + e >= n_grads) Py_RETURN_NONE;
+        grad = PySequence_Fast_GET_ITEM(grads, offset + e);
+      }
+      PyList_SET_ITEM(part.get(), e, Py_NewRef(grad));
+    }
+    if (grads != Py_None) offset += n;
+    PyObject* arrival = PyTuple_Pack(2, index, part.get());
+    if (arrival == nullptr) return nullptr;
+    PyList_SET_ITEM(arrivals.get(), k, arrival);
+  }
+  if (grads != Py_None && offset != n_grads) Py_RETURN_NONE;
+  return arrivals.release();
+}
+
+// the gradient messages of the recv nodes that fired ([(node, {output: grad})], in firing
+// order), as PassState._handle groups them: one a peer, up to max_batch recv functions each
+// ((peer, message id, grads), or (peer, (ids...), their grads one after the other)); the
+// records of another context than context_id go to foreign (made only when one is there)
+PyObject* fired_messages(PyObject* fired, PyObject* context_id, Py_ssize_t max_batch,
+                         THPObjectPtr& foreign) {
+  THPObjectPtr by_peer(PyDict_New());  // peer -> [(message id, grads)], in firing order
+  if (!by_peer) return nullptr;
+  for (Py_ssize_t f = 0; f < PyList_GET_SIZE(fired); f++) {
+    PyObject* pair = PyList_GET_ITEM(fired, f);
+    PyObject* slots = PyTuple_GET_ITEM(pair, 1);
+    THPObjectPtr record(PyObject_GetAttr(PyTuple_GET_ITEM(pair, 0), s_record));
+    if (!record) return nullptr;
+    THPObjectPtr ctx(PyObject_GetAttr(record.get(), s_context_id));
+    if (!ctx) return nullptr;
+    int same = PyObject_RichCompareBool(ctx.get(), context_id, Py_EQ);
+    if (same < 0) return nullptr;
+    if (!same) {
+      if (!foreign) foreign = THPObjectPtr(PyList_New(0));
+      if (!foreign || PyList_Append(foreign.get(), record.get()) < 0) return nullptr;
+      continue;
+    }
+    THPObjectPtr peer(PyObject_GetAttr(record.get(), s_peer));
+    THPObjectPtr id(PyObject_GetAttr(record.get(), s_message_id));
+    THPObjectPtr count(PyObject_GetAttr(record.get(), s_n_outputs));
+    if (!peer || !id || !count) return nullptr;
+    const Py_ssize_t n = PyLong_AsSsize_t(count.get());
+    if (n < 0) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a record of -1 outputs");
+      return nullptr;
+    }
+    THPObjectPtr grads(PyList_New(n));
+    if (!grads) return nullptr;
+    for (Py_ssize_t i = 0; i < n; i++) {
+      THPObjectPtr key(PyLong_FromSsize_t(i));
+      if (!key) return nullptr;
+      PyObject* grad = PyDict_GetItemWithError(slots, key.get());  // borrowed
+      if (grad == nullptr && PyErr_Occurred()) return nullptr;
+      PyList_SET_ITEM(grads.get(), i, Py_NewRef(grad == nullptr ? Py_None : grad));
+    }
+    PyObject* ready = PyDict_GetItemWithError(by_peer.get(), peer.get());  // borrowed
+    if (ready == nullptr) {
+      if (PyErr_Occurred()) return nullptr;
+      THPObjectPtr made(PyList_New(0));
+      if (!made || PyDict_SetItem(by_peer.get(), peer.get(), made.get()) < 0) return nullptr;
+      ready = made.get();  // (by_peer holds it)
+    }
+    THPObjectPtr item(PyTuple_Pack(2, id.get(), grads.get()));
+    if (!item || PyList_Append(ready, item.get()) < 0) return nullptr;
+  }
+  THPObjectPtr sends(PyList_New(0));
+  if (!sends) return nullptr;
+  Py_ssize_t pos = 0;
+  PyObject *peer, *ready;
+  while (PyDict_Next(by_peer.get(), &pos, &peer, &ready)) {
+    const Py_ssize_t n = PyList_GET_SIZE(ready);
+    for (Py_ssize_t start = 0; start < n; start += max_batch) {
+      const Py_ssize_t end = std::min(n, start + max_batch);
+      THPObjectPtr send;
+      if (end - start == 1) {
+        PyObject* item = PyList_GET_ITEM(ready, start);
+        send = THPObjectPtr(
+            PyTuple_Pack(3, peer, PyTuple_GET_ITEM(item, 0), PyTuple_GET_ITEM(item, 1)));
+      } else {
+        THPObjectPtr ids(PyTuple_New(end - start)), flat(PyList_New(0));
+        if (!ids || !flat) return nullptr;
+        for (Py_ssize_t k = start; k < end; k++) {
+          PyObject* item = PyList_GET_ITEM(ready, k);
+          PyTuple_SET_ITEM(ids.get(), k - start, Py_NewRef(PyTuple_GET_ITEM(item, 0)));
+          PyObject* grads = PyTuple_GET_ITEM(item, 1);
+          for (Py_ssize_t g = 0; g < PyList_GET_SIZE(grads); g++) {
+            if (PyList_Append(flat.get(), PyList_GET_ITEM(grads, g)) < 0) return nullptr;
+          }
+        }
+        send = THPObjectPtr(PyTuple_Pack(3, peer, ids.get(), flat.get()));
+      }
+      if (!send || PyList_Append(sends.get(), send.get()) < 0) return nullptr;
+    }
+  }
+  return sends.release();
+}
+
+// step(message_id, grads, retain_graph, context_id, max_batch) -> (leaves, sends, foreign)
+// | None: one event of PassState._handle in one call. message_id None: the roots' gradients
+// (source 0); else a gradient message's (see message_arrivals). sends: the gradient
+// messages of the recv functions that fired (see fired_messages); foreign: None, or the
+// records of fired recv functions of another context (dropped). None (nothing done): a
+// message that does not fit the plan, whose error PassState's Python path raises.
+PyObject* plan_step(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  auto* plan = reinterpret_cast<DisjointPlan*>(self);
+  if (nargs != 5) {
+    PyErr_SetString(PyExc_TypeError,
+                    "step(message_id, grads, retain_graph, context_id, max_batch)");
+    return nullptr;
+  }
+  const Py_ssize_t max_batch = PyLong_AsSsize_t(args[4]);
+  if (max_batch < 1) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "step: max_batch is at least 1");
+    return nullptr;
+  }
+  THPObjectPtr arrivals;
+  if (args[0] == Py_None) {
+    if (!PyList_Check(args[1])) Py_RETURN_NONE;
+    THPObjectPtr zero(PyLong_FromLong(0));
+    THPObjectPtr arrival(zero ? PyTuple_Pack(2, zero.get(), args[1]) : nullptr);
+    arrivals = THPObjectPtr(arrival ? PyList_New(1) : nullptr);
+    if (!arrivals) return nullptr;
+    PyList_SET_ITEM(arrivals.get(), 0, arrival.release());
+  } else {
+    arrivals = THPObjectPtr(message_arrivals(plan, args[0], args[1]));
+    if (!arrivals) return nullptr;
+    if (arrivals.get() == Py_None) return arrivals.release();
+  }
+  PyObject* call[2] = {arrivals.get(), args[2]};
+  THPObjectPtr done(plan_arrive_many(self, call, 2, nullptr));
+  if (!done) return nullptr;
+  THPObjectPtr foreign;
+  THPObjectPtr sends(fired_messages(PyTuple_GET_ITEM(done.get(), 1), args[3], max_batch, foreign));
+  if (!sends) return nullptr;
+  return PyTuple_Pack(3, PyTuple_GET_ITEM(done.get(), 0), sends.get(),
+                      foreign ? foreign.get() : Py_None);
+}
+
+// compact_grads(grads, min_numel) -> (sent, shapes | None) | None: engine._compact of each
+// gradient in C++ (None: one that is not exactly a torch.Tensor, which the Python one does)
+PyObject* compact_grads(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 2 || (!PyList_Check(args[0]) && !PyTuple_Check(args[0]))) {
+    PyErr_SetString(PyExc_TypeError, "compact_grads(grads: list, min_numel: int)");
+    return nullptr;
+  }
+  const long long min_numel = PyLong_AsLongLong(args[1]);
+  if (min_numel == -1 && PyErr_Occurred()) return nullptr;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(args[0]);
+  THPObjectPtr sent(PyList_New(n));
+  if (!sent) return nullptr;
+  THPObjectPtr shapes;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject* grad = PySequence_Fast_GET_ITEM(args[0], i);
+    PyObject* out = nullptr;  // new reference
+    PyObject* shape = nullptr;
+    if (grad == Py_None) {
+      out = Py_NewRef(grad);
+    } else {
+      if (!THPVariable_CheckExact(grad)) Py_RETURN_NONE;
+      const at::Tensor& t = THPVariable_Unpack(grad);
+      if (t.layout() != at::kStrided || t.is_contiguous()) {
+        out = Py_NewRef(grad);
+      } else {
+        at::Tensor distinct = t;
+        if (t.numel() >= min_numel && t.dim() <= 8) {  // a broadcast: its distinct elements
+          for (int64_t d = 0; d < t.dim(); d++) {
+            if (t.stride(d) == 0 && t.size(d) > 1) distinct = distinct.narrow(d, 0, 1);
+          }
+        }
+        if (!distinct.is_same(t)) {
+          shape = PyTuple_New(t.dim());
+          if (shape == nullptr) return nullptr;
+          for (int64_t d = 0; d < t.dim(); d++) {
+            PyObject* size = PyLong_FromLongLong(t.size(d));
+            if (size == nullptr) {
+              Py_DECREF(shape);
+              return nullptr;
+            }
+            PyTuple_SET_ITEM(shape, d, size);
+          }
+        }
+        out = THPVariable_Wrap(distinct.contiguous());
+        if (out == nullptr) {
+          Py_XDECREF(shape);
+          return nullptr;
+        }
+      }
+    }
+    PyList_SET_ITEM(sent.get(), i, out);
+    if (shape != nullptr) {
+      if (!shapes) {
+        shapes = THPObjectPtr(PyList_New(n));
+        if (!shapes) {
+          Py_DECREF(shape);
+          return nullptr;
+        }
+        for (Py_ssize_t k = 0; k < n; k++) PyList_SET_ITEM(shapes.get(), k, Py_NewRef(Py_None));
+      }
+      PyList_SetItem(shapes.get(), i, shape);  // (steals shape)
+    }
+  }
+  return PyTuple_Pack(2, sent.get(), shapes ? shapes.get() : Py_None);
+  END_HANDLE_TH_ERRORS
+}
+
 PyObject* plan_take_completed(PyObject* /*self*/, PyObject* /*unused*/) {
   return PyList_New(0);  // (no watched leaf: leaves go to the context as they arrive)
 }
@@ -533,6 +792,12 @@ PyMethodDef plan_methods[] = {
      "arrive_many(arrivals, retain_graph) -> (leaves, fired): graph.Plan.arrive_many"},
     {"arrive", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(plan_arrive)),
      METH_FASTCALL | METH_KEYWORDS, "arrive(index, grads, retain_graph) -> (leaves, fired)"},
+    {"step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(plan_step)),
+     METH_FASTCALL,
+     "step(message_id, grads, retain_graph, context_id, max_batch) -> (leaves, sends, "
+     "foreign) | None: one event of the pass (message_id None: the roots)"},
+    {"name_sources", plan_name_sources, METH_O,
+     "name_sources(ids): each source's send message id (None: the roots), for step()"},
     {"take_completed", plan_take_completed, METH_NOARGS,
      "take_completed() -> []: no leaf of this plan is watched"},
     {"waiting_sources", plan_waiting_sources, METH_NOARGS,
@@ -563,6 +828,11 @@ PyMethodDef plan_module_methods[] = {
      "disjoint_plan(sources, reaches, recv_types, AccumulateGrad, watch, engine_grad, "
      "drop_unrun_tasks, native, direct) -> DisjointPlan | None: graph.Plan for sources whose "
      "reaches share no node, recv function or watched leaf (None: another case)"},
+    {"compact_grads",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(compact_grads)),
+     METH_FASTCALL,
+     "compact_grads(grads, min_numel) -> (sent, shapes | None) | None: engine._compact of "
+     "each gradient (None: one not exactly a torch.Tensor)"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace
@@ -575,8 +845,14 @@ int mpidag::add_disjoint_plan(PyObject* module) {
   s_variable = PyUnicode_InternFromString("variable");
   s_backward_hooks = PyUnicode_InternFromString("_backward_hooks");
   s_post_hooks = PyUnicode_InternFromString("_post_accumulate_grad_hooks");
+  s_record = PyUnicode_InternFromString("record");
+  s_context_id = PyUnicode_InternFromString("context_id");
+  s_peer = PyUnicode_InternFromString("peer");
+  s_message_id = PyUnicode_InternFromString("message_id");
+  s_n_outputs = PyUnicode_InternFromString("n_outputs");
   if (!s_succ || !s_leaf_edges || !s_recv_edges || !s_recv_nodes || !s_variable ||
-      !s_backward_hooks || !s_post_hooks)
+      !s_backward_hooks || !s_post_hooks || !s_record || !s_context_id || !s_peer ||
+      !s_message_id || !s_n_outputs)
     return -1;
   plan_type.tp_name = "_mpidag_torch.DisjointPlan";
   plan_type.tp_basicsize = sizeof(DisjointPlan);
