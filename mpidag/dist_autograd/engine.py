@@ -202,6 +202,19 @@ def merge_answer(into: Report, answer: Answer) -> int:
     return answer[0]
 
 
+def _says_nothing(answer: Answer) -> bool:
+    """Whether ``answer`` reports nothing: no rank has an unused RPC result or a send
+    function waiting (:func:`pack_answer` makes such a report flat, and only such a one).
+
+    Example::
+
+        >>> _says_nothing(pack_answer({1: (7, [], [], [])})), _says_nothing(
+        ...     pack_answer({1: (7, ["the result of f"], [], [])}))
+        (True, False)
+    """
+    return len(answer) != 2 or type(answer[1]) is not dict
+
+
 def _merge(into: Report, report: Report) -> None:
     for rank, entry in report.items():
         old = into.get(rank)
@@ -339,6 +352,9 @@ class PassState:
         self.asked: set[int] = set()  # SMART: message ids of recv functions asked about
         self.resolved: set[int] = set()  # SMART: recv functions this rank answered for
         self._recv_node_of: dict[int, Any] | None = None
+        #: the context's recv functions that no source here reaches, and how many recv
+        #: functions the context had when they were listed (see :meth:`_unreached`)
+        self._unreached: tuple[int, list[Any]] = (-1, [])
         #: torch DDP modules whose parameters this pass reaches here: the parameters not
         #: complete yet, and the complete gradients (averaged once all are complete)
         self.ddp_waiting: dict[Any, set[torch.Tensor]] = {}
@@ -559,14 +575,24 @@ class PassState:
             self._recv_node_of = {node.record.message_id: node for node in self.plan.recv_mask}
         return self._recv_node_of
 
+    def _unreached_records(self) -> list[Any]:
+        """The records of the context's recv functions that no source of this rank
+        reaches (listed again only when the context has a recv function more)."""
+        recvs = self.ctx.recvs
+        count, records = self._unreached
+        if count != len(recvs):
+            reached = self._recv_nodes()
+            with self.ctx.lock:
+                count = len(recvs)
+                records = [r for mid, r in recvs.items() if mid not in reached]
+            self._unreached = (count, records)
+        return records
+
     def _answer_unreached(self) -> None:
         """SMART: no source of this rank reaches these recv functions, so their send
         functions will never get a gradient in this pass: say so at once, without waiting
         for a question (nothing is sent when every RPC of the context is used)."""
-        reached = self._recv_nodes()
-        with self.ctx.lock:
-            records = [r for mid, r in self.ctx.recvs.items() if mid not in reached]
-        for record in records:
+        for record in self._unreached_records():
             if record.message_id not in self.resolved:
                 self.resolved.add(record.message_id)
                 self._send(record.peer, record.message_id, None)
@@ -664,9 +690,9 @@ class PassState:
         plan = self.plan
         if plan is None:
             return {}
-        reached = self._recv_nodes()  # by message id
-        with self.ctx.lock:
-            unused = [r.what for mid, r in self.ctx.recvs.items() if mid not in reached]
+        unused = [r.what for r in self._unreached_records()]
+        if self.native_step is not None:  # (a DisjointPlan: no source ever waits)
+            return {self.agent.rank: (self.seq, unused, [], [])}
         stuck = plan.waiting_sources()
         waiting = [self._source_what(i) for i in stuck]
         waiting_ids = [(self.source_send[i].peer, self.source_send[i].message_id)
@@ -849,6 +875,8 @@ class DistAutograd:
                 agent.engine.wait_until(done.done, None)
                 asked: set[tuple[int, int]] = set()
                 while mode == "smart" and future_error(done) is None:
+                    if not report and _says_nothing(done.value()):
+                        break  # (the common case: every rank done, nothing reported)
                     merge_answer(report, done.value())
                     waiting = {w for entry in report.values() for w in entry[3]}
                     new = waiting - asked
@@ -866,8 +894,9 @@ class DistAutograd:
         error = future_error(done)
         if error is not None:
             raise detached_copy(error)
-        merge_answer(report, done.value())
-        _check_report(report, ctx.context_id, mode)
+        if report or not _says_nothing(done.value()):
+            merge_answer(report, done.value())
+            _check_report(report, ctx.context_id, mode)
 
 
 def _check_report(report: Report, context_id: int, mode: str) -> None:
