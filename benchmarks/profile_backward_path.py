@@ -125,14 +125,20 @@ def cold_start(repeats: int = 200) -> dict[str, list[int]]:
               "after a 500-op grad()": lambda: torch.autograd.grad(h, [x], seed,
                                                                    retain_graph=True),
               "after a 4 ms Python loop": lambda: spin(4e-3)}
+    compact = getattr(native_records.records_module(), "compact_grads", None)
+    copies = {"contiguous() of 64 floats": expanded.contiguous}
+    if compact is not None:  # what PassState._send runs: the elements gathered in C++
+        copies["compact_grads() of them (C++)"] = lambda: compact([expanded],
+                                                                  engine.COMPACT_MIN_NUMEL)
     out: dict[str, list[int]] = collections.defaultdict(list)
     for _ in range(repeats):
-        for name, run in before.items():
-            run()
-            start = time.thread_time_ns()
-            expanded.contiguous()
-            out[f"one process: contiguous() of 64 floats, CPU, {name}"].append(
-                time.thread_time_ns() - start)
+        for what, copy in copies.items():
+            for name, run in before.items():
+                run()
+                start = time.thread_time_ns()
+                copy()
+                out[f"one process: {what}, CPU, {name}"].append(
+                    time.thread_time_ns() - start)
     workload.W1.grad = None
     return out
 

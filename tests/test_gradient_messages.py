@@ -74,3 +74,20 @@ def test_the_cpp_compaction_sends_what_the_python_one_does():
     assert NATIVE.compact_grads([torch.ones(2).as_subclass(_Subclass)], 1) is None
     with pytest.raises(TypeError, match=r"compact_grads\(grads: list, min_numel: int\)"):
         NATIVE.compact_grads(torch.ones(2), 1)
+
+
+@pytest.mark.skipif(NATIVE is None, reason="the C++ records module is not built")
+@pytest.mark.parametrize("grad", [
+    torch.ones(()).expand(64),                                   # a sum()'s, gathered in C++
+    torch.arange(12.0).view(3, 4).t(),
+    torch.arange(40.0, dtype=torch.float64).view(5, 8)[1:, ::2],  # an offset and a step
+    torch.arange(24).view(2, 3, 4).permute(2, 0, 1),              # int64, three dimensions
+    torch.tensor([True, False, True]).expand(4, 3),
+    torch.randn(6, 5, dtype=torch.complex64).t(),
+    torch.randn(256, 256).t(),                                    # large: torch's copy kernel
+    torch.randn(4, 3, dtype=torch.complex64).t().conj(),          # conjugated: the kernel
+])
+def test_the_cpp_compaction_copies_strided_gradients_exactly(grad):
+    (sent,), shapes = NATIVE.compact_grads([grad], COMPACT_MIN_NUMEL)
+    assert shapes is None and sent.is_contiguous() and sent.dtype == grad.dtype
+    assert torch.equal(sent, grad.contiguous()) and sent.data_ptr() != grad.data_ptr()

@@ -35,6 +35,7 @@
 #include <structmember.h>
 
 #include <algorithm>
+#include <cstring>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -686,6 +687,40 @@ PyObject* plan_step(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
                       foreign ? foreign.get() : Py_None);
 }
 
+// t.contiguous() for a small strided CPU tensor that needs a copy: its elements gathered
+// by a loop over its strides into a new tensor (at::empty, then memcpy of each element),
+// without the copy kernel's machinery, whose first run after a few milliseconds of other
+// work costs ~20 us (profile_backward_path.py, "the cost of a cold start"), ~10x its warm
+// run: the first gradient message of a pass (a sum()'s expanded gradient) makes one on the
+// critical path. Larger tensors and the rest take the kernel.
+constexpr int64_t GATHER_MAX_NUMEL = 1 << 14;
+
+at::Tensor dense_copy(const at::Tensor& t) {
+  if (!t.is_cpu() || t.is_conj() || t.is_neg() || t.requires_grad() || t.is_quantized() ||
+      t.numel() > GATHER_MAX_NUMEL || t.dim() > 8 || t.dim() == 0)
+    return t.contiguous();
+  at::Tensor out = at::empty(t.sizes(), t.options());
+  const int64_t n = t.numel(), dims = t.dim();
+  const size_t size = t.element_size();
+  const auto sizes = t.sizes();
+  const auto strides = t.strides();
+  const char* src = static_cast<const char*>(t.const_data_ptr());
+  char* dst = static_cast<char*>(out.data_ptr());
+  int64_t index[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t at = 0;  // the element's offset from src, in elements
+  for (int64_t i = 0; i < n; i++) {
+    std::memcpy(dst + static_cast<size_t>(i) * size, src + at * static_cast<int64_t>(size),
+                size);
+    for (int64_t d = dims - 1; d >= 0; d--) {  // the next index, the last dimension first
+      at += strides[d];
+      if (++index[d] < sizes[d]) break;
+      at -= strides[d] * sizes[d];
+      index[d] = 0;
+    }
+  }
+  return out;
+}
+
 // compact_grads(grads, min_numel) -> (sent, shapes | None) | None: engine._compact of each
 // gradient in C++ (None: one that is not exactly a torch.Tensor, which the Python one does)
 PyObject* compact_grads(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
@@ -730,7 +765,7 @@ PyObject* compact_grads(PyObject* /*module*/, PyObject* const* args, Py_ssize_t 
             PyTuple_SET_ITEM(shape, d, size);
           }
         }
-        out = THPVariable_Wrap(distinct.contiguous());
+        out = THPVariable_Wrap(dense_copy(distinct));
         if (out == nullptr) {
           Py_XDECREF(shape);
           return nullptr;
