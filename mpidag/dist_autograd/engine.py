@@ -71,6 +71,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.autograd import profiler as _profiler_module
 from torch.utils.weak import WeakIdKeyDictionary
 
 from mpidag._profiling import span
@@ -82,10 +83,11 @@ from mpidag.dist_autograd.context import (
     new_container,
 )
 from mpidag.dist_autograd.graph import Plan, edge_of, make_plan, track_intermediate_hooks
+from mpidag.dist_autograd.native import records_module
 from mpidag.errors import detached_copy, frameless, future_error, node_error
 
-__all__ = ["DistAutograd", "PassState", "UnusedRPCGradientError", "UnusedRPCWarning",
-           "check_roots", "merge_answer", "pack_answer"]
+__all__ = ["DistAutograd", "NativePassState", "PassState", "UnusedRPCGradientError",
+           "UnusedRPCWarning", "check_roots", "merge_answer", "pack_answer"]
 
 log = logging.getLogger(__name__)
 
@@ -723,6 +725,50 @@ class PassState:
 
 
 
+#: the C++ base of :class:`NativePassState` (None: the C++ records module is not built)
+_PassCore: Any = getattr(records_module(), "PassCore", None)
+
+
+def _drop_foreign(record: Any) -> None:
+    log.debug("gradient for %r of another context dropped", record)
+
+
+if _PassCore is not None:
+    class NativePassState(_PassCore, PassState):
+        """:class:`PassState` with its event loop and termination counts in C++
+        (``_mpidag_torch.PassCore``, ``mpidag/transport/torch_pass.cpp``): ``post``,
+        ``_send``, ``_call``, ``_answered`` and ``_maybe_finish`` are the C++ ones, which
+        run a DisjointPlan's roots and gradient messages with no Python frame and hand
+        everything else (SMART mode's questions, a :class:`Plan`, a running profiler) to
+        :meth:`PassState._handle`; the gradients, the messages and the answers are the
+        same. Made for contexts of the C++ records (``DistAutograd._pass_state``)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            PassState.__init__(self, *args, **kwargs)
+            self._bind()
+
+    _PassCore.configure({
+        "RootsEvent": RootsEvent, "GradientsEvent": GradientsEvent,
+        "ResolveEvent": ResolveEvent, "event_numbers": _event_numbers,
+        "profiler": _profiler_module, "merge_answer": merge_answer, "merge": _merge,
+        "pack_answer": pack_answer, "py_send": PassState._send,
+        "py_own_report": PassState._own_report, "dropped": _drop_foreign,
+        "handed_key": _HANDED_OVER, "max_batch": MAX_BATCH,
+        "COMPACT_MIN_NUMEL": COMPACT_MIN_NUMEL, "RETAIN_GRAPH": RETAIN_GRAPH,
+        "SMART": SMART, "NO_GRADIENT": NO_GRADIENT, "TO_PARENT": TO_PARENT,
+        "EXPANDED": EXPANDED})
+else:
+    NativePassState = None  # type: ignore[assignment,misc]
+
+
+def _pass_state(ctx: DistAutogradContext) -> type[PassState]:
+    """The class of a pass's state in ``ctx``: :class:`NativePassState` where the context's
+    records are the C++ ones, else :class:`PassState`."""
+    if NativePassState is not None and ctx.container.native is not None:
+        return NativePassState
+    return PassState
+
+
 def _first(message_id: int | tuple[int, ...]) -> int:
     """The (first) send function a gradient message is for: all of its send functions sent
     to the same rank."""
@@ -844,8 +890,8 @@ class DistAutograd:
         with ctx.lock:
             state = ctx.passes.get(pass_id)
             if state is None:
-                state = ctx.passes[pass_id] = PassState(self, ctx, pass_id, retain_graph,
-                                                        root=False, smart=smart)
+                state = ctx.passes[pass_id] = _pass_state(ctx)(
+                    self, ctx, pass_id, retain_graph, root=False, smart=smart)
         state.post(event)
 
     def backward(self, context_id: int, roots: list[torch.Tensor],
@@ -862,8 +908,8 @@ class DistAutograd:
         edges = [edge_of(r) for r in roots]
         grads = [torch.ones_like(r, memory_format=torch.preserve_format) for r in roots]
         pass_id = agent.ids.next()
-        state = PassState(self, ctx, pass_id, bool(retain_graph), root=True,
-                          smart=mode == "smart")
+        state = _pass_state(ctx)(self, ctx, pass_id, bool(retain_graph), root=True,
+                                 smart=mode == "smart")
         done: torch.futures.Future = torch.futures.Future()
         state.parent = done
         with ctx.lock:

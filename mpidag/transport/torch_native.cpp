@@ -98,7 +98,7 @@
 
 namespace {
 
-constexpr long VERSION = 12;
+constexpr long VERSION = 13;
 
 #ifndef MPIDAG_TORCH_VERSION  // torch.__version__ at build time (the build defines it)
 #error "build with -DMPIDAG_TORCH_VERSION=\"<torch.__version__>\" (mpidag's wire_build does)"
@@ -1262,6 +1262,7 @@ PyMODINIT_FUNC PyInit__mpidag_torch(void) {
       PyModule_AddObject(module, "tensor_facts_api", facts) < 0 ||
       PyModule_AddObject(module, "futures_api", futures) < 0 ||
       mpidag::add_context_recorder(module) < 0 || mpidag::add_disjoint_plan(module) < 0 ||
+      mpidag::add_pass_core(module) < 0 ||
       PyModule_AddIntConstant(module, "VERSION", VERSION) < 0 ||
       PyModule_AddStringConstant(module, "TORCH_VERSION", MPIDAG_TORCH_VERSION) < 0) {
     Py_DECREF(module);

@@ -872,6 +872,10 @@ PyMethodDef plan_module_methods[] = {
 
 }  // namespace
 
+PyObject* mpidag::compact_grads(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
+  return ::compact_grads(module, args, nargs);
+}
+
 int mpidag::add_disjoint_plan(PyObject* module) {
   s_succ = PyUnicode_InternFromString("succ");
   s_leaf_edges = PyUnicode_InternFromString("leaf_edges");

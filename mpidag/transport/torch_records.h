@@ -1,4 +1,4 @@
-// What the three translation units of _mpidag_torch share: torch_native.cpp's per-message
+// What the four translation units of _mpidag_torch share: torch_native.cpp's per-message
 // records of distributed autograd, called by torch_recorder.cpp's ContextRecorder without a
 // Python call, and the recorder's type, added to the module by torch_native.cpp's init.
 #ifndef MPIDAG_TORCH_RECORDS_H
@@ -22,6 +22,12 @@ int add_context_recorder(PyObject* module);
 
 // the DisjointPlan type and disjoint_plan() (torch_plan.cpp), added to module; -1: error
 int add_disjoint_plan(PyObject* module);
+
+// compact_grads(grads, min_numel) of the module (torch_plan.cpp), for torch_pass.cpp
+PyObject* compact_grads(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
+
+// the PassCore type (torch_pass.cpp), added to module; -1: error
+int add_pass_core(PyObject* module);
 
 }  // namespace mpidag
 

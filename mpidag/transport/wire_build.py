@@ -47,7 +47,8 @@ TORCH_NATIVE = "_mpidag_torch"
 #: the translation units of ``_mpidag_torch`` (sharing ``torch_records.h``)
 TORCH_NATIVE_SOURCES = [Path(__file__).with_name("torch_native.cpp"),
                         Path(__file__).with_name("torch_recorder.cpp"),
-                        Path(__file__).with_name("torch_plan.cpp")]
+                        Path(__file__).with_name("torch_plan.cpp"),
+                        Path(__file__).with_name("torch_pass.cpp")]
 
 _CHECK = """
 import sys

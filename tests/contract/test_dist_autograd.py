@@ -47,20 +47,26 @@ def engine_order(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
     """``(thread, "send" | "store")`` of every gradient message a backward pass sends and
     every leaf gradient it stores in a context, in order (patched once for all the ranks
     of an in-process world)."""
-    from mpidag.dist_autograd import context, engine
+    from mpidag.agent.agent import RpcAgent
+    from mpidag.dist_autograd import context
 
     order: list[tuple[int, str]] = []
-    send, add = engine.PassState._send, context.GradientMap.add
+    add = context.GradientMap.add
 
-    def logged_send(self, *args):  # noqa: ANN001, ANN002, ANN202
-        order.append((threading.get_ident(), "send"))
-        return send(self, *args)
+    def logged(method):  # noqa: ANN001, ANN202 - a gradient message leaving, either way
+        def sending(self, dst, func, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            if getattr(func, "name", None) == "autograd.gradients":
+                order.append((threading.get_ident(), "send"))
+            return method(self, dst, func, *args, **kwargs)
+        return sending
 
     def logged_add(self, *args):  # noqa: ANN001, ANN002, ANN202
         order.append((threading.get_ident(), "store"))
         return add(self, *args)
 
-    monkeypatch.setattr(engine.PassState, "_send", logged_send)
+    # (the engine's C++ PassCore and Python's PassState send through the agent alike)
+    monkeypatch.setattr(RpcAgent, "call", logged(RpcAgent.call))
+    monkeypatch.setattr(RpcAgent, "notify", logged(RpcAgent.notify))
     monkeypatch.setattr(context.GradientMap, "add", logged_add)
     return order
 
@@ -134,23 +140,7 @@ def test_a_gradient_for_the_engaging_rank_is_handed_over_without_an_answer(
     """The next rank is engaged by this rank's gradient call; the gradient it sends back is
     a notification that this rank waits for in its place (the next rank's answer says so),
     so no answer travels after this rank processed the last gradient."""
-    from mpidag.dist_autograd import engine
-
-    sent: list[tuple[int, int, str]] = []  # (sender, pass id, "call" | "notify")
-    call, notify = engine.PassState._call, RpcAgent.notify
-
-    def logged_call(self, peer, handler, args):  # noqa: ANN001, ANN202
-        if handler is self.autograd.gradients_handler:
-            sent.append((self.agent.rank, args[1], "call"))
-        return call(self, peer, handler, args)
-
-    def logged_notify(self, dst, func, args=(), kwargs=None):  # noqa: ANN001, ANN202
-        if getattr(func, "name", "") == "autograd.gradients":
-            sent.append((self.rank, args[1], "notify"))
-        return notify(self, dst, func, args, kwargs)
-
-    monkeypatch.setattr(engine.PassState, "_call", logged_call)
-    monkeypatch.setattr(RpcAgent, "notify", logged_notify)
+    messages = _gradient_messages(monkeypatch)
     x, w = _seeded(world.rank, (4,), (4,))
     with dist_autograd.context() as context_id:
         t = rpc.rpc_sync(world.next, af.my_add, args=(x * w, w))
@@ -161,26 +151,33 @@ def test_a_gradient_for_the_engaging_rank_is_handed_over_without_an_answer(
     close(grads[x], ex)
     close(grads[w], ew)
     ids = _runtime.current().agent.ids
-    seen = list(sent)  # the root calls; the rank it engaged hands its gradient back
+    # the root calls; the rank it engaged hands its gradient back
+    seen = [(sender, args[1], kind) for sender, kind, args in list(messages)]
     assert all(kind == ("call" if ids.creator(pass_id) == sender else "notify")
                for sender, pass_id, kind in seen), seen
     assert (world.rank, "call") in {(sender, kind) for sender, _, kind in seen}, seen
 
 
-def _gradient_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, object]]:
-    """(sender rank, message id or tuple of ids) of every gradient message sent as a call."""
-    from mpidag.dist_autograd import engine
+def _gradient_messages(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str, tuple]]:
+    """(sender rank, "call" | "notify", its arguments) of every gradient message sent, as
+    the agent sends it (the engine's C++ PassCore and Python's PassState alike)."""
+    sent: list[tuple[int, str, tuple]] = []
 
-    sent: list[tuple[int, object]] = []
-    call = engine.PassState._call
+    def logged(method, kind):  # noqa: ANN001, ANN202
+        def sending(self, dst, func, args=(), *rest, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            if getattr(func, "name", None) == "autograd.gradients":
+                sent.append((self.rank, kind, args))
+            return method(self, dst, func, args, *rest, **kwargs)
+        return sending
 
-    def logged_call(self, peer, handler, args):  # noqa: ANN001, ANN202
-        if handler is self.autograd.gradients_handler:
-            sent.append((self.agent.rank, args[2]))
-        return call(self, peer, handler, args)
-
-    monkeypatch.setattr(engine.PassState, "_call", logged_call)
+    monkeypatch.setattr(RpcAgent, "call", logged(RpcAgent.call, "call"))
+    monkeypatch.setattr(RpcAgent, "notify", logged(RpcAgent.notify, "notify"))
     return sent
+
+
+def _calls(messages: list[tuple[int, str, tuple]]) -> list[tuple[int, object]]:
+    """(sender rank, message id or tuple of ids) of the gradient messages sent as calls."""
+    return [(sender, args[2]) for sender, kind, args in list(messages) if kind == "call"]
 
 
 def test_gradients_for_one_rank_that_fire_together_travel_in_one_message(
@@ -193,7 +190,7 @@ def test_gradients_for_one_rank_that_fire_together_travel_in_one_message(
     and its decoder on the receiver)."""
     from mpidag._runtime import current
 
-    sent = _gradient_calls(monkeypatch)
+    messages = _gradient_messages(monkeypatch)
     encoded: list[str] = []
     x, w = _seeded(world.rank, (256, 64), (64,))
     for step in range(2):  # (the first calls of a handler make its reference: Python)
@@ -209,6 +206,7 @@ def test_gradients_for_one_rank_that_fire_together_travel_in_one_message(
             (af.my_add(x, w) * af.square(w) + af.mul_sin(x, w)).sum(), [x, w])
         close(grads[x], ex)
         close(grads[w], ew)
+    sent = _calls(messages)
     mine = [ids for sender, ids in sent if sender == world.rank]
     assert len(mine) == 2 and all(type(ids) is tuple and len(ids) == 3 for ids in mine), sent
     if current().agent.core is not None:
@@ -220,7 +218,7 @@ def test_more_recv_functions_than_one_message_takes(world, monkeypatch):
     the rest in the next, and the gradients are local autograd's."""
     from mpidag.dist_autograd.engine import MAX_BATCH
 
-    sent = _gradient_calls(monkeypatch)
+    messages = _gradient_messages(monkeypatch)
     x, w = _seeded(world.rank, (3,), (3,))
     scales = [float(k + 1) for k in range(10)]
     with dist_autograd.context() as context_id:
@@ -231,6 +229,7 @@ def test_more_recv_functions_than_one_message_takes(world, monkeypatch):
     ex, ew = torch.autograd.grad(local, [x, w])
     close(grads[x], ex)
     close(grads[w], ew)
+    sent = _calls(messages)
     mine = [ids for sender, ids in sent if sender == world.rank]
     assert [len(ids) for ids in mine] == [MAX_BATCH, 10 - MAX_BATCH], sent
 
@@ -756,3 +755,41 @@ def test_remote_sparse_embedding_bag_gradient_matches_local(world):
         local_embedding(indices, offsets, per_sample_weights).sum(), [per_sample_weights])
     close(grads[per_sample_weights], 2 * expected)
     del remote_embedding, res
+
+
+def test_a_pass_of_a_compiled_context_runs_in_cpp_and_ends_with_nothing_counted(
+        world, monkeypatch):
+    """Where the C++ records module is built, a pass's state is ``NativePassState`` (its
+    event loop and counts in C++, ``_mpidag_torch.PassCore``), else ``PassState``; either
+    way every call it made was answered, every notification it was handed was processed,
+    and the gradients are local autograd's (the design document's example, both ways)."""
+    from mpidag.dist_autograd import engine
+
+    made: list[engine.PassState] = []
+    choose = engine._pass_state
+
+    def recorded(ctx):  # noqa: ANN001, ANN202
+        cls = choose(ctx)
+
+        def make(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            made.append(state := cls(*args, **kwargs))
+            return state
+        return make
+
+    monkeypatch.setattr(engine, "_pass_state", recorded)
+    t1, t2, t4 = _seeded(world.rank, (3, 3), (3, 3), (3, 3))
+    with dist_autograd.context() as context_id:
+        native = dist_autograd._current_context().container.native is not None
+        t3 = rpc.rpc_sync(world.next, af.my_add, args=(t1, t2))
+        dist_autograd.backward(context_id, [torch.mul(t3, t4).sum()])
+        grads = dist_autograd.get_gradients(context_id)
+    expected = torch.autograd.grad((af.my_add(t1, t2) * t4).sum(), [t1, t2, t4])
+    for t, e in zip([t1, t2, t4], expected, strict=True):
+        close(grads[t], e)
+    mine = [s for s in list(made) if s.agent.rank == world.rank and s.root]
+    assert len(mine) == 1
+    (state,) = mine
+    want = engine.NativePassState if native and engine.NativePassState else engine.PassState
+    assert type(state) is want
+    assert (state.deficit, state.handed_over, state.handed_to_me, state.parent,
+            state.running, state.errors) == (0, 0, 0, None, False, [])
