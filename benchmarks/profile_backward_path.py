@@ -55,6 +55,7 @@ import mpidag.dist_autograd.engine as engine  # noqa: E402
 import mpidag.dist_autograd.graph as graph  # noqa: E402
 import mpidag.dist_autograd.native as native_records  # noqa: E402
 import mpidag.rpc as rpc  # noqa: E402
+from mpidag.agent.agent import RpcAgent  # noqa: E402
 
 clock = time.perf_counter_ns
 #: (name, ns) of this rank, in order
@@ -88,15 +89,29 @@ def route_native_plans_through_stamps() -> None:
 
 #: (label, thread CPU ns, wall ns) of each call of the engine's steps on a hop
 step_costs: list[tuple[str, int, int]] = []
-#: the engine's steps on the hops whose CPU is measured: (class, method, label)
-HOP_STEPS = ((engine.PassState, "_make_plan", "the pass's plan (PassState._make_plan)"),
-             (engine.PassState, "_send", "a gradient message sent (PassState._send)"))
+def _gradients(_self: Any, _dst: int, func: Any, *_: Any, **__: Any) -> bool:
+    """Whether an agent's ``call``/``notify`` is a gradient message."""
+    return getattr(func, "name", None) == "autograd.gradients"
 
 
-def cpu_stamped(method: Any, label: str) -> Any:
-    """``method``, its thread CPU and wall time recorded in :data:`step_costs`: a step
-    whose CPU is its wall time computed all along (no wait for the GIL or a core)."""
+#: the engine's steps on the hops whose CPU is measured: (class, method, label, which calls
+#: count: None, all). A gradient message is stamped where the agent takes it (the engine's
+#: C++ PassCore compacts its gradients and builds its arguments before, PassState._send in
+#: Python where the C++ records module is not built)
+HOP_STEPS = ((engine.PassState, "_make_plan", "the pass's plan (PassState._make_plan)", None),
+             (RpcAgent, "call", "a gradient message sent as a call (RpcAgent.call)",
+              _gradients),
+             (RpcAgent, "notify", "a gradient message sent as a notification "
+                                  "(RpcAgent.notify)", _gradients))
+
+
+def cpu_stamped(method: Any, label: str, which: Any = None) -> Any:
+    """``method``, its thread CPU and wall time recorded in :data:`step_costs` (for the
+    calls ``which(*args)`` is true of, all where it is None): a step whose CPU is its wall
+    time computed all along (no wait for the GIL or a core)."""
     def stamped(*args: Any, **kwargs: Any) -> Any:
+        if which is not None and not which(*args, **kwargs):
+            return method(*args, **kwargs)
         cpu, wall = time.thread_time_ns(), clock()
         try:
             return method(*args, **kwargs)
@@ -346,8 +361,8 @@ def main() -> int:
     torch.set_num_threads(1)
     graph.engine_grad = stamped_grad
     route_native_plans_through_stamps()
-    for cls, name, label in HOP_STEPS:
-        setattr(cls, name, cpu_stamped(getattr(cls, name), label))
+    for cls, name, label, which in HOP_STEPS:
+        setattr(cls, name, cpu_stamped(getattr(cls, name), label, which))
     rank = MPI.COMM_WORLD.Get_rank()
     rpc.init_rpc(f"worker{rank}")
     local: list[int] = []
@@ -377,7 +392,7 @@ def main() -> int:
                     print(f"{name:66s} {statistics.median(values) / 1e3:9.1f}")
         print("the engine's steps on the hops, thread CPU / wall:")
         for r, part in enumerate(comm_costs):
-            for _, _, label in HOP_STEPS:
+            for _, _, label, _ in HOP_STEPS:
                 mine = [(c, w) for name, c, w in part if name == label][-args.steps:]
                 if mine:
                     cpu = statistics.median(c for c, _ in mine) / 1e3
