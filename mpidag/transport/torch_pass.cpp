@@ -61,8 +61,8 @@ PyObject *s_reply, *s_to_parent, *s_message_id, *s_grads, *s_edges, *s_plan, *s_
     *s_set_exception, *s_call, *s_notify, *s_add_internal_callback, *s_answered, *s_record,
     *s_value, *s_dict, *s_pop, *s_agent, *s_ctx, *s_context_id, *s_pass_id, *s_autograd,
     *s_gradients_handler, *s_retain_graph, *s_smart, *s_root, *s_rank, *s_gradients,
-    *s_passes, *s_lock, *s_enter, *s_exit, *s_get, *s_complete, *s_unreached, *s_recvs,
-    *s_profiler_enabled, *s_get_item;
+    *s_passes, *s_lock, *s_enter, *s_exit, *s_complete, *s_unreached, *s_recvs,
+    *s_profiler_enabled;
 
 struct PassCore {
   PyObject_HEAD
@@ -744,9 +744,8 @@ int mpidag::add_pass_core(PyObject* module) {
                {&s_retain_graph, "retain_graph"}, {&s_smart, "smart"}, {&s_root, "root"},
                {&s_rank, "rank"}, {&s_gradients, "gradients"}, {&s_passes, "passes"},
                {&s_lock, "lock"}, {&s_enter, "__enter__"}, {&s_exit, "__exit__"},
-               {&s_get, "get"}, {&s_complete, "complete"}, {&s_unreached, "_unreached"},
-               {&s_recvs, "recvs"}, {&s_profiler_enabled, "_is_profiler_enabled"},
-               {&s_get_item, "__getitem__"}};
+               {&s_complete, "complete"}, {&s_unreached, "_unreached"},
+               {&s_recvs, "recvs"}, {&s_profiler_enabled, "_is_profiler_enabled"}};
   for (const Name& name : names) {
     *name.slot = PyUnicode_InternFromString(name.text);
     if (*name.slot == nullptr) return -1;
