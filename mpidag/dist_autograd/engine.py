@@ -317,6 +317,11 @@ PassEvent = RootsEvent | GradientsEvent | ResolveEvent | AskEvent
 _ANSWERED = (GradientsEvent, ResolveEvent)
 
 
+def _drop_foreign(record: Any) -> None:
+    """A fired recv function of another context than the pass's: its gradient is dropped."""
+    log.debug("gradient for %r of another context dropped", record)
+
+
 class PassState:
     """One rank's share of one backward pass (``pass_id``) of a context."""
 
@@ -355,7 +360,7 @@ class PassState:
         self.resolved: set[int] = set()  # SMART: recv functions this rank answered for
         self._recv_node_of: dict[int, Any] | None = None
         #: the context's recv functions that no source here reaches, and how many recv
-        #: functions the context had when they were listed (see :meth:`_unreached`)
+        #: functions the context had when they were listed (:meth:`_unreached_records`)
         self._unreached: tuple[int, list[Any]] = (-1, [])
         #: torch DDP modules whose parameters this pass reaches here: the parameters not
         #: complete yet, and the complete gradients (averaged once all are complete)
@@ -438,7 +443,7 @@ class PassState:
                 if done is not None:  # (None: a message that does not fit, raised below)
                     leaves, sends, foreign = done
                     for record in foreign or ():
-                        log.debug("gradient for %r of another context dropped", record)
+                        _drop_foreign(record)
                     for peer, message_id, grads in sends:
                         self._send(peer, message_id, grads)
                     return leaves  # (no leaf of a DisjointPlan is watched: none completed)
@@ -450,7 +455,7 @@ class PassState:
             for node, slots in fired:
                 record = node.record
                 if record.context_id != self.ctx.context_id:
-                    log.debug("gradient for %r of another context dropped", record)
+                    _drop_foreign(record)
                     continue
                 by_peer.setdefault(record.peer, []).append(
                     (record.message_id, [slots.get(i) for i in range(record.n_outputs)]))
@@ -729,10 +734,6 @@ class PassState:
 _PassCore: Any = getattr(records_module(), "PassCore", None)
 
 
-def _drop_foreign(record: Any) -> None:
-    log.debug("gradient for %r of another context dropped", record)
-
-
 if _PassCore is not None:
     class NativePassState(_PassCore, PassState):
         """:class:`PassState` with its event loop and termination counts in C++
@@ -741,7 +742,7 @@ if _PassCore is not None:
         run a DisjointPlan's roots and gradient messages with no Python frame and hand
         everything else (SMART mode's questions, a :class:`Plan`, a running profiler) to
         :meth:`PassState._handle`; the gradients, the messages and the answers are the
-        same. Made for contexts of the C++ records (``DistAutograd._pass_state``)."""
+        same. Made for contexts of the C++ records (:func:`_pass_state`)."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             PassState.__init__(self, *args, **kwargs)
