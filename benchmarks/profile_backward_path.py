@@ -84,21 +84,28 @@ def route_native_plans_through_stamps() -> None:
     def disjoint_plan(*args: Any) -> Any:
         return made(*args[:-1], False)
 
-    native.disjoint_plan = disjoint_plan
+    native.disjoint_plan = cpu_stamped(disjoint_plan, PLAN_BUILT)
 
 
 #: (label, thread CPU ns, wall ns) of each call of the engine's steps on a hop
 step_costs: list[tuple[str, int, int]] = []
+#: the label of the C++ plan's construction (``disjoint_plan``), inside graph.make_plan
+PLAN_BUILT = "  of which the C++ disjoint_plan()"
+
 def _gradients(_self: Any, _dst: int, func: Any, *_: Any, **__: Any) -> bool:
     """Whether an agent's ``call``/``notify`` is a gradient message."""
     return getattr(func, "name", None) == "autograd.gradients"
 
 
+#: the class of a pass's state here: NativePassState, whose _make_plan is C++ up to the C++
+#: plan (PassCore._make_plan), where the C++ records module is built
+PASS_CLASS = engine.NativePassState or engine.PassState
 #: the engine's steps on the hops whose CPU is measured: (class, method, label, which calls
 #: count: None, all). A gradient message is stamped where the agent takes it (the engine's
 #: C++ PassCore compacts its gradients and builds its arguments before, PassState._send in
 #: Python where the C++ records module is not built)
-HOP_STEPS = ((engine.PassState, "_make_plan", "the pass's plan (PassState._make_plan)", None),
+HOP_STEPS = ((PASS_CLASS, "_make_plan", f"the pass's plan ({PASS_CLASS.__name__}._make_plan)",
+              None),
              (RpcAgent, "call", "a gradient message sent as a call (RpcAgent.call)",
               _gradients),
              (RpcAgent, "notify", "a gradient message sent as a notification "
@@ -392,7 +399,9 @@ def main() -> int:
                     print(f"{name:66s} {statistics.median(values) / 1e3:9.1f}")
         print("the engine's steps on the hops, thread CPU / wall:")
         for r, part in enumerate(comm_costs):
-            for _, _, label, _ in HOP_STEPS:
+            labels = [step[2] for step in HOP_STEPS]
+            labels.insert(1, PLAN_BUILT)  # (within the plan)
+            for label in labels:
                 mine = [(c, w) for name, c, w in part if name == label][-args.steps:]
                 if mine:
                     cpu = statistics.median(c for c, _ in mine) / 1e3

@@ -76,13 +76,21 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from mpidag._profiling import span
 from mpidag.agent.agent import RpcAgent
+from mpidag.dist_autograd import graph
 from mpidag.dist_autograd.context import (
     RECV_NODE_TYPES,
     ContextContainer,
     DistAutogradContext,
     new_container,
 )
-from mpidag.dist_autograd.graph import Plan, edge_of, make_plan, track_intermediate_hooks
+from mpidag.dist_autograd.graph import (
+    AccumulateGrad,
+    Plan,
+    disjoint_terms,
+    edge_of,
+    make_plan,
+    track_intermediate_hooks,
+)
 from mpidag.dist_autograd.native import records_module
 from mpidag.errors import detached_copy, frameless, future_error, node_error
 
@@ -541,6 +549,10 @@ class PassState:
         return f"mpidag.autograd.gradients({origin} -> {self.agent.info.name})"
 
     def _make_plan(self, root_edges: list | None) -> None:
+        """The pass's plan: its sources (the roots of ``backward()`` on the root's rank,
+        then every send function of the context) and what each reaches (:func:`make_plan`).
+        ``NativePassState``'s is ``PassCore._make_plan`` in C++, which does the same for a
+        DisjointPlan and calls :meth:`_plan_of` for the rest."""
         with self.ctx.lock:
             sends = list(self.ctx.sends.values())
         sources = [] if root_edges is None else [root_edges]
@@ -551,10 +563,17 @@ class PassState:
             sources.append(send.edges)
             reaches.append(send.prepare())
             self.source_send.append(send)
+        self._plan_of(sources, reaches)
+
+    def _plan_of(self, sources: list[list[Any]], reaches: list[Any],
+                 disjoint: bool = True) -> None:
+        """The plan of ``sources`` (:attr:`source_of` and :attr:`source_send` already
+        name them), its DDP modules, and SMART mode's answers for the recv functions no
+        source reaches. ``disjoint`` false: the C++ ``disjoint_plan`` already said no."""
         ddp_possible = _ddp_index.possible()
         self.plan = make_plan(sources, RECV_NODE_TYPES, reaches,
                               watch=_ddp_index.watch if ddp_possible else None,
-                              native=self.ctx.container.native)
+                              native=self.ctx.container.native, disjoint=disjoint)
         if type(self.plan) is not Plan:  # native's DisjointPlan: one C++ call an event
             self.plan.name_sources([None if send is None else send.message_id
                                     for send in self.source_send])
@@ -730,6 +749,19 @@ class PassState:
 
 
 
+def _disjoint_terms() -> tuple[Any, bool] | None:
+    """What ``PassCore._make_plan`` passes to ``disjoint_plan`` that changes at run time:
+    ``(watch, direct)``, DDP's watch only where a process group exists (None where no
+    DisjointPlan may be made now: :func:`graph.disjoint_terms`).
+
+    Example::
+
+        >>> _disjoint_terms()
+        (None, True)
+    """
+    return disjoint_terms(_ddp_index.watch if _ddp_index.possible() else None)
+
+
 #: the C++ base of :class:`NativePassState` (None: the C++ records module is not built)
 _PassCore: Any = getattr(records_module(), "PassCore", None)
 
@@ -757,7 +789,10 @@ if _PassCore is not None:
         "handed_key": _HANDED_OVER, "max_batch": MAX_BATCH,
         "COMPACT_MIN_NUMEL": COMPACT_MIN_NUMEL, "RETAIN_GRAPH": RETAIN_GRAPH,
         "SMART": SMART, "NO_GRADIENT": NO_GRADIENT, "TO_PARENT": TO_PARENT,
-        "EXPANDED": EXPANDED})
+        "EXPANDED": EXPANDED, "disjoint_terms": _disjoint_terms,
+        "py_make_plan": PassState._make_plan, "py_plan_of": PassState._plan_of,
+        "recv_types": RECV_NODE_TYPES, "AccumulateGrad": AccumulateGrad,
+        "native": records_module(), "graph_globals": vars(graph)})
 else:
     NativePassState = None  # type: ignore[assignment,misc]
 

@@ -592,14 +592,15 @@ class Plan:
 def make_plan(sources: list[list[GradientEdge | None]], recv_types: type | frozenset[type],
               reaches: list[Reach | None] | None = None,
               watch: Callable[[torch.Tensor], bool] | None = None,
-              native: Any = None) -> Any:
+              native: Any = None, disjoint: bool = True) -> Any:
     """The plan of ``sources`` (:class:`Plan`'s arguments): the C++ ``DisjointPlan`` of
     ``native`` (the C++ records module) where no node and no recv function is reached from
     two sources and no leaf reached is watched (a pipeline stage, a parameter server: one
     region per source, run as soon as it arrives, with no Python frame per step), else a
     :class:`Plan`. Both have the surface the engine uses (``arrive``, ``arrive_many``,
     ``complete``, ``arrived``, ``recv_mask``, ``fired``, ``waiting_sources``, ...) and give
-    the same gradients.
+    the same gradients. ``disjoint`` false: a :class:`Plan` (the caller already asked
+    ``disjoint_plan``, which said no).
 
     Example::
 
@@ -609,7 +610,7 @@ def make_plan(sources: list[list[GradientEdge | None]], recv_types: type | froze
         tensor([3., 3.])
     """
     kinds = _type_set(recv_types)
-    if native is not None and not _suppressed and sources:
+    if disjoint and native is not None and not _suppressed and sources:
         known = list(reaches) if reaches is not None else [None] * len(sources)
         known = [reach if reach is not None else Reach(edges, kinds, native)
                  for edges, reach in zip(sources, known, strict=True)]
@@ -621,6 +622,24 @@ def make_plan(sources: list[list[GradientEdge | None]], recv_types: type | froze
             return plan
         reaches = known
     return Plan(sources, kinds, reaches, watch=watch, native=native)
+
+
+def disjoint_terms(watch: Callable[[torch.Tensor], bool] | None
+                   ) -> tuple[Callable[[torch.Tensor], bool] | None, bool] | None:
+    """The arguments of the C++ ``disjoint_plan`` that change while a program runs,
+    ``(watch, direct)`` as :func:`make_plan` passes them (``direct``: torch's autograd log
+    is not at DEBUG, so the plan may call torch's engine without Python), or ``None`` where
+    no DisjointPlan may be made now (tensor hooks held back by a running engine call:
+    ``disjoint_plan`` would not see them). For the C++ ``PassCore._make_plan``.
+
+    Example::
+
+        >>> disjoint_terms(None)
+        (None, True)
+    """
+    if _suppressed:
+        return None
+    return watch, _autograd_log.getEffectiveLevel() > logging.DEBUG
 
 
 def engine_grad(native: Any, outputs: list[EdgeKey], grads: list[torch.Tensor],

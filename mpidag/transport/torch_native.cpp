@@ -98,7 +98,7 @@
 
 namespace {
 
-constexpr long VERSION = 13;
+constexpr long VERSION = 14;
 
 #ifndef MPIDAG_TORCH_VERSION  // torch.__version__ at build time (the build defines it)
 #error "build with -DMPIDAG_TORCH_VERSION=\"<torch.__version__>\" (mpidag's wire_build does)"
@@ -1192,6 +1192,10 @@ PyObject* mpidag::send_reach(PyObject* module, PyObject* const* args, Py_ssize_t
 
 PyObject* mpidag::run_grad(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
   return ::run_grad(module, args, nargs);
+}
+
+PyObject* mpidag::reach(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
+  return ::reach(module, args, nargs);
 }
 
 PyMODINIT_FUNC PyInit__mpidag_torch(void) {

@@ -37,7 +37,7 @@ from mpidag.transport.wire import import_built
 __all__ = ["TORCH_NATIVE_VERSION", "problem", "torch_module"]
 
 #: the ``VERSION`` of ``torch_native.cpp`` this code calls (an older build is not used)
-TORCH_NATIVE_VERSION = 13
+TORCH_NATIVE_VERSION = 14
 
 
 def _built_against() -> str | None:

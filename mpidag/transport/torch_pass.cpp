@@ -52,6 +52,17 @@ struct Config {
   PyObject* dropped = nullptr;          // callable(record): a fired recv of another context
   PyObject* handed_key = nullptr;       // engine._HANDED_OVER
   PyObject* max_batch = nullptr;        // engine.MAX_BATCH
+  // what _make_plan needs: engine._disjoint_terms ((watch, direct) or None: no DisjointPlan
+  // now), PassState._make_plan and _plan_of (the other plans), the recv node types, torch's
+  // AccumulateGrad, this module, graph's globals (engine_grad and drop_unrun_tasks, read at
+  // each plan, as graph.make_plan reads them)
+  PyObject* disjoint_terms = nullptr;
+  PyObject* py_make_plan = nullptr;
+  PyObject* py_plan_of = nullptr;
+  PyObject* recv_types = nullptr;
+  PyObject* acc_type = nullptr;
+  PyObject* native = nullptr;
+  PyObject* graph_globals = nullptr;
   long compact_min = 0;                 // engine.COMPACT_MIN_NUMEL
   long retain = 1, smart = 2, no_gradient = 4, to_parent = 8, expanded = 16;  // the flags
 } C;
@@ -62,7 +73,9 @@ PyObject *s_reply, *s_to_parent, *s_message_id, *s_grads, *s_edges, *s_plan, *s_
     *s_value, *s_dict, *s_pop, *s_agent, *s_ctx, *s_context_id, *s_pass_id, *s_autograd,
     *s_gradients_handler, *s_retain_graph, *s_smart, *s_root, *s_rank, *s_gradients,
     *s_passes, *s_lock, *s_enter, *s_exit, *s_complete, *s_unreached, *s_recvs,
-    *s_profiler_enabled;
+    *s_profiler_enabled, *s_sends, *s_tensors, *s_reach, *s_prepare, *s_edges_slot,
+    *s_source_of, *s_source_send, *s_step, *s_answer_unreached, *s_disjoint_plan,
+    *s_engine_grad, *s_drop_unrun_tasks;
 
 struct PassCore {
   PyObject_HEAD
@@ -282,6 +295,28 @@ PyObject* core_send(PyObject* self_, PyObject* const* args, Py_ssize_t nargs) {
   return send_grads(self, args[0], args[1], args[2]);
 }
 
+// fn() (0, or -1 with an error set) with ctx.lock held, through its __enter__ and __exit__;
+// -1 where fn or the lock failed
+template <class Fn>
+int with_ctx_lock(PyObject* ctx, Fn fn) {
+  THPObjectPtr lock(PyObject_GetAttr(ctx, s_lock));
+  THPObjectPtr entered(lock ? PyObject_CallMethodNoArgs(lock.get(), s_enter) : nullptr);
+  if (!entered) return -1;
+  int done = fn();
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  PyObject* exit_args[4] = {lock.get(), Py_None, Py_None, Py_None};
+  THPObjectPtr left(PyObject_VectorcallMethod(s_exit, exit_args, 4, nullptr));
+  if (!left) {
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(traceback);
+    return -1;
+  }
+  PyErr_Restore(type, value, traceback);
+  return done;
+}
+
 // ------------------------------------------------------------------ termination
 // this rank's report: {rank: (event number, unused RPC results, [], [])} for a DisjointPlan
 // whose context has no recv function its sources miss (the common case); Python's
@@ -378,27 +413,14 @@ PyObject* maybe_finish(PassCore* self) {
       if (forget < 0) return nullptr;
     }
     if (forget) {  // with ctx.lock: drop this pass from ctx.passes if it is still there
-      THPObjectPtr lock(PyObject_GetAttr(self->ctx, s_lock));
-      THPObjectPtr passes(lock ? PyObject_GetAttr(self->ctx, s_passes) : nullptr);
+      THPObjectPtr passes(PyObject_GetAttr(self->ctx, s_passes));
       if (!passes) return nullptr;
-      THPObjectPtr entered(PyObject_CallMethodNoArgs(lock.get(), s_enter));
-      if (!entered) return nullptr;
-      int done = 0;
-      PyObject* mine = PyDict_Check(passes.get())
-                           ? PyDict_GetItemWithError(passes.get(), self->pass_id) : nullptr;
-      if (mine == me) done = PyDict_DelItem(passes.get(), self->pass_id);
-      else if (PyErr_Occurred()) done = -1;
-      PyObject *type, *value, *traceback;
-      PyErr_Fetch(&type, &value, &traceback);
-      PyObject* exit_args[4] = {lock.get(), Py_None, Py_None, Py_None};
-      THPObjectPtr left(PyObject_VectorcallMethod(s_exit, exit_args, 4, nullptr));
-      if (!left) {
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(traceback);
-        return nullptr;
-      }
-      PyErr_Restore(type, value, traceback);
+      int done = with_ctx_lock(self->ctx, [&] {
+        PyObject* mine = PyDict_Check(passes.get())
+                             ? PyDict_GetItemWithError(passes.get(), self->pass_id) : nullptr;
+        if (mine == me) return PyDict_DelItem(passes.get(), self->pass_id);
+        return PyErr_Occurred() ? -1 : 0;
+      });
       if (done < 0) return nullptr;
     }
   }
@@ -502,6 +524,160 @@ PyObject* core_answered(PyObject* self_, PyObject* fut) {
   self->deficit--;
   self->handed_to_me += handed;
   return maybe_finish(self);
+}
+
+// ------------------------------------------------------------------------- plan
+// this rank's recv functions no source of the plan reaches, checked: _unreached set to
+// (count, []) where every one of the context's is reached (the common case, which
+// own_report reads); else, in SMART mode, PassState._answer_unreached says "no gradient"
+// for the others. -1 on an error
+int check_unreached(PassCore* self, PyObject* plan) {
+  PyObject* me = reinterpret_cast<PyObject*>(self);
+  THPObjectPtr recvs(PyObject_GetAttr(self->ctx, s_recvs));
+  THPObjectPtr reached(recvs ? PySet_New(nullptr) : nullptr);
+  if (!reached) return -1;
+  if (!PyDict_Check(recvs.get())) {
+    PyErr_SetString(PyExc_TypeError, "PassCore._make_plan: ctx.recvs is a dict");
+    return -1;
+  }
+  Py_ssize_t pos = 0;
+  PyObject *node, *bit;
+  while (PyDict_GET_SIZE(recvs.get()) > 0 &&
+         PyDict_Next(mpidag::plan_recv_mask(plan), &pos, &node, &bit)) {
+    THPObjectPtr record(PyObject_GetAttr(node, s_record));
+    THPObjectPtr context_id(record ? PyObject_GetAttr(record.get(), s_context_id) : nullptr);
+    if (!context_id) return -1;
+    int mine = PyObject_RichCompareBool(context_id.get(), self->context_id, Py_EQ);
+    if (mine < 0) return -1;
+    if (!mine) continue;  // (another context's recv function: not this context's question)
+    THPObjectPtr message_id(PyObject_GetAttr(record.get(), s_message_id));
+    if (!message_id || PySet_Add(reached.get(), message_id.get()) < 0) return -1;
+  }
+  // (from here to the count no Python call: the context's recv functions read at once)
+  bool all = true;
+  pos = 0;
+  PyObject *message_id, *record;
+  while (all && PyDict_Next(recvs.get(), &pos, &message_id, &record)) {
+    int found = PySet_Contains(reached.get(), message_id);
+    if (found < 0) return -1;
+    all = found == 1;
+  }
+  if (all) {
+    THPObjectPtr none(PyList_New(0));
+    THPObjectPtr count(none ? PyLong_FromSsize_t(PyDict_GET_SIZE(recvs.get())) : nullptr);
+    THPObjectPtr unreached(count ? PyTuple_Pack(2, count.get(), none.get()) : nullptr);
+    return unreached ? PyObject_SetAttr(me, s_unreached, unreached.get()) : -1;
+  }
+  if (!self->smart) return 0;  // (listed by Python when a report needs them)
+  THPObjectPtr answered(PyObject_CallMethodNoArgs(me, s_answer_unreached));
+  return answered ? 0 : -1;
+}
+
+// a send function's reach and edges, walked now where its walk has not run yet
+// (SendFunction.prepare); false on an error
+bool send_source(PyObject* send, THPObjectPtr& reach, THPObjectPtr& edges) {
+  THPObjectPtr tensors(PyObject_GetAttr(send, s_tensors));
+  if (!tensors) return false;
+  reach = THPObjectPtr(PyObject_GetAttr(send, s_reach));
+  if (!reach) return false;
+  if (tensors.get() != Py_None || reach.get() == Py_None) {  // (prepare's lock, its walk)
+    reach = THPObjectPtr(PyObject_CallMethodNoArgs(send, s_prepare));
+    if (!reach) return false;
+  }
+  edges = THPObjectPtr(PyObject_GetAttr(send, s_edges_slot));
+  return static_cast<bool>(edges);
+}
+
+// _make_plan(root_edges): PassState._make_plan, in C++ up to a DisjointPlan: the sources
+// (root_edges, None off the root's rank, then every send function of the context), their
+// reaches (the roots' walked here, the send functions' walked when they were sent),
+// disjoint_plan() of them, its source ids, its step, the unreached check. What is not a
+// DisjointPlan (hooks held back by a running grad(), a Python walk, shared nodes, a
+// watched leaf) is PassState._plan_of's, with the sources found here
+PyObject* core_make_plan(PyObject* self_, PyObject* root_edges) {
+  auto* self = reinterpret_cast<PassCore*>(self_);
+  if (!bound(self)) return nullptr;
+  THPObjectPtr terms(PyObject_CallNoArgs(C.disjoint_terms));
+  if (!terms) return nullptr;
+  if (terms.get() == Py_None || (root_edges != Py_None && !PyList_Check(root_edges))) {
+    PyObject* call[2] = {self_, root_edges};
+    return PyObject_Vectorcall(C.py_make_plan, call, 2, nullptr);
+  }
+  THPObjectPtr sends_dict(PyObject_GetAttr(self->ctx, s_sends));
+  if (!sends_dict) return nullptr;
+  if (!PyDict_Check(sends_dict.get())) {
+    PyErr_SetString(PyExc_TypeError, "PassCore._make_plan: ctx.sends is a dict");
+    return nullptr;
+  }
+  THPObjectPtr sends;
+  if (with_ctx_lock(self->ctx, [&] {
+        sends = THPObjectPtr(PyDict_Values(sends_dict.get()));
+        return sends ? 0 : -1;
+      }) < 0)
+    return nullptr;
+  const Py_ssize_t first = root_edges == Py_None ? 0 : 1;
+  const Py_ssize_t n = first + PyList_GET_SIZE(sends.get());
+  THPObjectPtr sources(PyList_New(n)), reaches(PyList_New(n)), py_reaches(PyList_New(n));
+  THPObjectPtr source_send(PyList_New(n)), source_of(PyDict_New());
+  if (!sources || !reaches || !py_reaches || !source_send || !source_of) return nullptr;
+  bool walked = true;  // every reach is known here (the roots' need no Python walk)
+  if (first) {
+    PyObject* call[3] = {root_edges, C.recv_types, C.acc_type};
+    PyObject* root_reach = mpidag::reach(C.native, call, 3);
+    if (root_reach == nullptr) return nullptr;
+    walked = root_reach != Py_None;
+    PyList_SET_ITEM(sources.get(), 0, Py_NewRef(root_edges));
+    PyList_SET_ITEM(reaches.get(), 0, root_reach);
+    PyList_SET_ITEM(py_reaches.get(), 0, Py_NewRef(Py_None));  // (graph.make_plan walks it)
+    PyList_SET_ITEM(source_send.get(), 0, Py_NewRef(Py_None));
+  }
+  for (Py_ssize_t i = first; i < n; i++) {
+    PyObject* send = PyList_GET_ITEM(sends.get(), i - first);
+    THPObjectPtr reach, edges, message_id(PyObject_GetAttr(send, s_message_id));
+    THPObjectPtr index(message_id ? PyLong_FromSsize_t(i) : nullptr);
+    if (!index || !send_source(send, reach, edges) ||
+        PyDict_SetItem(source_of.get(), message_id.get(), index.get()) < 0)
+      return nullptr;
+    PyList_SET_ITEM(sources.get(), i, edges.release());
+    PyList_SET_ITEM(py_reaches.get(), i, Py_NewRef(reach.get()));
+    PyList_SET_ITEM(reaches.get(), i, reach.release());
+    PyList_SET_ITEM(source_send.get(), i, Py_NewRef(send));
+  }
+  if (PyObject_SetAttr(self_, s_source_of, source_of.get()) < 0 ||
+      PyObject_SetAttr(self_, s_source_send, source_send.get()) < 0)
+    return nullptr;
+  THPObjectPtr plan;
+  if (walked && n > 0) {
+    if (!PyTuple_Check(terms.get()) || PyTuple_GET_SIZE(terms.get()) != 2) {
+      PyErr_SetString(PyExc_TypeError, "PassCore._make_plan: terms are (watch, direct)");
+      return nullptr;
+    }
+    // (looked up at each plan, as graph.make_plan does: a profile may wrap them)
+    PyObject* engine_grad = PyDict_GetItemWithError(C.graph_globals, s_engine_grad);
+    PyObject* drop = engine_grad ? PyDict_GetItemWithError(C.graph_globals, s_drop_unrun_tasks)
+                                 : nullptr;
+    THPObjectPtr made(drop ? PyObject_GetAttr(C.native, s_disjoint_plan) : nullptr);
+    if (!made) {
+      if (!PyErr_Occurred())
+        PyErr_SetString(PyExc_RuntimeError, "PassCore._make_plan: graph.engine_grad is gone");
+      return nullptr;
+    }
+    PyObject* call[9] = {sources.get(), reaches.get(), C.recv_types, C.acc_type,
+                         PyTuple_GET_ITEM(terms.get(), 0), engine_grad, drop, C.native,
+                         PyTuple_GET_ITEM(terms.get(), 1)};
+    plan = THPObjectPtr(PyObject_Vectorcall(made.get(), call, 9, nullptr));
+    if (!plan) return nullptr;
+  }
+  if (!plan || !mpidag::is_disjoint_plan(plan.get())) {  // graph.Plan's case
+    PyObject* call[4] = {self_, sources.get(), py_reaches.get(), walked ? Py_False : Py_True};
+    return PyObject_Vectorcall(C.py_plan_of, call, 4, nullptr);
+  }
+  mpidag::plan_share_sources(plan.get(), source_of.get());
+  THPObjectPtr step(PyObject_GetAttr(plan.get(), s_step));
+  if (!step || PyObject_SetAttr(self_, s_plan, plan.get()) < 0 ||
+      PyObject_SetAttr(self_, s_native_step, step.get()) < 0 || check_unreached(self, plan.get()) < 0)
+    return nullptr;
+  Py_RETURN_NONE;
 }
 
 // ---------------------------------------------------------------------- events
@@ -671,7 +847,10 @@ PyObject* core_configure(PyObject* /*cls*/, PyObject* config) {
                  {"merge", &C.merge},                  {"pack_answer", &C.pack_answer},
                  {"py_send", &C.py_send},              {"py_own_report", &C.py_own_report},
                  {"dropped", &C.dropped},              {"handed_key", &C.handed_key},
-                 {"max_batch", &C.max_batch}};
+                 {"max_batch", &C.max_batch},          {"disjoint_terms", &C.disjoint_terms},
+                 {"py_make_plan", &C.py_make_plan},    {"py_plan_of", &C.py_plan_of},
+                 {"recv_types", &C.recv_types},        {"AccumulateGrad", &C.acc_type},
+                 {"native", &C.native},                {"graph_globals", &C.graph_globals}};
   for (const Entry& entry : entries) {
     PyObject* value = PyDict_GetItemString(config, entry.name);  // borrowed
     if (value == nullptr) {
@@ -709,6 +888,8 @@ PyMethodDef core_methods[] = {
      METH_FASTCALL, "_call(peer, handler, args): PassState._call"},
     {"_answered", core_answered, METH_O, "_answered(fut): PassState._answered"},
     {"_maybe_finish", core_maybe_finish, METH_NOARGS, "PassState._maybe_finish"},
+    {"_make_plan", core_make_plan, METH_O,
+     "_make_plan(root_edges): PassState._make_plan, in C++ for a DisjointPlan"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyMemberDef core_members[] = {
@@ -745,7 +926,12 @@ int mpidag::add_pass_core(PyObject* module) {
                {&s_rank, "rank"}, {&s_gradients, "gradients"}, {&s_passes, "passes"},
                {&s_lock, "lock"}, {&s_enter, "__enter__"}, {&s_exit, "__exit__"},
                {&s_complete, "complete"}, {&s_unreached, "_unreached"},
-               {&s_recvs, "recvs"}, {&s_profiler_enabled, "_is_profiler_enabled"}};
+               {&s_recvs, "recvs"}, {&s_profiler_enabled, "_is_profiler_enabled"},
+               {&s_sends, "sends"}, {&s_tensors, "_tensors"}, {&s_reach, "reach"},
+               {&s_prepare, "prepare"}, {&s_edges_slot, "_edges"}, {&s_source_of, "source_of"},
+               {&s_source_send, "source_send"}, {&s_step, "step"},
+               {&s_answer_unreached, "_answer_unreached"}, {&s_disjoint_plan, "disjoint_plan"},
+               {&s_engine_grad, "engine_grad"}, {&s_drop_unrun_tasks, "drop_unrun_tasks"}};
   for (const Name& name : names) {
     *name.slot = PyUnicode_InternFromString(name.text);
     if (*name.slot == nullptr) return -1;

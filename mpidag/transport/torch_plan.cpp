@@ -14,7 +14,8 @@
 //   disjoint_plan(sources, reaches, recv_types, AccumulateGrad, watch, engine_grad,
 //                 drop_unrun_tasks, native, direct) -> DisjointPlan | None
 //     sources:  one list of GradientEdge|None per source; reaches: each source's Reach (its
-//     succ dict, leaf_edges, recv_edges, recv_nodes sets); watch: None or a callable of a
+//     succ dict, leaf_edges, recv_edges, recv_nodes sets), or the 4-tuple of them that the
+//     module's reach() gives; watch: None or a callable of a
 //     leaf tensor (DDP's); engine_grad: graph.engine_grad (called where the direct engine
 //     call cannot run: a gradient off the CPU, direct false, a Python node); drop_unrun_tasks:
 //     graph.drop_unrun_tasks (called when the direct engine call raises). None where the
@@ -206,10 +207,18 @@ PyObject* disjoint_plan(PyObject* /*module*/, PyObject* const* args, Py_ssize_t 
     }
     Source& source = state.sources[static_cast<size_t>(i)];
     source.edges = edges;
-    THPObjectPtr succ(PyObject_GetAttr(reach, s_succ));
-    THPObjectPtr leaf_edges(PyObject_GetAttr(reach, s_leaf_edges));
-    THPObjectPtr recv_edges(PyObject_GetAttr(reach, s_recv_edges));
-    THPObjectPtr recv_nodes(PyObject_GetAttr(reach, s_recv_nodes));
+    THPObjectPtr succ, leaf_edges, recv_edges, recv_nodes;
+    if (PyTuple_Check(reach) && PyTuple_GET_SIZE(reach) == 4) {  // native.reach()'s tuple
+      succ = THPObjectPtr(Py_NewRef(PyTuple_GET_ITEM(reach, 0)));
+      leaf_edges = THPObjectPtr(Py_NewRef(PyTuple_GET_ITEM(reach, 1)));
+      recv_edges = THPObjectPtr(Py_NewRef(PyTuple_GET_ITEM(reach, 2)));
+      recv_nodes = THPObjectPtr(Py_NewRef(PyTuple_GET_ITEM(reach, 3)));
+    } else {  // a graph.Reach
+      succ = THPObjectPtr(PyObject_GetAttr(reach, s_succ));
+      leaf_edges = THPObjectPtr(PyObject_GetAttr(reach, s_leaf_edges));
+      recv_edges = THPObjectPtr(PyObject_GetAttr(reach, s_recv_edges));
+      recv_nodes = THPObjectPtr(PyObject_GetAttr(reach, s_recv_nodes));
+    }
     if (!succ || !leaf_edges || !recv_edges || !recv_nodes) return nullptr;
     if (!PyDict_Check(succ.get()) || !PyAnySet_Check(leaf_edges.get()) ||
         !PyAnySet_Check(recv_edges.get()) || !PyAnySet_Check(recv_nodes.get())) {
@@ -874,6 +883,16 @@ PyMethodDef plan_module_methods[] = {
 
 PyObject* mpidag::compact_grads(PyObject* module, PyObject* const* args, Py_ssize_t nargs) {
   return ::compact_grads(module, args, nargs);
+}
+
+bool mpidag::is_disjoint_plan(PyObject* obj) { return Py_TYPE(obj) == &plan_type; }
+
+void mpidag::plan_share_sources(PyObject* plan, PyObject* source_of) {
+  Py_XSETREF(reinterpret_cast<DisjointPlan*>(plan)->source_of, Py_NewRef(source_of));
+}
+
+PyObject* mpidag::plan_recv_mask(PyObject* plan) {
+  return reinterpret_cast<DisjointPlan*>(plan)->recv_mask;
 }
 
 int mpidag::add_disjoint_plan(PyObject* module) {
