@@ -8,6 +8,7 @@ in-process and under MPI (tests/contract/harness.py).
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -757,12 +758,10 @@ def test_remote_sparse_embedding_bag_gradient_matches_local(world):
     del remote_embedding, res
 
 
-def test_a_pass_of_a_compiled_context_runs_in_cpp_and_ends_with_nothing_counted(
-        world, monkeypatch):
-    """Where the C++ records module is built, a pass's state is ``NativePassState`` (its
-    event loop and counts in C++, ``_mpidag_torch.PassCore``), else ``PassState``; either
-    way every call it made was answered, every notification it was handed was processed,
-    and the gradients are local autograd's (the design document's example, both ways)."""
+@pytest.fixture
+def made_passes(monkeypatch) -> Iterator[list]:
+    """Every pass state the engine makes while the test runs (every rank's in-process);
+    emptied at the test's end, so the world's leak check finds none of them alive."""
     from mpidag.dist_autograd import engine
 
     made: list[engine.PassState] = []
@@ -777,19 +776,70 @@ def test_a_pass_of_a_compiled_context_runs_in_cpp_and_ends_with_nothing_counted(
         return make
 
     monkeypatch.setattr(engine, "_pass_state", recorded)
+    yield made
+    made.clear()
+
+
+def test_a_pass_of_a_compiled_context_runs_in_cpp_and_ends_with_nothing_counted(
+        world, made_passes):
+    """Where the C++ records module is built, a pass's state is ``NativePassState`` (its
+    event loop and counts in C++, ``_mpidag_torch.PassCore``), else ``PassState``; either
+    way every call it made was answered, every notification it was handed was processed,
+    and the gradients are local autograd's (the design document's example, both ways)."""
+    from mpidag.dist_autograd import engine
+
     t1, t2, t4 = _seeded(world.rank, (3, 3), (3, 3), (3, 3))
     with dist_autograd.context() as context_id:
         native = dist_autograd._current_context().container.native is not None
         t3 = rpc.rpc_sync(world.next, af.my_add, args=(t1, t2))
         dist_autograd.backward(context_id, [torch.mul(t3, t4).sum()])
         grads = dist_autograd.get_gradients(context_id)
+        mine = [s for s in list(made_passes) if s.agent.rank == world.rank and s.root]
     expected = torch.autograd.grad((af.my_add(t1, t2) * t4).sum(), [t1, t2, t4])
     for t, e in zip([t1, t2, t4], expected, strict=True):
         close(grads[t], e)
-    mine = [s for s in list(made) if s.agent.rank == world.rank and s.root]
     assert len(mine) == 1
     (state,) = mine
     want = engine.NativePassState if native and engine.NativePassState else engine.PassState
     assert type(state) is want
     assert (state.deficit, state.handed_over, state.handed_to_me, state.parent,
             state.running, state.errors) == (0, 0, 0, None, False, [])
+
+
+@pytest.mark.parametrize("shape", ["disjoint", "shared"])
+def test_a_pass_names_its_sources_and_picks_its_plan_as_pythons_make_plan_does(
+        world, made_passes, shape):
+    """A pass's sources (the roots, then every send function of the context, in order),
+    their ids and its plan are those of ``PassState._make_plan`` whichever class made
+    them (``NativePassState``'s is C++): a C++ ``DisjointPlan`` where each source reaches
+    its own nodes (leaves may be shared: they accumulate), a ``graph.Plan`` where two send
+    functions reach one ``t1 * 3`` node; every recv function of the context is reached,
+    and the gradients are local autograd's."""
+    from mpidag.dist_autograd import graph
+
+    def forward(t1, t2, t4):  # noqa: ANN001, ANN202
+        h1 = t1 * 3
+        h2 = h1 if shape == "shared" else t1 * 3
+        return (t1, t2, t4), (h1, t2), (h2, t4)
+
+    t1, t2, t4 = _seeded(world.rank, (3, 3), (3, 3), (3, 3))
+    with dist_autograd.context() as context_id:
+        ctx = dist_autograd._current_context()
+        _, first, second = forward(t1, t2, t4)
+        t3 = rpc.rpc_sync(world.next, af.my_add, args=first)
+        t5 = rpc.rpc_sync(world.next, af.my_add, args=second)
+        dist_autograd.backward(context_id, [(t3 * t5).sum()])
+        grads = dist_autograd.get_gradients(context_id)
+        (state,) = [s for s in list(made_passes) if s.agent.rank == world.rank and s.root]
+        sends = list(ctx.sends.values())
+        assert state.source_send == [None, *sends]
+        assert state.source_of == {send.message_id: i + 1 for i, send in enumerate(sends)}
+        assert state.plan.n_sources == 1 + len(sends) == 3
+        native = ctx.container.native is not None
+        assert (type(state.plan) is graph.Plan) == (shape == "shared" or not native)
+        assert state._unreached_records() == []
+        assert set(state._recv_nodes()) == set(ctx.recvs)
+    leaves, first, second = forward(*(t.detach().requires_grad_() for t in (t1, t2, t4)))
+    expected = torch.autograd.grad((af.my_add(*first) * af.my_add(*second)).sum(), leaves)
+    for t, e in zip([t1, t2, t4], expected, strict=True):
+        close(grads[t], e)
