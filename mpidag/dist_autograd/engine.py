@@ -570,9 +570,9 @@ class PassState:
         """The plan of ``sources`` (:attr:`source_of` and :attr:`source_send` already
         name them), its DDP modules, and SMART mode's answers for the recv functions no
         source reaches. ``disjoint`` false: the C++ ``disjoint_plan`` already said no."""
-        ddp_possible = _ddp_index.possible()
-        self.plan = make_plan(sources, RECV_NODE_TYPES, reaches,
-                              watch=_ddp_index.watch if ddp_possible else None,
+        watch = _ddp_watch()
+        ddp_possible = watch is not None
+        self.plan = make_plan(sources, RECV_NODE_TYPES, reaches, watch=watch,
                               native=self.ctx.container.native, disjoint=disjoint)
         if type(self.plan) is not Plan:  # native's DisjointPlan: one C++ call an event
             self.plan.name_sources([None if send is None else send.message_id
@@ -759,7 +759,19 @@ def _disjoint_terms() -> tuple[Any, bool] | None:
         >>> _disjoint_terms()
         (None, True)
     """
-    return disjoint_terms(_ddp_index.watch if _ddp_index.possible() else None)
+    return disjoint_terms(_ddp_watch())
+
+
+def _ddp_watch() -> Any:
+    """DDP's watch of a plan's leaves (:meth:`_DDPIndex.watch`) where a process group
+    exists, else ``None`` (no DDP module can average anything: nothing to watch).
+
+    Example::
+
+        >>> _ddp_watch() is None  # (no process group here)
+        True
+    """
+    return _ddp_index.watch if _ddp_index.possible() else None
 
 
 #: the C++ base of :class:`NativePassState` (None: the C++ records module is not built)

@@ -610,14 +610,14 @@ def make_plan(sources: list[list[GradientEdge | None]], recv_types: type | froze
         tensor([3., 3.])
     """
     kinds = _type_set(recv_types)
-    if disjoint and native is not None and not _suppressed and sources:
+    terms = disjoint_terms(watch) if disjoint and native is not None and sources else None
+    if terms is not None:
         known = list(reaches) if reaches is not None else [None] * len(sources)
         known = [reach if reach is not None else Reach(edges, kinds, native)
                  for edges, reach in zip(sources, known, strict=True)]
         plan = native.disjoint_plan(
             sources if type(sources) is list else list(sources), known, kinds, AccumulateGrad,
-            watch, engine_grad, drop_unrun_tasks, native,
-            _autograd_log.getEffectiveLevel() > logging.DEBUG)
+            watch, engine_grad, drop_unrun_tasks, native, terms[1])
         if plan is not None:
             return plan
         reaches = known
@@ -630,7 +630,8 @@ def disjoint_terms(watch: Callable[[torch.Tensor], bool] | None
     ``(watch, direct)`` as :func:`make_plan` passes them (``direct``: torch's autograd log
     is not at DEBUG, so the plan may call torch's engine without Python), or ``None`` where
     no DisjointPlan may be made now (tensor hooks held back by a running engine call:
-    ``disjoint_plan`` would not see them). For the C++ ``PassCore._make_plan``.
+    ``disjoint_plan`` would not see them). For :func:`make_plan` and the C++
+    ``PassCore._make_plan``.
 
     Example::
 
